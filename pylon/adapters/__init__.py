@@ -1,0 +1,42 @@
+"""Backend priority adapters, registered by name. An unknown name fails at start-up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from pylon.adapters.base import (
+    NO_WRITE,
+    AdapterOptions,
+    PriorityAdapter,
+    PriorityWrite,
+)
+from pylon.adapters.dynamo import DynamoAdapter
+from pylon.adapters.passthrough import PassthroughAdapter
+from pylon.adapters.sglang import SglangAdapter
+from pylon.adapters.vllm import VllmAdapter
+
+ADAPTERS: Mapping[str, Callable[[AdapterOptions], PriorityAdapter]] = {
+    DynamoAdapter.name: DynamoAdapter,
+    VllmAdapter.name: VllmAdapter,
+    SglangAdapter.name: SglangAdapter,
+    PassthroughAdapter.name: PassthroughAdapter,
+}
+
+
+class _DisabledAdapter:
+    """`--no-derive-priority`: the kill switch. Writes nothing; the strip still applies."""
+
+    name = "disabled"
+
+    def derive(self, rank: int | None) -> PriorityWrite:
+        return NO_WRITE
+
+
+def build_adapter(backend: str, options: AdapterOptions, *, derive: bool) -> PriorityAdapter:
+    factory = ADAPTERS.get(backend)
+    if factory is None:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {sorted(ADAPTERS)}")
+    return factory(options) if derive else _DisabledAdapter()
+
+
+__all__ = ["ADAPTERS", "AdapterOptions", "PriorityAdapter", "PriorityWrite", "build_adapter"]

@@ -1,0 +1,40 @@
+"""Dynamo: priority travels in headers, which beat any body `nvext.agent_hints` in the frontend.
+
+Writes, on every non-health request, exactly once each:
+- `x-dynamo-request-priority: max(0, C - min(r, C))` (higher = more urgent, seconds of queue head
+  start in Dynamo's router queue); absent r -> 0, the least urgent.
+- `x-dynamo-request-strict-priority: 0` (no strict tier: a client must not get one).
+Body: nothing (Dynamo rejects unknown `nvext` keys, and the headers win anyway).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pylon.adapters.base import AdapterOptions, PriorityAdapter, PriorityWrite, clamp_rank
+
+PRIORITY_HEADER = b"x-dynamo-request-priority"
+STRICT_PRIORITY_HEADER = b"x-dynamo-request-strict-priority"
+
+
+class DynamoAdapter:
+    name: ClassVar[str] = "dynamo"
+
+    def __init__(self, options: AdapterOptions) -> None:
+        self._ceiling = options.ceiling
+        # Precomputed: the unconfigured case is the common one and must cost nothing.
+        self._unconfigured = self._write(0)
+
+    def derive(self, rank: int | None) -> PriorityWrite:
+        if rank is None:
+            return self._unconfigured
+        return self._write(max(0, self._ceiling - clamp_rank(rank, self._ceiling)))
+
+    @staticmethod
+    def _write(value: int) -> PriorityWrite:
+        return PriorityWrite(
+            headers=((PRIORITY_HEADER, str(value).encode()), (STRICT_PRIORITY_HEADER, b"0"))
+        )
+
+
+_: type[PriorityAdapter] = DynamoAdapter

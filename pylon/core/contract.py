@@ -1,0 +1,249 @@
+"""The tunnel contract: raw request head in, one frozen `TunnelRequest` (or `HealthRequest`) out.
+
+This is the only place a tunnel header is read. It is pure: no I/O, no clock, no settings. Header
+names arrive as raw bytes in any letter case; values as raw bytes, already stripped of the
+surrounding optional whitespace by the HTTP parser (we strip again, so other transports need not).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pylon.core.errors import ContractError, ErrorCode
+
+Header = tuple[bytes, bytes]
+Headers = Sequence[Header]
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+MAX_REQUEST_ID_CHARS = 256
+MAX_MODEL_CHARS = 256
+HEALTH_PATH = b"/health"
+_OWS = b" \t"
+
+# Visible ASCII only: ids end up in logs, metrics labels and engine request ids.
+_VISIBLE_ASCII = re.compile(rb"[\x21-\x7e]+")
+# Model names may contain spaces (some catalogues do) but never controls or non-ASCII bytes.
+_PRINTABLE_ASCII = re.compile(rb"[\x20-\x7e]+")
+_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_ALLOWED_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS"})
+
+# The tunnel headers the contract reads; a repeated one is ambiguous and rejected.
+REQUEST_ID = b"x-request-id"
+MODEL = b"x-model"
+INPUT_TOKENS = b"x-input-tokens"
+PRIORITY = b"x-priority"
+ROUTING_KEY = b"x-routing-key"
+EXPECTED_QUEUE_MS = b"x-stargate-expected-queue-ms"
+TRACEPARENT = b"traceparent"
+TRACESTATE = b"tracestate"
+_CONTRACT_HEADERS = frozenset(
+    {REQUEST_ID, MODEL, INPUT_TOKENS, PRIORITY, ROUTING_KEY, EXPECTED_QUEUE_MS, TRACEPARENT}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceContext:
+    traceparent: str
+    tracestate: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TunnelRequest:
+    """A validated inference request as the gateway described it. Parsed once, never re-read."""
+
+    method: str
+    target: str  # origin-form path and query, exactly as received
+    request_id: str
+    model: str
+    input_tokens: int | None
+    priority: int | None  # u32 rank, lower = more urgent; None = unconfigured (not 0)
+    routing_key: str | None
+    expected_queue_ms: int | None
+    trace: TraceContext | None
+    headers: tuple[Header, ...]  # the raw header pairs, order, case and duplicates kept
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class HealthRequest:
+    """`GET /health`: bypasses the contract and goes to the engine's health path."""
+
+    method: str
+    target: str
+    headers: tuple[Header, ...]
+    request_id: str | None  # for logs only, when the caller sent a usable one
+
+
+def is_health_target(method: bytes, target: bytes) -> bool:
+    return method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] == HEALTH_PATH
+
+
+def parse_request(
+    method: bytes, target: bytes, headers: Headers
+) -> TunnelRequest | HealthRequest:
+    """Turn a raw request head into the one typed value the rest of pylon uses.
+
+    Raises `ContractError` carrying the request id whenever one could be read.
+    """
+    values = _collect_contract_headers(headers)
+    if is_health_target(method, target):
+        return HealthRequest(
+            method=method.decode("ascii"),
+            target=target.decode("ascii"),
+            headers=tuple(headers),
+            request_id=_optional_request_id(values),
+        )
+    request_id = _parse_request_id(values)
+    try:
+        return _parse_tunnel(method, target, headers, values, request_id)
+    except ContractError as error:
+        error.request_id = request_id
+        raise
+
+
+def _parse_tunnel(
+    method: bytes,
+    target: bytes,
+    headers: Headers,
+    values: dict[bytes, list[bytes]],
+    request_id: str,
+) -> TunnelRequest:
+    _check_method_and_target(method, target)
+    return TunnelRequest(
+        method=method.decode("ascii"),
+        target=target.decode("ascii"),
+        request_id=request_id,
+        model=_parse_model(values),
+        input_tokens=_parse_uint(values, INPUT_TOKENS, U64_MAX, ErrorCode.INVALID_INPUT_TOKENS),
+        priority=_parse_uint(values, PRIORITY, U32_MAX, ErrorCode.INVALID_PRIORITY),
+        routing_key=_parse_routing_key(values),
+        expected_queue_ms=_parse_expected_queue_ms(values),
+        trace=_parse_trace(headers, values),
+        headers=tuple(headers),
+    )
+
+
+def _collect_contract_headers(headers: Headers) -> dict[bytes, list[bytes]]:
+    values: dict[bytes, list[bytes]] = {}
+    for raw_name, raw_value in headers:
+        name = raw_name.strip(_OWS).lower()
+        if name in _CONTRACT_HEADERS:
+            values.setdefault(name, []).append(raw_value.strip(_OWS))
+    return values
+
+
+def _single(values: dict[bytes, list[bytes]], name: bytes, code: ErrorCode) -> bytes | None:
+    found = values.get(name)
+    if found is None:
+        return None
+    if len(found) > 1:
+        raise ContractError(f"{name.decode()} header must appear at most once", code=code)
+    return found[0]
+
+
+def _optional_request_id(values: dict[bytes, list[bytes]]) -> str | None:
+    try:
+        return _parse_request_id(values)
+    except ContractError:
+        return None
+
+
+def _parse_request_id(values: dict[bytes, list[bytes]]) -> str:
+    raw = _single(values, REQUEST_ID, ErrorCode.INVALID_REQUEST_ID)
+    if raw is None or not raw:
+        raise ContractError("missing required x-request-id header", code=ErrorCode.MISSING_REQUEST_ID)
+    if len(raw) > MAX_REQUEST_ID_CHARS or not _VISIBLE_ASCII.fullmatch(raw):
+        raise ContractError(
+            f"x-request-id must be 1-{MAX_REQUEST_ID_CHARS} visible ASCII characters",
+            code=ErrorCode.INVALID_REQUEST_ID,
+        )
+    return raw.decode("ascii")
+
+
+def _parse_model(values: dict[bytes, list[bytes]]) -> str:
+    raw = _single(values, MODEL, ErrorCode.INVALID_MODEL)
+    if raw is None or not raw:
+        raise ContractError("missing required x-model header", code=ErrorCode.MISSING_MODEL)
+    if len(raw) > MAX_MODEL_CHARS or not _PRINTABLE_ASCII.fullmatch(raw):
+        raise ContractError(
+            f"x-model must be 1-{MAX_MODEL_CHARS} printable ASCII characters",
+            code=ErrorCode.INVALID_MODEL,
+        )
+    return raw.decode("ascii")
+
+
+def parse_uint(raw: bytes, maximum: int) -> int | None:
+    """Strict unsigned decimal: ASCII digits only (no sign, no '_', no Unicode digits)."""
+    if not raw or len(raw) > 20 or not raw.isdigit():
+        return None
+    value = int(raw)
+    return value if value <= maximum else None
+
+
+def _parse_uint(
+    values: dict[bytes, list[bytes]], name: bytes, maximum: int, code: ErrorCode
+) -> int | None:
+    raw = _single(values, name, code)
+    if raw is None:
+        return None
+    value = parse_uint(raw, maximum)
+    if value is None:
+        raise ContractError(
+            f"invalid {name.decode()} header: expected an unsigned integer <= {maximum}", code=code
+        )
+    return value
+
+
+def _parse_routing_key(values: dict[bytes, list[bytes]]) -> str | None:
+    raw = _single(values, ROUTING_KEY, ErrorCode.MALFORMED_REQUEST)
+    if not raw:
+        return None
+    if not _PRINTABLE_ASCII.fullmatch(raw):
+        raise ContractError("x-routing-key must be printable ASCII", code=ErrorCode.MALFORMED_REQUEST)
+    return raw.decode("ascii")
+
+
+def _parse_expected_queue_ms(values: dict[bytes, list[bytes]]) -> int | None:
+    # An estimate, not an instruction: anything unusable means "no estimate".
+    found = values.get(EXPECTED_QUEUE_MS)
+    if not found or len(found) > 1:
+        return None
+    return parse_uint(found[0], U64_MAX)
+
+
+def _parse_trace(headers: Headers, values: dict[bytes, list[bytes]]) -> TraceContext | None:
+    # W3C trace context: an invalid traceparent means "start a new trace", never a 400, and a
+    # tracestate without a valid traceparent must be ignored.
+    found = values.get(TRACEPARENT)
+    if not found or len(found) > 1:
+        return None
+    match = _TRACEPARENT.fullmatch(found[0])
+    if match is None or match.group(1) == b"ff":
+        return None
+    if match.group(2) == b"0" * 32 or match.group(3) == b"0" * 16:
+        return None
+    states = [
+        value.strip(_OWS)
+        for name, value in headers
+        if name.strip(_OWS).lower() == TRACESTATE and value.strip(_OWS)
+    ]
+    # Repeated tracestate headers are one list, joined with commas (W3C 3.3.1.1).
+    tracestate = b",".join(states).decode("ascii", "replace") if states else None
+    return TraceContext(traceparent=found[0].decode("ascii"), tracestate=tracestate)
+
+
+def _check_method_and_target(method: bytes, target: bytes) -> None:
+    if method not in _ALLOWED_METHODS:
+        raise ContractError(
+            f"method {method.decode('ascii', 'replace')} is not supported",
+            code=ErrorCode.MALFORMED_REQUEST,
+        )
+    # Only origin-form: an absolute-form or authority target would let a client pick the host.
+    if not target.startswith(b"/") or target.startswith(b"//") or not _VISIBLE_ASCII.fullmatch(target):
+        raise ContractError("request target must be an origin-form path", code=ErrorCode.MALFORMED_REQUEST)

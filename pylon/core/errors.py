@@ -1,0 +1,141 @@
+"""One error taxonomy, mapped once to an HTTP status and an RFC 9457 problem body.
+
+    PylonError
+    ├── ClientError          the request is at fault (4xx); nothing reached the engine
+    │   ├── ContractError    a tunnel header is missing or malformed
+    │   ├── BodyError        the body is not what the route needs
+    │   └── LimitError       a size limit was exceeded
+    └── UpstreamError        the engine could not be used (5xx)
+
+Every error carries an `ErrorCode`; `ErrorCode.status` is the single place that turns a code into
+an HTTP status, and `problem_body` the single place that renders the body.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import ClassVar
+
+import orjson
+
+
+class ErrorCode(StrEnum):
+    MISSING_REQUEST_ID = "missing_request_id"
+    INVALID_REQUEST_ID = "invalid_request_id"
+    MISSING_MODEL = "missing_model"
+    INVALID_MODEL = "invalid_model"
+    INVALID_INPUT_TOKENS = "invalid_input_tokens"
+    INVALID_PRIORITY = "invalid_priority"
+    INVALID_TRACEPARENT = "invalid_traceparent"
+    MALFORMED_REQUEST = "malformed_request"
+    BODY_NOT_JSON_OBJECT = "body_not_json_object"
+    BODY_TOO_LARGE = "body_too_large"
+    HEADERS_TOO_LARGE = "headers_too_large"
+    UNAUTHORIZED = "unauthorized"
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_PROTOCOL_ERROR = "upstream_protocol_error"
+    SHUTTING_DOWN = "shutting_down"
+
+    @property
+    def status(self) -> int:
+        return _STATUS[self]
+
+    @property
+    def title(self) -> str:
+        return _TITLES[self]
+
+
+_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.MISSING_REQUEST_ID: 400,
+    ErrorCode.INVALID_REQUEST_ID: 400,
+    ErrorCode.MISSING_MODEL: 400,
+    ErrorCode.INVALID_MODEL: 400,
+    ErrorCode.INVALID_INPUT_TOKENS: 400,
+    ErrorCode.INVALID_PRIORITY: 400,
+    ErrorCode.INVALID_TRACEPARENT: 400,
+    ErrorCode.MALFORMED_REQUEST: 400,
+    ErrorCode.BODY_NOT_JSON_OBJECT: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
+    ErrorCode.UPSTREAM_PROTOCOL_ERROR: 502,
+    ErrorCode.UPSTREAM_UNAVAILABLE: 503,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.UPSTREAM_TIMEOUT: 504,
+}
+
+_TITLES: dict[ErrorCode, str] = {
+    ErrorCode.MISSING_REQUEST_ID: "Missing x-request-id",
+    ErrorCode.INVALID_REQUEST_ID: "Invalid x-request-id",
+    ErrorCode.MISSING_MODEL: "Missing x-model",
+    ErrorCode.INVALID_MODEL: "Invalid x-model",
+    ErrorCode.INVALID_INPUT_TOKENS: "Invalid x-input-tokens",
+    ErrorCode.INVALID_PRIORITY: "Invalid x-priority",
+    ErrorCode.INVALID_TRACEPARENT: "Invalid traceparent",
+    ErrorCode.MALFORMED_REQUEST: "Malformed request",
+    ErrorCode.BODY_NOT_JSON_OBJECT: "Body is not a JSON object",
+    ErrorCode.UNAUTHORIZED: "Unauthorized",
+    ErrorCode.BODY_TOO_LARGE: "Request body too large",
+    ErrorCode.HEADERS_TOO_LARGE: "Request header fields too large",
+    ErrorCode.UPSTREAM_PROTOCOL_ERROR: "Bad response from the engine",
+    ErrorCode.UPSTREAM_UNAVAILABLE: "Engine unavailable",
+    ErrorCode.SHUTTING_DOWN: "Shutting down",
+    ErrorCode.UPSTREAM_TIMEOUT: "Engine timed out",
+}
+
+PROBLEM_TYPE_BASE = "https://pylon.dev/problems/"
+PROBLEM_CONTENT_TYPE = b"application/problem+json"
+
+
+class PylonError(Exception):
+    """Base of every error pylon answers with its own problem response."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.MALFORMED_REQUEST
+
+    def __init__(
+        self, detail: str, *, code: ErrorCode | None = None, request_id: str | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.request_id = request_id
+        if code is not None:
+            self.code = code  # type: ignore[misc]  # instance override of the class default
+
+    @property
+    def status(self) -> int:
+        return self.code.status
+
+
+class ClientError(PylonError):
+    """The request is at fault; it never reaches the engine."""
+
+
+class ContractError(ClientError):
+    """A tunnel header is missing or malformed."""
+
+
+class BodyError(ClientError):
+    code = ErrorCode.BODY_NOT_JSON_OBJECT
+
+
+class LimitError(ClientError):
+    code = ErrorCode.BODY_TOO_LARGE
+
+
+class UpstreamError(PylonError):
+    code = ErrorCode.UPSTREAM_UNAVAILABLE
+
+
+def problem_body(error: PylonError, request_id: str | None) -> bytes:
+    """RFC 9457 body; `code` and `request_id` are extension members for machines and humans."""
+    problem: dict[str, object] = {
+        "type": PROBLEM_TYPE_BASE + error.code.value,
+        "title": error.code.title,
+        "status": error.status,
+        "detail": error.detail,
+        "code": error.code.value,
+    }
+    if request_id is not None:
+        problem["request_id"] = request_id
+    return orjson.dumps(problem)

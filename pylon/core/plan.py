@@ -1,0 +1,154 @@
+"""From a validated request and its body to a `ForwardPlan`: contract -> sanitize -> adapt.
+
+Pure: the I/O layer hands in bytes and gets back exactly what to send to the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from pylon.adapters import PriorityAdapter, PriorityWrite
+from pylon.core.contract import Header, HealthRequest, TunnelRequest
+from pylon.core.errors import BodyError, ErrorCode
+from pylon.core.sanitize import sanitize_body, sanitize_request_headers
+
+_BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+# Routes whose engines read a body `priority`; elsewhere a body field would be an unknown key.
+BODY_PRIORITY_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/generate",
+        "/inference/v1/generate",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardPlan:
+    """Exactly what goes to the engine. `host` and `content-length` are added by the transport."""
+
+    method: str
+    target: str
+    headers: tuple[Header, ...]
+    body: bytes
+    request_id: str | None
+    model: str | None
+    stream_requested: bool
+    stripped: tuple[str, ...]  # header names and body paths removed (names only, never values)
+    priority: PriorityWrite
+
+
+class Planner:
+    def __init__(self, adapter: PriorityAdapter) -> None:
+        self._adapter = adapter
+
+    def plan(self, request: TunnelRequest, body: bytes) -> ForwardPlan:
+        sanitized = sanitize_request_headers(request.headers)
+        write = self._adapter.derive(request.priority)
+        new_body, body_stripped, stream = self._rewrite_body(request, body, write)
+        headers: list[Header] = [(b"x-request-id", request.request_id.encode("ascii"))]
+        if request.trace is not None:
+            headers.append((b"traceparent", request.trace.traceparent.encode("ascii")))
+            if request.trace.tracestate is not None:
+                headers.append((b"tracestate", request.trace.tracestate.encode("ascii")))
+        headers.extend(sanitized.headers)
+        headers.extend(write.headers)
+        return ForwardPlan(
+            method=request.method,
+            target=request.target,
+            headers=tuple(headers),
+            body=new_body,
+            request_id=request.request_id,
+            model=request.model,
+            stream_requested=stream,
+            stripped=sanitized.stripped + body_stripped,
+            priority=write,
+        )
+
+    def plan_health(self, request: HealthRequest) -> ForwardPlan:
+        sanitized = sanitize_request_headers(request.headers)
+        headers: tuple[Header, ...] = sanitized.headers
+        if request.request_id is not None:
+            headers = ((b"x-request-id", request.request_id.encode("ascii")), *headers)
+        return ForwardPlan(
+            method=request.method,
+            target=request.target,
+            headers=headers,
+            body=b"",
+            request_id=request.request_id,
+            model=None,
+            stream_requested=False,
+            stripped=sanitized.stripped,
+            priority=PriorityWrite(),
+        )
+
+    def _rewrite_body(
+        self, request: TunnelRequest, body: bytes, write: PriorityWrite
+    ) -> tuple[bytes, tuple[str, ...], bool]:
+        if not body and request.method in _BODYLESS_METHODS:
+            return body, (), False
+        parsed = parse_json_object(body)
+        sanitized = sanitize_body(parsed)
+        stream = parsed.get("stream") is True
+        priority = write.body_priority if request.path in BODY_PRIORITY_PATHS else None
+        if not sanitized.changed:
+            # The common case: forward the client's own bytes, at most with pylon's priority
+            # appended, so no value is ever re-encoded.
+            if priority is None:
+                return body, (), stream
+            return append_member(body, "priority", priority), (), stream
+        return rewrite_exactly(body, priority), sanitized.stripped, stream
+
+
+def append_member(body: bytes, key: str, value: int) -> bytes:
+    """Add `"key": value` to a JSON object the caller knows has no such key."""
+    end = body.rstrip(b" \t\r\n")
+    assert end.endswith(b"}"), "caller passes a validated JSON object"
+    member = orjson.dumps(key) + b":" + str(value).encode("ascii")
+    inner = end[:-1].rstrip(b" \t\r\n")
+    separator = b"" if inner.endswith(b"{") else b","
+    return inner + separator + member + b"}"
+
+
+def rewrite_exactly(body: bytes, priority: int | None) -> bytes:
+    """Re-encode a body that lost fields, losing nothing else.
+
+    orjson turns integers beyond 64 bits into floats; the standard library keeps every number
+    exactly, so this rarer path uses it. orjson has already validated the document.
+    """
+    exact = sanitize_body(json.loads(body)).body
+    if priority is not None:
+        exact["priority"] = priority
+    return json.dumps(exact, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise BodyError("request body must be a JSON object; it is empty")
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BodyError(f"request body is not valid JSON: {exc.msg}") from exc
+    if not isinstance(parsed, dict):
+        raise BodyError(f"request body must be a JSON object, not {_json_kind(parsed)}")
+    nvext = parsed.get("nvext")
+    if nvext is not None and not isinstance(nvext, dict):
+        raise BodyError("nvext must be a JSON object", code=ErrorCode.BODY_NOT_JSON_OBJECT)
+    return parsed
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None:
+        return "null"
+    return "a scalar"

@@ -1,0 +1,241 @@
+"""The strip: pylon is the only writer of what steers the engine.
+
+Pure functions. Every name below is removed case-insensitively, every duplicate, whatever the
+surrounding whitespace. There is deliberately no switch to turn this off. The same tables are
+rendered in docs/api-contract.md; `tests/test_docs.py` keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pylon.core.contract import Header
+
+_OWS = b" \t"
+
+# RFC 9110 7.6.1 hop-by-hop fields, plus the RFC 2616 ones proxies still see.
+HOP_BY_HOP: frozenset[bytes] = frozenset(
+    {
+        b"connection",
+        b"proxy-connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+        b"proxy-authenticate",
+    }
+)
+
+# Written by pylon itself on the way to the engine, exactly once each (see plan.py).
+PYLON_OWNED_REQUEST_HEADERS: frozenset[bytes] = frozenset(
+    {b"host", b"content-length", b"x-request-id", b"traceparent", b"tracestate"}
+)
+
+# Client routing, priority, tenant and session controls: (name, who reads it).
+DENIED_REQUEST_HEADERS: Mapping[bytes, str] = {
+    # Dynamo aliases of the x-dynamo-* pins (dynamo-contract 1a)
+    b"x-worker-instance-id": "dynamo: decode/backend worker pin",
+    b"x-prefill-instance-id": "dynamo: prefill worker pin",
+    b"x-dp-rank": "dynamo: decode DP-rank pin",
+    b"x-data-parallel-rank": "dynamo, vllm, sglang: DP-rank pin",
+    b"x-prefill-dp-rank": "dynamo: prefill DP-rank pin",
+    # Tenant / cache namespace (dynamo-contract 1b)
+    b"x-tenant-id": "dynamo: becomes nvext.cache_salt (KV cache namespace)",
+    # Session and agent identity (dynamo-contract 1c; vLLM X-Session-ID)
+    b"x-claude-code-session-id": "dynamo: session affinity",
+    b"x-claude-code-agent-id": "dynamo: session affinity",
+    b"x-claude-code-parent-agent-id": "dynamo: session affinity",
+    b"thread-id": "dynamo: session affinity (Codex)",
+    b"x-codex-parent-thread-id": "dynamo: session affinity (Codex)",
+    b"x-codex-turn-metadata": "dynamo: session affinity (Codex)",
+    b"x-session-id": "dynamo, vllm: session affinity",
+    b"x-parent-session-id": "dynamo: session affinity",
+    b"x-deepseek-harness-session-id": "dynamo: session affinity",
+    b"x-deepseek-harness-parent-session-id": "dynamo: session affinity",
+    b"x-deepseek-harness-compact": "dynamo: session affinity",
+    # Legacy EPP / body-transformer sidecars (dynamo-contract 1d)
+    b"x-enable-local-updates": "legacy EPP sidecar",
+    b"x-prefiller-host-port": "legacy EPP sidecar: prefill target",
+    # vLLM
+    b"x-vllm-priority": "vllm: overrides body priority",
+    # llm-d / Gateway API Inference Extension
+    b"x-gateway-inference-objective": "llm-d EPP: priority via InferenceObjective",
+    # Raw-QUIC tunnel framing; never meaningful to an engine
+    b"x-method": "tunnel framing",
+    b"x-path": "tunnel framing",
+}
+
+# Whole families, matched by prefix: (prefix, who reads it).
+DENIED_REQUEST_HEADER_PREFIXES: tuple[tuple[bytes, str], ...] = (
+    (b"x-dynamo-", "dynamo: pins, priority, session, metadata, routing mode"),
+    (b"x-stargate-", "gateway-to-pylon metadata; never forwarded to an engine"),
+    (b"x-epp-", "legacy EPP sidecar injection"),
+    (b"x-gateway-destination-endpoint", "GAIE endpoint picker destination"),
+    (b"x-override-", "sglang: request overrides (rid, priority, bootstrap, DP rank)"),
+    (b"x-smg-", "sglang model gateway: routing key, priority class"),
+)
+
+# Response headers an engine may not set toward the gateway.
+DENIED_RESPONSE_HEADER_PREFIXES: tuple[bytes, ...] = (b"x-stargate-",)
+
+# Body fields: top-level keys, then keys inside `nvext`, then nested (parent, key) pairs.
+DENIED_BODY_FIELDS: Mapping[str, str] = {
+    "priority": "vllm, sglang: engine priority (pylon writes its own)",
+    "cache_salt": "vllm, sglang, dynamo (legacy): KV cache namespace",
+    "data_parallel_rank": "vllm, sglang: DP-rank pin",
+    "routed_dp_rank": "sglang: DP-rank pin",
+    "disagg_prefill_dp_rank": "sglang: prefill DP-rank pin",
+    "bootstrap_host": "sglang: PD bootstrap target",
+    "bootstrap_port": "sglang: PD bootstrap target",
+    "bootstrap_room": "sglang: PD bootstrap room (duplicates crash schedulers)",
+    "rid": "sglang: request id (duplicates block other clients)",
+    "routing_key": "sglang: routing-key policy",
+    "extra_key": "sglang: prefix-cache namespace",
+    "kv_transfer_params": "vllm: P/D connector directives",
+    "ec_transfer_params": "vllm: encoder-cache transfer directives",
+    "session_id": "vllm: session affinity",
+    "session_params": "sglang: session continuation",
+    "conversation_id": "sglang: conversation affinity",
+}
+
+DENIED_NVEXT_FIELDS: Mapping[str, str] = {
+    "backend_instance_id": "worker pin",
+    "prefill_worker_id": "prefill worker pin",
+    "decode_worker_id": "decode worker pin",
+    "dp_rank": "DP-rank pin",
+    "prefill_dp_rank": "prefill DP-rank pin",
+    "token_data": "pre-tokenized prompt (skips tokenization, client-chosen routing hashes)",
+    "agent_hints": "priority, strict priority, latency sensitivity, osl, speculative prefill",
+    "annotations": "out-of-band disclosure and disagg behaviour",
+    "extra_fields": "response disclosure of worker ids and timing",
+    "metadata_upload": "egress to a client-chosen URL",
+    "request_timestamp_ms": "client-asserted time",
+    "routing_constraints": "worker filter and score",
+    "router": "router SLO parameters",
+    "agent_context": "session / agent identity",
+    "cache_salt": "KV cache namespace",
+}
+
+DENIED_NESTED_FIELDS: Mapping[tuple[str, str], str] = {
+    ("vllm_xargs", "session_id"): "vllm: session affinity through extension args",
+}
+
+
+def header_denied_reason(name: bytes) -> str | None:
+    """Why a (normalised, lower-case) request header may not reach the engine, or None."""
+    if name in HOP_BY_HOP:
+        return "hop-by-hop"
+    reason = DENIED_REQUEST_HEADERS.get(name)
+    if reason is not None:
+        return reason
+    for prefix, prefix_reason in DENIED_REQUEST_HEADER_PREFIXES:
+        if name.startswith(prefix):
+            return prefix_reason
+    return None
+
+
+def _connection_tokens(headers: Sequence[Header]) -> frozenset[bytes]:
+    # Names listed in Connection are hop-by-hop for this message (RFC 9110 7.6.1).
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name.strip(_OWS).lower() == b"connection":
+            tokens.update(t.strip(_OWS).lower() for t in value.split(b","))
+    tokens.discard(b"")
+    return frozenset(tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class SanitizedHeaders:
+    headers: tuple[Header, ...]
+    stripped: tuple[str, ...]  # lower-case names removed by policy (pylon-owned ones excluded)
+
+
+def sanitize_request_headers(headers: Sequence[Header]) -> SanitizedHeaders:
+    """Drop every denied, hop-by-hop and pylon-owned header; keep the rest in order, unchanged."""
+    listed = _connection_tokens(headers)
+    kept: list[Header] = []
+    stripped: list[str] = []
+    for raw_name, value in headers:
+        name = raw_name.strip(_OWS).lower()
+        if name in PYLON_OWNED_REQUEST_HEADERS:
+            continue
+        if name in listed or header_denied_reason(name) is not None:
+            stripped.append(name.decode("latin-1"))
+            continue
+        kept.append((raw_name, value))
+    return SanitizedHeaders(tuple(kept), tuple(stripped))
+
+
+def sanitize_response_headers(
+    headers: Sequence[Header], extra_denied: frozenset[bytes] = frozenset()
+) -> list[Header]:
+    """Engine -> gateway: drop hop-by-hop, framing and any retry metadata the engine made up."""
+    listed = _connection_tokens(headers)
+    kept: list[Header] = []
+    for raw_name, value in headers:
+        name = raw_name.strip(_OWS).lower()
+        if (
+            name in HOP_BY_HOP
+            or name in listed
+            or name == b"content-length"
+            or name in extra_denied
+            or name.startswith(DENIED_RESPONSE_HEADER_PREFIXES)
+        ):
+            continue
+        kept.append((raw_name, value))
+    return kept
+
+
+@dataclass(frozen=True, slots=True)
+class SanitizedBody:
+    body: dict[str, Any]
+    stripped: tuple[str, ...]  # dotted paths removed, e.g. "nvext.backend_instance_id"
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.stripped)
+
+
+def sanitize_body(body: Mapping[str, Any]) -> SanitizedBody:
+    """Remove client routing and scheduling controls from a parsed JSON object body.
+
+    Returns a new dict (the input is not mutated). `nvext` stays an object while other keys
+    remain; emptied by the strip, it is removed, since pylon never adds an `nvext` key itself.
+    """
+    stripped: list[str] = []
+    result: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in DENIED_BODY_FIELDS:
+            stripped.append(key)
+        elif key == "nvext" and isinstance(value, dict):
+            nvext = _strip_keys(value, DENIED_NVEXT_FIELDS, "nvext", stripped)
+            if nvext or not value:
+                result[key] = nvext
+        else:
+            result[key] = _strip_nested(key, value, stripped)
+    return SanitizedBody(result, tuple(stripped))
+
+
+def _strip_keys(
+    obj: Mapping[str, Any], denied: Mapping[str, str], parent: str, stripped: list[str]
+) -> dict[str, Any]:
+    kept: dict[str, Any] = {}
+    for key, value in obj.items():
+        if key in denied:
+            stripped.append(f"{parent}.{key}")
+        else:
+            kept[key] = value
+    return kept
+
+
+def _strip_nested(parent: str, value: Any, stripped: list[str]) -> Any:
+    if not isinstance(value, dict):
+        return value
+    denied = {child: why for (p, child), why in DENIED_NESTED_FIELDS.items() if p == parent}
+    if not denied or not any(key in value for key in denied):
+        return value
+    return _strip_keys(value, denied, parent, stripped)
