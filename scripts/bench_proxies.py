@@ -1,0 +1,377 @@
+"""Side-by-side reverse-proxy benchmark: direct vs pylon vs nginx vs Envoy.
+
+For every (upstream, mode) the upstream is started once, then each proxy is
+started in front of it (one worker / one process each), probed for a correct
+response, warmed up and measured with ``wrk -t1 -c32`` for a fixed duration.
+The proxy's CPU (utime+stime of the process, all its threads and children,
+from /proc) is sampled around the measured run and reported per request and
+per relayed SSE token.
+
+    .venv/bin/python scripts/bench_proxies.py --json-out bench.json
+    .venv/bin/python scripts/bench_proxies.py --quick --proxies nginx,envoy
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+
+from loadgen import WrkResult, probe, run_wrk
+from procs import ProcessGroup, cpu_seconds, free_port, start_listening, wait_port
+from proxies import SPEC_BUILDERS, envoy_bin, nginx_bin
+
+TOKENS_PER_STREAM = 20
+ALL_PROXIES = ("direct", "pylon", "nginx", "envoy")
+ALL_UPSTREAMS = ("canned", "mock")
+
+
+@dataclass(frozen=True)
+class Mode:
+    key: str
+    label: str
+    stream: bool
+    paced: bool
+
+
+MODES = {
+    "nonstream": Mode("nonstream", "non-stream 1KB", stream=False, paced=False),
+    "stream": Mode("stream", "stream 20 SSE", stream=True, paced=False),
+    "stream-paced": Mode("stream-paced", "stream 20 SSE paced", stream=True, paced=True),
+}
+
+
+@dataclass
+class Row:
+    upstream: str
+    mode: str
+    proxy: str
+    status: str = "ok"
+    rps: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    requests: int | None = None
+    proxy_cpu_s: float | None = None
+    proxy_cpu_us_per_req: float | None = None
+    proxy_cpu_us_per_token: float | None = None
+    upstream_cpu_us_per_req: float | None = None
+    loadgen_cpu_us_per_req: float | None = None
+    sse_events_probe: int | None = None
+    errors: dict[str, int] = field(default_factory=dict)
+    vs_envoy: float | None = None
+    vs_nginx: float | None = None
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    group: ProcessGroup
+    workdir: Path
+
+
+# ---------------------------------------------------------------- upstreams
+
+
+def mock_available() -> bool:
+    try:
+        return importlib.util.find_spec("mock_dynamo.cli") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def upstream_argv(name: str, pace_ms: float) -> list[str]:
+    if name == "canned":
+        script = Path(__file__).resolve().parent / "bench" / "canned_upstream.py"
+        return [sys.executable, str(script), "--port", "0", "--pace-ms", f"{pace_ms:g}"]
+    mock = Path(sys.executable).parent / "mock-dynamo"
+    return [
+        str(mock),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--flavor",
+        "dynamo",
+        "--model",
+        "mock-model",
+        "--num-tokens",
+        str(TOKENS_PER_STREAM),
+        "--token-delay-ms",
+        f"{pace_ms:g}",
+    ]
+
+
+# ---------------------------------------------------------------- one row
+
+
+def start_proxy(
+    ctx: Ctx, proxy: str, up_port: int, rowdir: Path
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """Start a proxy in front of up_port; return (listen port, process)."""
+    port = free_port()
+    spec = SPEC_BUILDERS[proxy](port, up_port, rowdir)
+    proc = ctx.group.start(spec.argv, rowdir / f"{proxy}.log")
+    try:
+        wait_port(proc, port, spec.startup_timeout_s)
+    except RuntimeError as exc:
+        ctx.group.stop(proc)
+        log = (rowdir / f"{proxy}.log").read_text(errors="replace").strip()
+        raise RuntimeError(f"{exc}; log tail: {log[-400:]}") from exc
+    return port, proc
+
+
+def measure(ctx: Ctx, row: Row, mode: Mode, port: int, pids: tuple[int, int]) -> None:
+    proxy_pid, up_pid = pids
+    events = probe(port, mode.stream)
+    row.sse_events_probe = events if mode.stream else None
+    if ctx.args.warmup > 0:
+        run_wrk(port, mode.stream, ctx.args.warmup, ctx.args.connections)
+    p0, u0 = cpu_seconds(proxy_pid), cpu_seconds(up_pid)
+    res = run_wrk(port, mode.stream, ctx.args.duration, ctx.args.connections)
+    p1, u1 = cpu_seconds(proxy_pid), cpu_seconds(up_pid)
+    fill_row(row, mode, res, p1 - p0, u1 - u0)
+
+
+def fill_row(row: Row, mode: Mode, res: WrkResult, proxy_cpu: float, up_cpu: float) -> None:
+    n = max(res.requests, 1)
+    row.rps, row.p50_ms, row.p99_ms, row.requests = res.rps, res.p50_ms, res.p99_ms, res.requests
+    row.errors = res.errors
+    row.upstream_cpu_us_per_req = up_cpu * 1e6 / n
+    row.loadgen_cpu_us_per_req = res.loadgen_cpu_s * 1e6 / n
+    if row.proxy != "direct":
+        row.proxy_cpu_s = proxy_cpu
+        row.proxy_cpu_us_per_req = proxy_cpu * 1e6 / n
+        if mode.stream:
+            row.proxy_cpu_us_per_token = row.proxy_cpu_us_per_req / TOKENS_PER_STREAM
+    if res.error_count or res.requests == 0:
+        row.status = f"FAILED: {res.error_count} errors/non-2xx {res.errors}"
+
+
+def run_row(ctx: Ctx, upstream: str, mode: Mode, proxy: str, up: tuple[int, int]) -> Row:
+    up_port, up_pid = up
+    row = Row(upstream=upstream, mode=mode.label, proxy=proxy)
+    rowdir = ctx.workdir / f"{upstream}-{mode.key}-{proxy}"
+    rowdir.mkdir()
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        port = up_port
+        if proxy != "direct":
+            port, proc = start_proxy(ctx, proxy, up_port, rowdir)
+        measure(ctx, row, mode, port, (proc.pid if proc else up_pid, up_pid))
+    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:
+        row.status = f"FAILED: {exc}"
+    finally:
+        if proc is not None:
+            ctx.group.stop(proc)
+    log_row(row)
+    return row
+
+
+def log_row(row: Row) -> None:
+    if row.status != "ok":
+        print(f"!!! {row.upstream} / {row.mode} / {row.proxy}: {row.status}", file=sys.stderr)
+        return
+    print(
+        f"  {row.upstream:6} {row.mode:22} {row.proxy:6} {row.rps:9.0f} req/s  "
+        f"p50 {row.p50_ms:.2f} ms  p99 {row.p99_ms:.2f} ms  "
+        f"proxy {fmt(row.proxy_cpu_us_per_req)} us/req",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def run_upstream(ctx: Ctx, upstream: str, modes: list[Mode], proxies: list[str]) -> list[Row]:
+    rows: list[Row] = []
+    for mode in modes:
+        pace = ctx.args.pace_ms if mode.paced else 0.0
+        try:
+            proc, up_port = start_listening(ctx.group, upstream_argv(upstream, pace))
+        except (RuntimeError, OSError) as exc:
+            print(f"!!! upstream {upstream} failed to start: {exc}", file=sys.stderr)
+            rows += [
+                Row(upstream, mode.label, p, status=f"FAILED: upstream: {exc}") for p in proxies
+            ]
+            continue
+        try:
+            rows += [run_row(ctx, upstream, mode, p, (up_port, proc.pid)) for p in proxies]
+        finally:
+            ctx.group.stop(proc)
+    return rows
+
+
+def add_ratios(rows: list[Row]) -> None:
+    for row in rows:
+        ref = {
+            r.proxy: r.proxy_cpu_us_per_req
+            for r in rows
+            if r.upstream == row.upstream and r.mode == row.mode and r.status == "ok"
+        }
+        mine = row.proxy_cpu_us_per_req
+        if mine is None or row.status != "ok":
+            continue
+        if ref.get("envoy"):
+            row.vs_envoy = mine / ref["envoy"]  # type: ignore[operator]
+        if ref.get("nginx"):
+            row.vs_nginx = mine / ref["nginx"]  # type: ignore[operator]
+
+
+def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def short(status: str, limit: int = 90) -> str:
+    """One-line, pipe-free, truncated status for a table cell."""
+    text = " ".join(status.replace("|", "/").split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def markdown_table(rows: list[Row]) -> str:
+    head = (
+        "| upstream | mode | proxy | req/s | p50 ms | p99 ms | proxy CPU-us/req "
+        "| CPU-us/token | vs Envoy | vs nginx | upstream CPU-us/req |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        if r.status != "ok":
+            lines.append(f"| {r.upstream} | {r.mode} | {r.proxy} | {short(r.status)} |" + " |" * 7)
+            continue
+        lines.append(
+            f"| {r.upstream} | {r.mode} | {r.proxy} | {fmt(r.rps, '.0f')} | "
+            f"{fmt(r.p50_ms, '.2f')} | {fmt(r.p99_ms, '.2f')} | "
+            f"{fmt(r.proxy_cpu_us_per_req)} | {fmt(r.proxy_cpu_us_per_token)} | "
+            f"{fmt(r.vs_envoy, '.2f', 'x')} | {fmt(r.vs_nginx, '.2f', 'x')} | "
+            f"{fmt(r.upstream_cpu_us_per_req)} |"
+        )
+    return "\n".join(lines)
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+    text = (out.stdout + out.stderr).strip().splitlines()
+    return text[0].strip() if text else "n/a"
+
+
+def environment() -> dict[str, Any]:
+    nginx, envoy = nginx_bin(), envoy_bin()
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "nginx": tool_version([str(nginx), "-v"]) if nginx else "n/a",
+        "envoy": tool_version([str(envoy), "--version"]) if envoy else "n/a",
+        "wrk": tool_version(["wrk", "-v"]),
+    }
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--proxies", default=",".join(ALL_PROXIES))
+    ap.add_argument("--upstreams", default="canned", help="canned,mock")
+    ap.add_argument("--modes", default="nonstream,stream,stream-paced")
+    ap.add_argument("--duration", type=int, default=8, help="seconds per measured run")
+    ap.add_argument("--warmup", type=int, default=2, help="seconds of unmeasured warm-up")
+    ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--pace-ms", type=float, default=1.0, help="inter-event delay, paced mode")
+    ap.add_argument("--quick", action="store_true", help="~1 minute smoke run (3s + 1s warm-up)")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.duration, args.warmup = 3, 1
+    args.proxies = split_choices(ap, args.proxies, ALL_PROXIES)
+    args.upstreams = split_choices(ap, args.upstreams, ALL_UPSTREAMS)
+    args.modes = [MODES[m] for m in split_choices(ap, args.modes, tuple(MODES))]
+    return args
+
+
+def split_choices(ap: argparse.ArgumentParser, value: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        ap.error(f"choose from {','.join(allowed)}; got {value!r}")
+    return items
+
+
+def _sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_all(ctx: Ctx) -> list[Row]:
+    rows: list[Row] = []
+    for upstream in ctx.args.upstreams:
+        if upstream == "mock" and not mock_available():
+            print("--- skipping upstream 'mock': mock_dynamo.cli not importable", file=sys.stderr)
+            continue
+        print(f"--- upstream {upstream}", file=sys.stderr, flush=True)
+        rows += run_upstream(ctx, upstream, ctx.args.modes, ctx.args.proxies)
+    add_ratios(rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)
+    workdir = Path(tempfile.mkdtemp(prefix="pylon-bench-"))
+    group = ProcessGroup()
+    rows: list[Row] = []
+    try:
+        rows = run_all(Ctx(args, group, workdir))
+    except KeyboardInterrupt:
+        print("interrupted; stopping subprocesses", file=sys.stderr)
+        return 130
+    finally:
+        group.close()
+    failed = [r for r in rows if r.status != "ok"]
+    report(args, rows)
+    if failed:
+        print(f"{len(failed)} row(s) FAILED; logs kept in {workdir}", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+def report(args: argparse.Namespace, rows: list[Row]) -> None:
+    print(markdown_table(rows))
+    if args.json_out:
+        doc = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "settings": {
+                "duration_s": args.duration,
+                "warmup_s": args.warmup,
+                "connections": args.connections,
+                "wrk_threads": 1,
+                "pace_ms": args.pace_ms,
+                "tokens_per_stream": TOKENS_PER_STREAM,
+            },
+            "environment": environment(),
+            "rows": [asdict(r) for r in rows],
+        }
+        args.json_out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
