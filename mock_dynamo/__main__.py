@@ -1,0 +1,3 @@
+from mock_dynamo.cli import main
+
+main()

@@ -1,0 +1,419 @@
+"""aiohttp routes of the mock engine.
+
+Fault semantics (`PUT /test-control/faults`, first matching fault wins):
+- `path`/`model`: match filters. A fault without `path` only matches the four
+  inference routes; name `/health` or `/v1/models` explicitly to hit those.
+- `delay_ms`: extra wait before anything is sent.
+- `status`: answer with that status and an OpenAI-style error body.
+- `retryable` / `retry_after`: add `x-stargate-upstream-retryable` / `Retry-After`
+  headers (to error and success responses alike).
+- `stall_after_events` / `drop_after_events` N: after N SSE events, hang
+  forever / abort the TCP connection. For non-streaming replies N=0 acts
+  before the headers and N>=1 after half of the body.
+- `malformed_event`: inject `data: {not json` after `after_events` events
+  (default 1); a non-streaming reply gets a body that is not JSON.
+- `huge_event_bytes` N: after `after_events` events, send one N-byte event
+  with no terminating blank line, then end the body (streaming only).
+- `times`: apply to the next N matching requests only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, NoReturn
+
+import orjson
+import structlog
+from aiohttp import web
+
+from mock_dynamo import replies
+from mock_dynamo.config import MockConfig
+from mock_dynamo.contract import contract_violation
+from mock_dynamo.state import Fault, MockState, RequestRecord
+
+log = structlog.get_logger("mock_dynamo")
+
+STATE_KEY = web.AppKey("mock_state", MockState)
+RECORD_KEY = web.RequestKey("mock_record", RequestRecord)
+BODY_KEY = web.RequestKey("mock_body", object)
+
+CONTROL_PREFIX = "/test-control"
+# Status recorded when the mock aborted the connection before any response.
+NO_RESPONSE_STATUS = 0
+# Requests whose body is larger are refused by aiohttp; prompts can be big.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+_HUGE_CHUNK = 64 * 1024
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
+                429: "RateLimitError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+StreamFn = Callable[[replies.ReplyPlan], Iterator[replies.Event]]
+BodyFn = Callable[[replies.ReplyPlan], dict[str, Any]]
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None
+                   ) -> web.Response:
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "code": status}
+    return web.Response(status=status, body=orjson.dumps({"error": error}),
+                        content_type="application/json", headers=headers)
+
+
+def json_ok(payload: object) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+
+def _parse_json(raw: bytes) -> object:
+    """Parsed body, or None when absent or not JSON (both recorded as null)."""
+    if not raw:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+# --- recording --------------------------------------------------------------
+
+def _endpoint(request: web.Request) -> str:
+    # Route templates rather than raw paths keep counters bounded when
+    # clients probe random URLs.
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "<unmatched>"
+
+
+async def _start_record(request: web.Request, state: MockState) -> RequestRecord:
+    body = _parse_json(await request.read())
+    request[BODY_KEY] = body
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers]
+    record = state.recorder.start(RequestRecord(
+        method=request.method, path=request.path, endpoint=_endpoint(request),
+        headers=headers, body=body, received_at=time.time()))
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str):
+        state.recorder.set_model(record, model)
+    request[RECORD_KEY] = record
+    return record
+
+
+@web.middleware
+async def record_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith(CONTROL_PREFIX):
+        return await handler(request)
+    state = request.app[STATE_KEY]
+    record = await _start_record(request, state)
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        # Routing 404/405: answer in the OpenAI error shape like real engines.
+        response = error_response(exc.status, exc.reason)
+    except (asyncio.CancelledError, ConnectionError):
+        _finish_interrupted(state, record)
+        raise
+    state.recorder.finish(record, response.status)
+    log.debug("request", method=record.method, path=record.path, model=record.model,
+              status=response.status)
+    return response
+
+
+def _finish_interrupted(state: MockState, record: RequestRecord) -> None:
+    if record.server_aborted:
+        state.recorder.finish(record, record.status or NO_RESPONSE_STATUS)
+    else:
+        state.recorder.cancel(record)
+    log.debug("request interrupted", path=record.path, server_aborted=record.server_aborted)
+
+
+# --- fault helpers ----------------------------------------------------------
+
+def _fault_headers(fault: Fault | None) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if fault is not None and fault.retryable is not None:
+        headers["x-stargate-upstream-retryable"] = "true" if fault.retryable else "false"
+    if fault is not None and fault.retry_after is not None:
+        headers["Retry-After"] = fault.retry_after
+    return headers
+
+
+async def _pre_fault(fault: Fault | None) -> web.Response | None:
+    """Delay and/or status override that happen before any reply byte."""
+    if fault is None:
+        return None
+    if fault.delay_ms:
+        await asyncio.sleep(fault.delay_ms / 1000)
+    if fault.status is not None:
+        return error_response(fault.status, f"injected fault: status {fault.status}",
+                              _fault_headers(fault))
+    return None
+
+
+def _interrupt_point(fault: Fault | None) -> int | None:
+    if fault is None:
+        return None
+    points = [p for p in (fault.stall_after_events, fault.drop_after_events) if p is not None]
+    return min(points) if points else None
+
+
+async def _interrupt(request: web.Request, fault: Fault) -> NoReturn:
+    """Stall or drop the connection; only ends via cancellation."""
+    drop = fault.drop_after_events is not None and (
+        fault.stall_after_events is None or fault.drop_after_events <= fault.stall_after_events)
+    if drop and request.transport is not None:
+        request[RECORD_KEY].server_aborted = True
+        request.transport.abort()
+    # aiohttp cancels the handler once the connection is gone (our abort or
+    # the client's close); the timeout only guards against that never coming.
+    await asyncio.sleep(3600)
+    raise ConnectionResetError("stalled connection outlived its guard timeout")
+
+
+# --- reply writers ----------------------------------------------------------
+
+async def json_reply(request: web.Request, payload: object, fault: Fault | None,
+                     delay_s: float = 0.0) -> web.StreamResponse:
+    early = await _pre_fault(fault)
+    if early is not None:
+        return early
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+    malformed = fault is not None and fault.malformed_event
+    body = b"{not json" if malformed else orjson.dumps(payload)
+    headers = {"Content-Type": "application/json", **_fault_headers(fault)}
+    point = _interrupt_point(fault)
+    if fault is None or point is None:
+        return web.Response(body=body, headers=headers)
+    if point == 0:
+        await _interrupt(request, fault)
+    # Promise the full length, deliver half: a truncated body mid-response.
+    response = web.StreamResponse(headers=headers)
+    response.content_length = len(body)
+    await response.prepare(request)
+    request[RECORD_KEY].status = response.status
+    await response.write(body[: len(body) // 2])
+    await _interrupt(request, fault)
+
+
+class _SseWriter:
+    """Writes SSE events, applying a fault's mid-stream behaviour."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse,
+                 fault: Fault | None) -> None:
+        self.request, self.response, self.fault = request, response, fault
+        self.written = 0
+        self.injected = False
+        self.stop_at = _interrupt_point(fault)
+
+    async def checkpoint(self, final: bool) -> bool:
+        """Run fault actions due at this position; False means end the body now."""
+        fault = self.fault
+        if fault is None:
+            return True
+        if self.stop_at is not None and (self.written == self.stop_at or final):
+            await _interrupt(self.request, fault)
+        due = self.written == fault.after_events or (final and self.written < fault.after_events)
+        if self.injected or not due:
+            return True
+        self.injected = True
+        if fault.malformed_event:
+            await self.response.write(b"data: {not json\n\n")
+        if fault.huge_event_bytes is not None:
+            await self._write_huge(fault.huge_event_bytes)
+            return False
+        return True
+
+    async def _write_huge(self, size: int) -> None:
+        await self.response.write(b"data: ")
+        remaining = max(0, size - len(b"data: "))
+        while remaining > 0:
+            step = min(remaining, _HUGE_CHUNK)
+            await self.response.write(b"x" * step)
+            remaining -= step
+
+    async def run(self, events: Iterator[replies.Event]) -> None:
+        for delay, data in events:
+            if not await self.checkpoint(final=False):
+                return
+            # Skipping sleep(0) matters: per-token loop hops cost benchmarks.
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await self.response.write(data)
+            self.written += 1
+        await self.checkpoint(final=True)
+
+
+async def stream_reply(request: web.Request, events: Iterator[replies.Event],
+                       fault: Fault | None) -> web.StreamResponse:
+    early = await _pre_fault(fault)
+    if early is not None:
+        return early
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               **_fault_headers(fault)}
+    response = web.StreamResponse(headers=headers)
+    await response.prepare(request)
+    request[RECORD_KEY].status = response.status
+    await _SseWriter(request, response, fault).run(events)
+    await response.write_eof()
+    return response
+
+
+# --- inference routes -------------------------------------------------------
+
+def _int_field(body: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer")
+        return value
+    return None
+
+
+def make_plan(state: MockState, body: dict[str, Any], model: str) -> replies.ReplyPlan:
+    knobs = state.knobs
+    limit = _int_field(body, "max_completion_tokens", "max_tokens", "max_output_tokens")
+    n_tokens = knobs.num_tokens if limit is None else min(limit, knobs.num_tokens)
+    prompt = [body.get(k) for k in ("messages", "prompt", "input", "instructions")]
+    options = body.get("stream_options")
+    return replies.ReplyPlan(
+        model=model, n_tokens=n_tokens,
+        finish_reason="length" if limit is not None and limit <= knobs.num_tokens else "stop",
+        prompt_tokens=max(1, replies.count_words(prompt)),
+        ttft_s=knobs.ttft_ms / 1000, token_delay_s=knobs.token_delay_ms / 1000,
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True)
+
+
+def _validate(request: web.Request) -> tuple[dict[str, Any], str] | web.Response:
+    """Common checks of inference bodies: (body, model) or an error response."""
+    state = request.app[STATE_KEY]
+    body = request[BODY_KEY]
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object")
+    problem = contract_violation(state.config.flavor, body)
+    if problem is not None:
+        return error_response(400, problem)
+    model = body.get("model")
+    if not isinstance(model, str):
+        return error_response(400, "model is required")
+    if model not in state.config.models:
+        return error_response(404, f"The model `{model}` does not exist.")
+    return body, model
+
+
+def _generation_route(body_fn: BodyFn, stream_fn: StreamFn) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        checked = _validate(request)
+        if isinstance(checked, web.Response):
+            return checked
+        body, model = checked
+        state = request.app[STATE_KEY]
+        try:
+            plan = make_plan(state, body, model)
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        fault = state.faults.take(request.path, model, inference=True)
+        if body.get("stream") is True:
+            return await stream_reply(request, stream_fn(plan), fault)
+        return await json_reply(request, body_fn(plan), fault, plan.total_delay_s)
+
+    return handle
+
+
+async def handle_embeddings(request: web.Request) -> web.StreamResponse:
+    checked = _validate(request)
+    if isinstance(checked, web.Response):
+        return checked
+    body, model = checked
+    dims, fmt = body.get("dimensions", 8), body.get("encoding_format", "float")
+    if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= 65536:
+        return error_response(400, "dimensions must be an integer in [1, 65536]")
+    if fmt not in ("float", "base64"):
+        return error_response(400, "encoding_format must be 'float' or 'base64'")
+    try:
+        payload = replies.embeddings_body(model, body.get("input"), dims, fmt)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    fault = request.app[STATE_KEY].faults.take(request.path, model, inference=True)
+    return await json_reply(request, payload, fault)
+
+
+# --- metadata routes --------------------------------------------------------
+
+async def handle_models(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    created = int(time.time())
+    data = [{"id": m, "object": "model", "created": created, "owned_by": state.config.flavor}
+            for m in state.config.models]
+    fault = state.faults.take(request.path, None, inference=False)
+    return await json_reply(request, {"object": "list", "data": data}, fault)
+
+
+async def handle_health(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    payload = {"status": "healthy", "flavor": state.config.flavor,
+               "models": list(state.config.models)}
+    fault = state.faults.take(request.path, None, inference=False)
+    return await json_reply(request, payload, fault)
+
+
+# --- test control -----------------------------------------------------------
+
+async def _control_json(request: web.Request) -> object:
+    try:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise web.HTTPBadRequest(text=f"invalid JSON: {exc}") from exc
+
+
+async def control_snapshot(request: web.Request) -> web.StreamResponse:
+    return json_ok(request.app[STATE_KEY].snapshot())
+
+
+async def control_reset(request: web.Request) -> web.StreamResponse:
+    request.app[STATE_KEY].reset()
+    return json_ok({"status": "ok"})
+
+
+async def control_knobs(request: web.Request) -> web.StreamResponse:
+    knobs = request.app[STATE_KEY].knobs
+    try:
+        knobs.update(await _control_json(request))
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return json_ok(knobs.to_json())
+
+
+async def control_set_faults(request: web.Request) -> web.StreamResponse:
+    faults = request.app[STATE_KEY].faults
+    try:
+        faults.replace(await _control_json(request))
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return json_ok(faults.to_json())
+
+
+async def control_clear_faults(request: web.Request) -> web.StreamResponse:
+    request.app[STATE_KEY].faults.clear()
+    return json_ok([])
+
+
+def build_app(config: MockConfig) -> web.Application:
+    app = web.Application(middlewares=[record_requests], client_max_size=MAX_BODY_BYTES)
+    app[STATE_KEY] = MockState.from_config(config)
+    app.router.add_post("/v1/chat/completions",
+                        _generation_route(replies.chat_body, replies.chat_stream))
+    app.router.add_post("/v1/completions",
+                        _generation_route(replies.completion_body, replies.completion_stream))
+    app.router.add_post("/v1/responses",
+                        _generation_route(replies.responses_body, replies.responses_stream))
+    app.router.add_post("/v1/embeddings", handle_embeddings)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get(CONTROL_PREFIX, control_snapshot)
+    app.router.add_post(f"{CONTROL_PREFIX}/reset", control_reset)
+    app.router.add_put(f"{CONTROL_PREFIX}/knobs", control_knobs)
+    app.router.add_put(f"{CONTROL_PREFIX}/faults", control_set_faults)
+    app.router.add_delete(f"{CONTROL_PREFIX}/faults", control_clear_faults)
+    return app

@@ -1,0 +1,108 @@
+"""`mock-dynamo` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from enum import StrEnum
+from typing import Annotated
+
+import structlog
+import typer
+
+from mock_dynamo.config import DEFAULT_MODEL, MockConfig
+from mock_dynamo.server import start_mock
+
+PROG = "mock-dynamo"
+cli = typer.Typer(add_completion=False)
+
+
+class FlavorName(StrEnum):
+    dynamo = "dynamo"
+    vllm = "vllm"
+    sglang = "sglang"
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+def _configure_logging(level: LogLevel) -> None:
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        # stdout carries the port line a parent process parses; logs go elsewhere.
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+async def _serve(config: MockConfig, host: str, port: int) -> None:
+    server = await start_mock(config, host=host, port=port)
+    print(f"{PROG} listening on {server.base_url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def _run(config: MockConfig, host: str, port: int) -> None:
+    try:
+        import uvloop  # The daemon under test runs on uvloop; match it when available.
+    except ImportError:
+        asyncio.run(_serve(config, host, port))
+    else:
+        uvloop.run(_serve(config, host, port))
+
+
+@cli.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port; 0 picks a free one.")] = 8000,
+    flavor: Annotated[FlavorName, typer.Option(help="Engine contract to enforce.")]
+    = FlavorName.dynamo,
+    model: Annotated[list[str] | None, typer.Option(help="Served model name (repeatable).")]
+    = None,
+    ttft_ms: Annotated[float, typer.Option(min=0, help="Delay before the first token.")] = 0.0,
+    token_delay_ms: Annotated[float, typer.Option(min=0, help="Delay between tokens.")] = 0.0,
+    num_tokens: Annotated[int, typer.Option(min=0, help="Tokens per reply.")] = 16,
+    capacity: Annotated[int, typer.Option(min=1, help="Recorded requests kept.")] = 1000,
+    log_level: Annotated[LogLevel, typer.Option(help="Log verbosity.")] = LogLevel.info,
+) -> None:
+    """Mock LLM engine that records what reached it."""
+    config = MockConfig(
+        flavor=flavor.value, models=tuple(model or (DEFAULT_MODEL,)), ttft_ms=ttft_ms,
+        token_delay_ms=token_delay_ms, num_tokens=num_tokens, capacity=capacity)
+    _configure_logging(log_level)
+    _run(config, host, port)
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point. Usage errors are one line on stderr (exit 2), so callers
+    that launch this as a subprocess get a readable reason."""
+    command = typer.main.get_command(cli)
+    try:
+        command.main(args=argv, prog_name=PROG, standalone_mode=False)
+    except typer.TyperException as exc:
+        # Typer vendors click; its usage errors all derive from TyperException.
+        format_message = getattr(exc, "format_message", None)
+        message = format_message() if callable(format_message) else str(exc)
+        _fail(" ".join(str(message).split()), 2)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    except OSError as exc:
+        _fail(f"cannot listen: {exc}", 1)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)

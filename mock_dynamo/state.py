@@ -1,0 +1,271 @@
+"""Mutable run-time state: request recorder, timing knobs and injected faults.
+
+Kept free of aiohttp so the bookkeeping rules can be tested in isolation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from mock_dynamo.config import MockConfig
+
+# Status recorded when the client went away before response headers were sent
+# (nginx's convention; no real HTTP status exists for it).
+CLIENT_CLOSED_STATUS = 499
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    method: str
+    path: str
+    endpoint: str
+    headers: list[tuple[str, str]]
+    body: Any
+    received_at: float
+    model: str | None = None
+    status: int | None = None
+    completed_at: float | None = None
+    cancelled_at: float | None = None
+    # Set when the mock itself aborted the connection (drop fault), so the
+    # resulting handler cancellation is not mistaken for a client disconnect.
+    server_aborted: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "path": self.path,
+            "model": self.model,
+            "headers": [[name, value] for name, value in self.headers],
+            "body": self.body,
+            "received_at": self.received_at,
+            "cancelled_at": self.cancelled_at,
+            "completed_at": self.completed_at,
+            "status": self.status,
+        }
+
+
+class Recorder:
+    """Bounded log of requests plus counters that survive deque eviction."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._records: deque[RequestRecord] = deque(maxlen=capacity)
+        # Insertion-ordered dict used as an LRU so arbitrary client-chosen
+        # model names cannot grow it without bound.
+        self._last: dict[str, RequestRecord] = {}
+        self.total = 0
+        self.cancelled = 0
+        self.by_endpoint: dict[str, int] = {}
+
+    def start(self, record: RequestRecord) -> RequestRecord:
+        self._records.append(record)
+        self.total += 1
+        self.by_endpoint[record.endpoint] = self.by_endpoint.get(record.endpoint, 0) + 1
+        return record
+
+    def set_model(self, record: RequestRecord, model: str) -> None:
+        record.model = model
+        self._remember_last(record)
+
+    def finish(self, record: RequestRecord, status: int) -> None:
+        record.status = status
+        record.completed_at = time.time()
+        self._remember_last(record)
+
+    def cancel(self, record: RequestRecord) -> None:
+        if record.cancelled_at is not None or record.completed_at is not None:
+            return
+        record.cancelled_at = time.time()
+        if record.status is None:
+            record.status = CLIENT_CLOSED_STATUS
+        self.cancelled += 1
+        self._remember_last(record)
+
+    def reset(self) -> None:
+        self._records.clear()
+        self._last.clear()
+        self.by_endpoint.clear()
+        self.total = 0
+        self.cancelled = 0
+
+    def _remember_last(self, record: RequestRecord) -> None:
+        key = f"{record.path}|{record.model or ''}"
+        self._last.pop(key, None)
+        self._last[key] = record
+        if len(self._last) > self._capacity:
+            del self._last[next(iter(self._last))]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests": [r.to_json() for r in self._records],
+            "last_by_endpoint_model": {k: r.to_json() for k, r in self._last.items()},
+            "counters": {
+                "total": self.total,
+                "by_endpoint": dict(self.by_endpoint),
+                "cancelled": self.cancelled,
+            },
+        }
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but `true` is never a valid count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+@dataclass(slots=True)
+class Knobs:
+    ttft_ms: float
+    token_delay_ms: float
+    num_tokens: int
+
+    def update(self, patch: object) -> None:
+        """Apply a partial update atomically: validate everything first."""
+        if not isinstance(patch, dict):
+            raise ValueError("knobs must be a JSON object")
+        unknown = set(patch) - {"ttft_ms", "token_delay_ms", "num_tokens"}
+        if unknown:
+            raise ValueError(f"unknown knob(s): {', '.join(sorted(unknown))}")
+        for name in ("ttft_ms", "token_delay_ms"):
+            if name in patch and not (_is_number(patch[name]) and patch[name] >= 0):
+                raise ValueError(f"{name} must be a number >= 0")
+        count = patch.get("num_tokens", 0)
+        if not (_is_int(count) and count >= 0):
+            raise ValueError("num_tokens must be an integer >= 0")
+        for name, value in patch.items():
+            setattr(self, name, value)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ttft_ms": self.ttft_ms, "token_delay_ms": self.token_delay_ms,
+                "num_tokens": self.num_tokens}
+
+
+_FAULT_INT_FIELDS = ("status", "delay_ms", "stall_after_events", "drop_after_events",
+                     "huge_event_bytes", "after_events", "times")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected misbehaviour. See the package README/docstring of
+    `mock_dynamo.app` for what each field does."""
+
+    path: str | None = None
+    model: str | None = None
+    status: int | None = None
+    retryable: bool | None = None
+    retry_after: str | None = None
+    delay_ms: int = 0
+    stall_after_events: int | None = None
+    drop_after_events: int | None = None
+    malformed_event: bool = False
+    huge_event_bytes: int | None = None
+    # Position (in events) at which malformed/huge events are injected.
+    after_events: int = 1
+    times: int | None = None
+
+    @classmethod
+    def parse(cls, raw: object) -> Fault:
+        if not isinstance(raw, dict):
+            raise ValueError("each fault must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown fault field(s): {', '.join(sorted(unknown))}")
+        _check_fault_types(raw)
+        return cls(**raw)
+
+    def matches(self, path: str, model: str | None, inference: bool) -> bool:
+        # A fault without an explicit path only hits inference routes, so a
+        # proxy's health probes cannot silently consume a `times`-limited fault.
+        if self.path is None and not inference:
+            return False
+        if self.path is not None and self.path != path:
+            return False
+        return self.model is None or self.model == model
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+def _check_fault_types(raw: dict[str, Any]) -> None:
+    for name in ("path", "model", "retry_after"):
+        if raw.get(name) is not None and not isinstance(raw[name], str):
+            raise ValueError(f"fault.{name} must be a string")
+    for name in ("retryable", "malformed_event"):
+        if raw.get(name) is not None and not isinstance(raw[name], bool):
+            raise ValueError(f"fault.{name} must be a boolean")
+    for name in _FAULT_INT_FIELDS:
+        if raw.get(name) is not None and not (_is_int(raw[name]) and raw[name] >= 0):
+            raise ValueError(f"fault.{name} must be an integer >= 0")
+    status = raw.get("status")
+    if status is not None and not 100 <= status <= 599:
+        raise ValueError("fault.status must be an HTTP status code")
+
+
+@dataclass(slots=True)
+class _ArmedFault:
+    fault: Fault
+    remaining: int | None
+
+
+class FaultTable:
+    """Ordered list of faults; the first match wins and uses up one `times`."""
+
+    def __init__(self) -> None:
+        self._armed: list[_ArmedFault] = []
+
+    def replace(self, raw: object) -> None:
+        if not isinstance(raw, list):
+            raise ValueError("faults must be a JSON list")
+        parsed = [Fault.parse(item) for item in raw]
+        # `times: 0` means "never": dropping it here keeps take() simple.
+        self._armed = [_ArmedFault(f, f.times) for f in parsed if f.times != 0]
+
+    def clear(self) -> None:
+        self._armed = []
+
+    def take(self, path: str, model: str | None, inference: bool) -> Fault | None:
+        for armed in self._armed:
+            if not armed.fault.matches(path, model, inference):
+                continue
+            if armed.remaining is not None:
+                armed.remaining -= 1
+                if armed.remaining <= 0:
+                    self._armed.remove(armed)
+            return armed.fault
+        return None
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{**a.fault.to_json(), "remaining": a.remaining} for a in self._armed]
+
+
+@dataclass(slots=True)
+class MockState:
+    config: MockConfig
+    recorder: Recorder
+    knobs: Knobs
+    faults: FaultTable = field(default_factory=FaultTable)
+
+    @classmethod
+    def from_config(cls, config: MockConfig) -> MockState:
+        return cls(
+            config=config,
+            recorder=Recorder(config.capacity),
+            knobs=Knobs(config.ttft_ms, config.token_delay_ms, config.num_tokens),
+        )
+
+    def reset(self) -> None:
+        """Forget records and faults; knobs deliberately survive a reset."""
+        self.recorder.reset()
+        self.faults.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.recorder.snapshot(), "knobs": self.knobs.to_json(),
+                "faults": self.faults.to_json()}
