@@ -20,12 +20,12 @@ Fault semantics (`PUT /test-control/faults`, first matching fault wins):
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NoReturn
 
 import orjson
-import structlog
 from aiohttp import web
 
 from mock_dynamo import replies
@@ -33,7 +33,9 @@ from mock_dynamo.config import MockConfig
 from mock_dynamo.contract import contract_violation
 from mock_dynamo.state import Fault, MockState, RequestRecord
 
-log = structlog.get_logger("mock_dynamo")
+# stdlib logging stays silent when embedded unless the host opts in; the
+# CLI configures it. Only metadata is logged, never prompt text.
+log = logging.getLogger("mock_dynamo")
 
 STATE_KEY = web.AppKey("mock_state", MockState)
 RECORD_KEY = web.RequestKey("mock_record", RequestRecord)
@@ -113,8 +115,8 @@ async def record_requests(request: web.Request, handler: Handler) -> web.StreamR
         _finish_interrupted(state, record)
         raise
     state.recorder.finish(record, response.status)
-    log.debug("request", method=record.method, path=record.path, model=record.model,
-              status=response.status)
+    log.debug("%s %s model=%s status=%d", record.method, record.path, record.model,
+              response.status)
     return response
 
 
@@ -123,7 +125,8 @@ def _finish_interrupted(state: MockState, record: RequestRecord) -> None:
         state.recorder.finish(record, record.status or NO_RESPONSE_STATUS)
     else:
         state.recorder.cancel(record)
-    log.debug("request interrupted", path=record.path, server_aborted=record.server_aborted)
+    log.debug("%s %s interrupted (server_aborted=%s)", record.method, record.path,
+              record.server_aborted)
 
 
 # --- fault helpers ----------------------------------------------------------

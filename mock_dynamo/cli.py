@@ -9,7 +9,6 @@ import sys
 from enum import StrEnum
 from typing import Annotated
 
-import structlog
 import typer
 
 from mock_dynamo.config import DEFAULT_MODEL, MockConfig
@@ -33,11 +32,9 @@ class LogLevel(StrEnum):
 
 
 def _configure_logging(level: LogLevel) -> None:
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        # stdout carries the port line a parent process parses; logs go elsewhere.
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
+    # stdout carries the port line a parent process parses; logs go to stderr.
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 async def _serve(config: MockConfig, host: str, port: int) -> None:

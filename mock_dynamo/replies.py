@@ -59,7 +59,8 @@ def count_words(value: object) -> int:
     if isinstance(value, list):
         return sum(count_words(v) for v in value)
     if isinstance(value, dict):
-        return sum(count_words(v) for v in value.values())
+        # Only text-bearing fields: roles and part types are not prompt tokens.
+        return sum(count_words(value.get(k)) for k in ("content", "text"))
     return 0
 
 
