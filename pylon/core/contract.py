@@ -93,6 +93,13 @@ def parse_request(
     """
     values = _collect_contract_headers(headers)
     if is_health_target(method, target):
+        if not _VISIBLE_ASCII.fullmatch(target):
+            # The query is kept for the engine, so it must be as clean as any other target.
+            raise ContractError(
+                "request target must be an origin-form path",
+                code=ErrorCode.MALFORMED_REQUEST,
+                request_id=_optional_request_id(values),
+            )
         return HealthRequest(
             method=method.decode("ascii"),
             target=target.decode("ascii"),
@@ -233,8 +240,11 @@ def _parse_trace(headers: Headers, values: dict[bytes, list[bytes]]) -> TraceCon
         for name, value in headers
         if name.strip(_OWS).lower() == TRACESTATE and value.strip(_OWS)
     ]
-    # Repeated tracestate headers are one list, joined with commas (W3C 3.3.1.1).
-    tracestate = b",".join(states).decode("ascii", "replace") if states else None
+    # Repeated tracestate headers are one list, joined with commas (W3C 3.3.1.1). tracestate is
+    # printable ASCII; anything else is not propagated at all (pylon re-sends it as a header).
+    if not all(_PRINTABLE_ASCII.fullmatch(state) for state in states):
+        states = []
+    tracestate = b",".join(states).decode("ascii") if states else None
     return TraceContext(traceparent=found[0].decode("ascii"), tracestate=tracestate)
 
 
