@@ -98,7 +98,7 @@ class Planner:
         sanitized = sanitize_body(parsed)
         stream = parsed.get("stream") is True
         priority = write.body_priority if request.path in BODY_PRIORITY_PATHS else None
-        if not sanitized.changed:
+        if not sanitized.changed and not _may_hide_fields(body):
             # The common case: forward the client's own bytes, at most with pylon's priority
             # appended, so no value is ever re-encoded.
             if priority is None:
@@ -118,7 +118,7 @@ def append_member(body: bytes, key: str, value: int) -> bytes:
 
 
 def rewrite_exactly(body: bytes, priority: int | None) -> bytes:
-    """Re-encode a body that lost fields, losing nothing else.
+    """Re-encode a body that lost fields (or repeated a key), losing nothing else.
 
     orjson turns integers beyond 64 bits into floats; the standard library keeps every number
     exactly, so this rarer path uses it. orjson has already validated the document.
@@ -127,6 +127,34 @@ def rewrite_exactly(body: bytes, priority: int | None) -> bytes:
     if priority is not None:
         exact["priority"] = priority
     return json.dumps(exact, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+# Containers whose denied keys could hide in an earlier duplicate: orjson keeps the last of
+# repeated keys, so `{"nvext": {"dp_rank": 1}, "nvext": {}}` looks clean, and forwarding the
+# client's bytes would hand the first `nvext` to any engine that reads the first one.
+_CONTAINER_KEYS = (b'"nvext"', b'"vllm_xargs"')
+
+
+def _may_hide_fields(body: bytes) -> bool:
+    """Could forwarding these bytes verbatim give the engine a key pylon did not see?"""
+    # Cheap screen first: without an escape, a repeated container key is spelt out twice.
+    if b"\\u" not in body and all(body.count(key) < 2 for key in _CONTAINER_KEYS):
+        return False
+    return has_duplicate_keys(body)
+
+
+def has_duplicate_keys(body: bytes) -> bool:
+    """True when any JSON object in the (already validated) document repeats a key."""
+    found = False
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal found
+        if not found and len({key for key, _ in pairs}) != len(pairs):
+            found = True
+        return dict(pairs)
+
+    json.loads(body, object_pairs_hook=pairs_hook)
+    return found
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
