@@ -1,0 +1,62 @@
+"""Pure bookkeeping rules of mock_dynamo.state and mock_dynamo.config."""
+
+from __future__ import annotations
+
+import pytest
+
+from mock_dynamo.config import MockConfig
+from mock_dynamo.state import FaultTable, Knobs, Recorder, RequestRecord
+
+
+def _record(path: str = "/v1/models") -> RequestRecord:
+    return RequestRecord(method="GET", path=path, endpoint=path, headers=[], body=None,
+                         received_at=0.0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"flavor": "trt"}, {"models": ()}, {"models": ("",)}, {"ttft_ms": -1},
+    {"num_tokens": -1}, {"capacity": 0},
+])
+def test_config_rejects_invalid(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        MockConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cancel_after_finish_is_ignored() -> None:
+    recorder = Recorder(capacity=2)
+    record = recorder.start(_record())
+    recorder.finish(record, 200)
+    recorder.cancel(record)
+    assert record.cancelled_at is None and recorder.cancelled == 0
+
+
+def test_last_by_endpoint_model_is_bounded() -> None:
+    recorder = Recorder(capacity=2)
+    for model in ("a", "b", "c"):
+        recorder.set_model(recorder.start(_record()), model)
+    assert list(recorder.snapshot()["last_by_endpoint_model"]) == ["/v1/models|b",
+                                                                   "/v1/models|c"]
+
+
+def test_fault_times_zero_never_fires_and_first_match_wins() -> None:
+    table = FaultTable()
+    table.replace([{"status": 500, "times": 0}, {"status": 502, "times": 1}, {"status": 503}])
+    taken = [table.take("/v1/completions", "m", inference=True) for _ in range(3)]
+    assert [f.status if f else None for f in taken] == [502, 503, 503]
+
+
+def test_failed_fault_replace_keeps_previous() -> None:
+    table = FaultTable()
+    table.replace([{"status": 500}])
+    with pytest.raises(ValueError):
+        table.replace([{"status": 501}, {"bogus": True}])
+    fault = table.take("/v1/completions", None, inference=True)
+    assert fault is not None and fault.status == 500
+
+
+def test_knobs_reject_bool_counts() -> None:
+    knobs = Knobs(0.0, 0.0, 4)
+    with pytest.raises(ValueError):
+        knobs.update({"num_tokens": False})
+    knobs.update({"num_tokens": 0})
+    assert knobs.num_tokens == 0
