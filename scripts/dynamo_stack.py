@@ -263,27 +263,44 @@ class DynamoStack:
 
         self._spawn("broker", [self.python, "-c", BROKER_SRC, *map(str, self.broker_ports)], env)
         frontend_cmd = [
-            self.python, "-m", "dynamo.frontend",
-            "--http-host", "127.0.0.1",
-            "--http-port", str(self.http_port),
-            "--router-mode", "kv",
-            "--discovery-backend", "file",
-            "--request-plane", "tcp",
-            "--event-plane", "zmq",
+            self.python,
+            "-m",
+            "dynamo.frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--router-mode",
+            "kv",
+            "--discovery-backend",
+            "file",
+            "--request-plane",
+            "tcp",
+            "--event-plane",
+            "zmq",
         ]
         if self.router_queue_threshold is not None:
             frontend_cmd += ["--router-queue-threshold", str(self.router_queue_threshold)]
         self._spawn("frontend", frontend_cmd + list(self.extra_frontend_args), env)
         for i, port in enumerate(self.worker_ports):
             cmd = [
-                self.python, "-m", "dynamo.mocker",
-                "--model-path", str(self.model_path),
-                "--model-name", MODEL_NAME,
-                "--block-size", str(BLOCK_SIZE),
-                "--speedup-ratio", str(self.speedup_ratio),
-                "--discovery-backend", "file",
-                "--request-plane", "tcp",
-                "--event-plane", "zmq",
+                self.python,
+                "-m",
+                "dynamo.mocker",
+                "--model-path",
+                str(self.model_path),
+                "--model-name",
+                MODEL_NAME,
+                "--block-size",
+                str(BLOCK_SIZE),
+                "--speedup-ratio",
+                str(self.speedup_ratio),
+                "--discovery-backend",
+                "file",
+                "--request-plane",
+                "tcp",
+                "--event-plane",
+                "zmq",
                 *self.extra_mocker_args,
             ]
             self._spawn(f"worker{i}", cmd, {**env, "DYN_TCP_RPC_PORT": str(port)})
@@ -380,10 +397,8 @@ class DynamoStack:
             _signal_group(p.popen, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout_s
         for p in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         for p in procs:
             # SIGKILL the group even if the leader exited: children may linger.
             _signal_group(p.popen, signal.SIGKILL)
@@ -475,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     stack = DynamoStack(
         num_workers=args.workers,
         speedup_ratio=args.speedup_ratio,
-        router_queue_threshold=None if args.router_queue_threshold < 0 else args.router_queue_threshold,
+        router_queue_threshold=None
+        if args.router_queue_threshold < 0
+        else args.router_queue_threshold,
         http_port=args.http_port,
         worker_ports=[args.worker_port_base + i for i in range(args.workers)],
         broker_ports=tuple(args.broker_ports),
@@ -491,8 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         print(stack.describe(), flush=True)
         print(
             f"\ntry: curl -s {stack.frontend_url}/v1/chat/completions -H 'content-type: "
-            "application/json' -d '{\"model\":\"tiny\",\"messages\":[{\"role\":\"user\","
-            "\"content\":\"Hello\"}],\"max_tokens\":5}'\nCtrl-C to stop.",
+            'application/json\' -d \'{"model":"tiny","messages":[{"role":"user",'
+            '"content":"Hello"}],"max_tokens":5}\'\nCtrl-C to stop.',
             flush=True,
         )
         try:
