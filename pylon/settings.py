@@ -76,7 +76,9 @@ class Settings(BaseSettings):
     upstream_retry_header: str = Field(
         "x-stargate-upstream-retryable", description="engine header that authorises a retry"
     )
-    propagate_retry_after: bool = Field(True, description="Retry-After -> x-stargate-retry-after-ms")
+    propagate_retry_after: bool = Field(
+        True, description="Retry-After -> x-stargate-retry-after-ms"
+    )
     local_connect_failures_retryable: bool = Field(
         False, description="mark engine connect failures retryable"
     )

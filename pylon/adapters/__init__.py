@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 from pylon.adapters.base import (
     NO_WRITE,
@@ -26,10 +27,13 @@ ADAPTERS: Mapping[str, Callable[[AdapterOptions], PriorityAdapter]] = {
 class _DisabledAdapter:
     """`--no-derive-priority`: the kill switch. Writes nothing; the strip still applies."""
 
-    name = "disabled"
+    name: ClassVar[str] = "disabled"
 
     def derive(self, rank: int | None) -> PriorityWrite:
         return NO_WRITE
+
+
+_: type[PriorityAdapter] = _DisabledAdapter
 
 
 def build_adapter(backend: str, options: AdapterOptions, *, derive: bool) -> PriorityAdapter:

@@ -84,9 +84,7 @@ def is_health_target(method: bytes, target: bytes) -> bool:
     return method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] == HEALTH_PATH
 
 
-def parse_request(
-    method: bytes, target: bytes, headers: Headers
-) -> TunnelRequest | HealthRequest:
+def parse_request(method: bytes, target: bytes, headers: Headers) -> TunnelRequest | HealthRequest:
     """Turn a raw request head into the one typed value the rest of pylon uses.
 
     Raises `ContractError` carrying the request id whenever one could be read.
@@ -164,7 +162,9 @@ def _optional_request_id(values: dict[bytes, list[bytes]]) -> str | None:
 def _parse_request_id(values: dict[bytes, list[bytes]]) -> str:
     raw = _single(values, REQUEST_ID, ErrorCode.INVALID_REQUEST_ID)
     if raw is None or not raw:
-        raise ContractError("missing required x-request-id header", code=ErrorCode.MISSING_REQUEST_ID)
+        raise ContractError(
+            "missing required x-request-id header", code=ErrorCode.MISSING_REQUEST_ID
+        )
     if len(raw) > MAX_REQUEST_ID_CHARS or not _VISIBLE_ASCII.fullmatch(raw):
         raise ContractError(
             f"x-request-id must be 1-{MAX_REQUEST_ID_CHARS} visible ASCII characters",
@@ -212,7 +212,9 @@ def _parse_routing_key(values: dict[bytes, list[bytes]]) -> str | None:
     if not raw:
         return None
     if not _PRINTABLE_ASCII.fullmatch(raw):
-        raise ContractError("x-routing-key must be printable ASCII", code=ErrorCode.MALFORMED_REQUEST)
+        raise ContractError(
+            "x-routing-key must be printable ASCII", code=ErrorCode.MALFORMED_REQUEST
+        )
     return raw.decode("ascii")
 
 
@@ -255,5 +257,11 @@ def _check_method_and_target(method: bytes, target: bytes) -> None:
             code=ErrorCode.MALFORMED_REQUEST,
         )
     # Only origin-form: an absolute-form or authority target would let a client pick the host.
-    if not target.startswith(b"/") or target.startswith(b"//") or not _VISIBLE_ASCII.fullmatch(target):
-        raise ContractError("request target must be an origin-form path", code=ErrorCode.MALFORMED_REQUEST)
+    if (
+        not target.startswith(b"/")
+        or target.startswith(b"//")
+        or not _VISIBLE_ASCII.fullmatch(target)
+    ):
+        raise ContractError(
+            "request target must be an origin-form path", code=ErrorCode.MALFORMED_REQUEST
+        )

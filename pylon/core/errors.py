@@ -42,7 +42,7 @@ class ErrorCode(StrEnum):
         return _STATUS[self]
 
     @property
-    def title(self) -> str:
+    def title(self) -> str:  # type: ignore[override]  # an error's title, not str.title()
         return _TITLES[self]
 
 

@@ -30,9 +30,10 @@ HOP_BY_HOP: frozenset[bytes] = frozenset(
     }
 )
 
-# Written by pylon itself on the way to the engine, exactly once each (see plan.py).
+# Written by pylon itself on the way to the engine, exactly once each (see plan.py). `expect`
+# goes too: pylon reads the whole body before it forwards, so the engine never needs a 100.
 PYLON_OWNED_REQUEST_HEADERS: frozenset[bytes] = frozenset(
-    {b"host", b"content-length", b"x-request-id", b"traceparent", b"tracestate"}
+    {b"host", b"content-length", b"expect", b"x-request-id", b"traceparent", b"tracestate"}
 )
 
 # Client routing, priority, tenant and session controls: (name, who reads it).

@@ -1,0 +1,111 @@
+"""Process wiring: build the pool, the proxy and the listener from Settings, run until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from typing import Any, Literal
+
+from pylon.logs import get_logger
+from pylon.proxy import Proxy
+from pylon.server.http1 import Http1Connection
+from pylon.settings import Settings, split_host_port
+from pylon.upstream.pool import UpstreamPool, UpstreamTarget
+
+# Which mock_dynamo flavour stands in for each backend when no --upstream is given.
+_MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
+    "dynamo": "dynamo",
+    "passthrough": "dynamo",
+    "vllm": "vllm",
+    "sglang": "sglang",
+}
+EMBEDDED_MOCK_MODEL = "mock-model"
+
+
+def upstream_target(url: str) -> UpstreamTarget:
+    _, _, rest = url.partition("://")
+    authority, _, path = rest.partition("/")
+    host, port = (
+        split_host_port(authority)
+        if authority.rpartition(":")[2].isdigit()
+        else (authority.strip("[]"), 80)
+    )
+    return UpstreamTarget(host=host, port=port, base_path=("/" + path).rstrip("/"))
+
+
+async def _embedded_mock(settings: Settings, stack: AsyncExitStack) -> str:
+    from mock_dynamo.server import MockConfig, start_mock
+
+    mock = await start_mock(
+        MockConfig(
+            flavor=_MOCK_FLAVOR[settings.backend],
+            models=(EMBEDDED_MOCK_MODEL,),
+            ttft_ms=50,
+            token_delay_ms=20,
+            num_tokens=16,
+        ),
+        host="127.0.0.1",
+        port=0,
+    )
+    stack.push_async_callback(mock.stop)
+    get_logger().info(
+        "embedded_mock_started",
+        detail="no --upstream given: serving an embedded mock_dynamo engine",
+        upstream=mock.base_url,
+        flavor=_MOCK_FLAVOR[settings.backend],
+        model=EMBEDDED_MOCK_MODEL,
+    )
+    return str(mock.base_url)
+
+
+async def serve(
+    settings: Settings,
+    on_ready: Callable[[str], Any] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run pylon until `stop` is set or SIGINT/SIGTERM arrives."""
+    loop = asyncio.get_running_loop()
+    log = get_logger()
+    stop = stop or asyncio.Event()
+    async with AsyncExitStack() as stack:
+        upstream = (
+            str(settings.upstream) if settings.upstream else await _embedded_mock(settings, stack)
+        )
+        pool = UpstreamPool(
+            upstream_target(upstream),
+            connect_timeout=settings.upstream_connect_timeout,
+            idle_timeout=settings.upstream_idle_timeout,
+            max_idle=settings.upstream_max_idle,
+        )
+        stack.callback(pool.close)
+        proxy = Proxy(settings, pool)
+        host, port = settings.listen_host_port
+        server = await loop.create_server(
+            lambda: Http1Connection(
+                proxy, settings.max_header_bytes, settings.max_headers, settings.max_body_bytes
+            ),
+            host,
+            port,
+            reuse_address=True,
+            backlog=2048,
+        )
+        stack.callback(server.close)
+        bound = server.sockets[0].getsockname()
+        address = f"{bound[0]}:{bound[1]}" if ":" not in bound[0] else f"[{bound[0]}]:{bound[1]}"
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+            stack.callback(loop.remove_signal_handler, sig)
+        log.info(
+            "listening",
+            address=address,
+            url=f"http://{address}",
+            upstream=upstream,
+            backend=settings.backend,
+            derive_priority=settings.derive_priority,
+        )
+        if on_ready is not None:
+            on_ready(address)
+        await stop.wait()
+        log.info("stopping", address=address)

@@ -1,0 +1,303 @@
+"""HTTP/1.1 ingress: asyncio.Protocol + httptools (llhttp). Parsing is llhttp's, never ours.
+
+Per connection: parse a request head, check limits, run the tunnel contract at once (so a bad
+request is answered before its body is read), buffer the body up to the limit, then hand the
+request to the transport-neutral `Proxy` as one task. Pipelined requests queue in order.
+Client disconnect cancels the task, which closes the engine connection at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any, cast
+
+import httptools
+
+from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
+from pylon.core.errors import ContractError, ErrorCode, LimitError, PylonError
+from pylon.proxy import Proxy
+
+_REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class _StopParsing(Exception):
+    """Raised inside an httptools callback to stop parsing this connection's input."""
+
+
+class Http1Connection(asyncio.Protocol):
+    def __init__(
+        self, proxy: Proxy, max_header_bytes: int, max_headers: int, max_body: int
+    ) -> None:
+        self._proxy = proxy
+        self._max_header_bytes = max_header_bytes
+        self._max_headers = max_headers
+        self._max_body = max_body
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        # current request being parsed
+        self._url = b""
+        self._headers: list[Header] = []
+        self._head_bytes = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._request: TunnelRequest | HealthRequest | None = None
+        self._keep_alive = True
+        self._http10 = False
+        # requests parsed and waiting to run, and the one running
+        self._queue: collections.deque[tuple[Any, bytes, bool]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+        self._error: tuple[PylonError, str | None] | None = None
+        self._closing = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+
+    # --- asyncio.Protocol ---
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            pass  # one of our callbacks stopped parsing; self._error says why
+        except httptools.HttpParserUpgrade:
+            self._error = (ContractError("protocol upgrade is not supported"), None)
+        except httptools.HttpParserError as exc:
+            self._error = (ContractError(f"malformed HTTP/1.1 request: {exc}"), None)
+        if self._error is not None:
+            self._fail_connection(*self._error)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self._queue.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_exception(ConnectionResetError("client went away"))
+            self._drain_waiter.exception()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    # --- httptools callbacks ---
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._head_bytes = 0
+        self._body = []
+        self._body_bytes = 0
+        self._request = None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+        self._count_head(len(name) + len(value) + 4)
+        if len(self._headers) > self._max_headers:
+            self._stop(
+                LimitError(
+                    f"more than {self._max_headers} header fields", code=ErrorCode.HEADERS_TOO_LARGE
+                )
+            )
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        self._keep_alive = parser.should_keep_alive()
+        self._http10 = parser.get_http_version() == "1.0"
+        try:
+            self._request = parse_request(parser.get_method(), self._url, self._headers)
+        except ContractError as error:
+            self._stop(error, error.request_id)
+        declared = _declared_length(self._headers)
+        if declared is not None and declared > self._max_body:
+            self._stop(self._too_large(), self._request_id())
+        if _expects_continue(self._headers) and self._transport is not None:
+            self._transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self._max_body:
+            self._stop(self._too_large(), self._request_id())
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
+        self._body = []
+        assert self._request is not None
+        # HTTP/1.0 has no chunked framing: its streamed responses end by closing.
+        self._queue.append((self._request, body, self._keep_alive and not self._http10))
+        if self._task is None:
+            self._run_next()
+        elif self._transport is not None:
+            # Pipelined request: stop reading until the queue drains.
+            self._transport.pause_reading()
+
+    # --- running requests ---
+    def _run_next(self) -> None:
+        request, body, keep_alive = self._queue.popleft()
+        responder = Http1Responder(self, keep_alive, request.method == "HEAD")
+        self._task = self._loop.create_task(self._proxy.handle(request, body, responder))
+        self._task.add_done_callback(self._request_done)
+
+    def _request_done(self, task: asyncio.Task[None]) -> None:
+        self._task = None
+        if not task.cancelled() and task.exception() is not None:
+            # A bug, not a client error: log it, and close rather than leave the client hanging.
+            self._proxy.log_crash(task.exception())
+            self.close()
+            return
+        if self._closing:
+            return
+        if self._queue:
+            self._run_next()
+        elif self._transport is not None:
+            self._transport.resume_reading()
+
+    # --- helpers ---
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self._max_header_bytes:
+            self._stop(
+                LimitError(
+                    f"request head exceeds {self._max_header_bytes} bytes",
+                    code=ErrorCode.HEADERS_TOO_LARGE,
+                )
+            )
+
+    def _too_large(self) -> LimitError:
+        return LimitError(
+            f"request body exceeds {self._max_body} bytes", code=ErrorCode.BODY_TOO_LARGE
+        )
+
+    def _request_id(self) -> str | None:
+        return self._request.request_id if self._request is not None else None
+
+    def _stop(self, error: PylonError, request_id: str | None = None) -> None:
+        self._error = (error, request_id)
+        raise _StopParsing
+
+    def _fail_connection(self, error: PylonError, request_id: str | None) -> None:
+        """Answer a request we will not read to its end, then close the connection."""
+        self._closing = True
+        self._queue.clear()
+        if self._task is not None:
+            # An earlier pipelined request is still running; it finishes, this one is dropped.
+            self._task.add_done_callback(lambda _: self.close())
+            return
+        responder = Http1Responder(self, keep_alive=False, is_head=False)
+        self._proxy.reject(responder, error, request_id, time.monotonic())
+
+    # --- used by the responder ---
+    def write(self, data: bytes) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+
+    async def drain(self) -> None:
+        if not self._write_paused:
+            return
+        self._drain_waiter = self._loop.create_future()
+        try:
+            await self._drain_waiter
+        finally:
+            self._drain_waiter = None
+
+    @property
+    def write_paused(self) -> bool:
+        return self._write_paused
+
+    def close(self) -> None:
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        self._closing = True
+        if self._transport is not None:
+            self._transport.abort()
+
+
+class Http1Responder:
+    """`ResponseSink` for one HTTP/1.1 response: content-length or chunked framing."""
+
+    __slots__ = ("_chunked", "_conn", "_is_head", "_keep_alive")
+
+    def __init__(self, conn: Http1Connection, keep_alive: bool, is_head: bool) -> None:
+        self._conn = conn
+        self._keep_alive = keep_alive
+        self._is_head = is_head
+        self._chunked = False
+
+    @property
+    def paused(self) -> bool:
+        return self._conn.write_paused
+
+    def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
+        parts = [
+            b"HTTP/1.1 ",
+            str(status).encode("ascii"),
+            b" ",
+            _REASONS.get(status, b"Unknown"),
+            b"\r\n",
+        ]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        if content_length is not None:
+            parts += (b"content-length: ", str(content_length).encode("ascii"), b"\r\n")
+        elif not self._is_head and status not in (204, 304) and self._keep_alive:
+            # (Not kept alive, e.g. HTTP/1.0: the body simply ends when the connection does.)
+            self._chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        if not self._keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        self._conn.write(b"".join(parts))
+
+    def write(self, data: bytes) -> None:
+        if self._is_head or not data:
+            return
+        if self._chunked:
+            self._conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            self._conn.write(data)
+
+    async def drain(self) -> None:
+        await self._conn.drain()
+
+    def end(self) -> None:
+        if self._chunked:
+            self._conn.write(b"0\r\n\r\n")
+        if not self._keep_alive:
+            self._conn.close()
+
+    def abort(self) -> None:
+        self._conn.abort()
+
+
+def _declared_length(headers: list[Header]) -> int | None:
+    for name, value in headers:
+        if len(name) == 14 and name.lower() == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def _expects_continue(headers: list[Header]) -> bool:
+    return any(
+        name.lower() == b"expect" and value.strip().lower() == b"100-continue"
+        for name, value in headers
+    )
