@@ -403,6 +403,9 @@ async def control_clear_faults(request: web.Request) -> web.StreamResponse:
 
 
 def build_app(config: MockConfig) -> web.Application:
+    """The mock as an aiohttp app. Run it with `handler_cancellation=True`
+    (as `start_mock` does): otherwise a disconnect is only noticed on the
+    next write, so `cancelled_at` comes late and stalls never end."""
     app = web.Application(middlewares=[record_requests], client_max_size=MAX_BODY_BYTES)
     app[STATE_KEY] = MockState.from_config(config)
     app.router.add_post("/v1/chat/completions",
