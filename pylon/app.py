@@ -64,6 +64,7 @@ async def serve(
     settings: Settings,
     on_ready: Callable[[str], Any] | None = None,
     stop: asyncio.Event | None = None,
+    handle_signals: bool = True,
 ) -> None:
     """Run pylon until `stop` is set or SIGINT/SIGTERM arrives."""
     loop = asyncio.get_running_loop()
@@ -94,9 +95,10 @@ async def serve(
         stack.callback(server.close)
         bound = server.sockets[0].getsockname()
         address = f"{bound[0]}:{bound[1]}" if ":" not in bound[0] else f"[{bound[0]}]:{bound[1]}"
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-            stack.callback(loop.remove_signal_handler, sig)
+        if handle_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+                stack.callback(loop.remove_signal_handler, sig)
         log.info(
             "listening",
             address=address,

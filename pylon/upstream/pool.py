@@ -142,7 +142,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.idle_since = 0.0
         self._paused = False
-        self._pending_name = b""
+        self._until_close = False
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -157,7 +157,12 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.exchange is not None:
+        if self.exchange is None:
+            return
+        if self._until_close and exc is None:
+            # A close-delimited body (no length, not chunked) ends exactly here.
+            self.exchange._complete()
+        else:
             self.exchange.fail(UpstreamBroken("engine closed the connection mid-response"))
 
     # --- httptools callbacks ---
@@ -178,6 +183,7 @@ class _Connection(asyncio.Protocol):
             return  # an interim response; the real one follows
         exchange.status = status
         self.keep_alive = self._parser.should_keep_alive()
+        self._until_close = _delimited_by_close(status, exchange.headers)
         exchange._head_complete()
         if exchange.is_head:
             # llhttp cannot be told the request was HEAD; the body it expects never comes.
@@ -213,6 +219,19 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+
+def _delimited_by_close(status: int, headers: list[Header]) -> bool:
+    """RFC 9112 6.3: without Content-Length or chunked coding, the body runs to the close."""
+    if status in (204, 304):
+        return False
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == b"content-length" or (
+            lowered == b"transfer-encoding" and b"chunked" in value.lower()
+        ):
+            return False
+    return True
 
 
 class UpstreamPool:
