@@ -422,7 +422,8 @@ class DynamoStack:
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.frontend_url + "/metrics", timeout=5.0) as r:
-            return r.read().decode()
+            data: bytes = r.read()
+        return data.decode()
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"

@@ -185,7 +185,7 @@ def run_burst(
     late_body_extra: dict[str, Any] | None = None,
     *,
     tag: str,
-    n_burst: int = 40,
+    n_burst: int = 56,
     n_late: int = 6,
     words: int = 1000,
     max_tokens: int = 32,

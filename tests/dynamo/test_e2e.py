@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("httpx", reason="httpx is not installed: pip install -e '.[dynamo]'")
+
 from .helpers import (
     Reply,
     body,
