@@ -1,0 +1,74 @@
+"""Every error code renders one RFC 9457 body."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pylon.core.errors import (
+    PROBLEM_TYPE_BASE,
+    BodyError,
+    ClientError,
+    ContractError,
+    ErrorCode,
+    LimitError,
+    PylonError,
+    UpstreamError,
+    problem_body,
+)
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_every_code_has_status_and_title(code: ErrorCode) -> None:
+    assert 400 <= code.status <= 599
+    assert code.title and code.title.strip() == code.title
+    error = PylonError("detail text", code=code)
+    assert error.status == code.status
+    body = json.loads(problem_body(error, "req-9"))
+    assert body == {
+        "type": PROBLEM_TYPE_BASE + code.value,
+        "title": code.title,
+        "status": code.status,
+        "detail": "detail text",
+        "code": code.value,
+        "request_id": "req-9",
+    }
+
+
+def test_problem_body_without_request_id() -> None:
+    body = json.loads(problem_body(ContractError("x", code=ErrorCode.MISSING_REQUEST_ID), None))
+    assert "request_id" not in body
+    assert body["status"] == 400
+
+
+def test_client_codes_are_4xx_and_upstream_codes_5xx() -> None:
+    for code in ErrorCode:
+        assert (code.status < 500) == (not code.value.startswith(("upstream_", "shutting_")))
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "status"),
+    [
+        (BodyError("x"), ErrorCode.BODY_NOT_JSON_OBJECT, 400),
+        (LimitError("x"), ErrorCode.BODY_TOO_LARGE, 413),
+        (LimitError("x", code=ErrorCode.HEADERS_TOO_LARGE), ErrorCode.HEADERS_TOO_LARGE, 431),
+        (UpstreamError("x"), ErrorCode.UPSTREAM_UNAVAILABLE, 503),
+        (UpstreamError("x", code=ErrorCode.UPSTREAM_TIMEOUT), ErrorCode.UPSTREAM_TIMEOUT, 504),
+        (ContractError("x"), ErrorCode.MALFORMED_REQUEST, 400),
+    ],
+)
+def test_class_defaults(error: PylonError, code: ErrorCode, status: int) -> None:
+    assert error.code is code
+    assert error.status == status
+
+
+def test_instance_code_does_not_leak_into_the_class() -> None:
+    LimitError("x", code=ErrorCode.HEADERS_TOO_LARGE)
+    assert LimitError("y").code is ErrorCode.BODY_TOO_LARGE
+    assert issubclass(ContractError, ClientError) and issubclass(UpstreamError, PylonError)
+
+
+def test_detail_is_escaped_json() -> None:
+    body = problem_body(BodyError('quote " and \n newline'), 'id"1')
+    assert json.loads(body)["detail"] == 'quote " and \n newline'

@@ -1,0 +1,157 @@
+"""ForwardPlan: exactly what goes to the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pylon.adapters import AdapterOptions, build_adapter
+from pylon.core.contract import HealthRequest, parse_request
+from pylon.core.plan import BODY_PRIORITY_PATHS, Planner, append_member
+
+from .helpers import TRACEPARENT, tunnel
+
+# Bodies with formatting a re-encode would change: spacing, escapes, exponents, huge ints.
+ODD_BODIES = [
+    b'{"model":"m"}',
+    b'{ "model" : "m" ,\n  "x": 1.0e5, "y": 18446744073709551617999 }\n',
+    b'{"s":"caf\\u00e9 \\ud83d\\ude00","t":"caf\xc3\xa9","n":-0.0,"z":1E2}',
+    b"{}",
+    b"  {  }  ",
+    b'{"stream":true,"messages":[{"role":"user","content":"priority nvext dp_rank"}]}',
+]
+PATHS = sorted(BODY_PRIORITY_PATHS)
+
+
+def planner(backend: str, derive: bool = True) -> Planner:
+    return Planner(build_adapter(backend, AdapterOptions(3600), derive=derive))
+
+
+@pytest.mark.parametrize("body", ODD_BODIES)
+@pytest.mark.parametrize(
+    ("backend", "derive"),
+    [("dynamo", True), ("passthrough", True), ("vllm", False), ("sglang", False)],
+)
+def test_body_byte_identical_when_nothing_changes(body: bytes, backend: str, derive: bool) -> None:
+    plan = planner(backend, derive).plan(tunnel(), body)
+    assert plan.body == body
+    assert plan.stripped == ()
+
+
+@pytest.mark.parametrize("body", ODD_BODIES)
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_priority_appended_without_reencoding(body: bytes, backend: str) -> None:
+    plan = planner(backend).plan(tunnel((b"x-priority", b"7")), body)
+    value = 7 if backend == "vllm" else 3593
+    prefix = body.rstrip()[:-1].rstrip()
+    assert plan.body.startswith(prefix)
+    assert plan.body[len(prefix) :] in (b',"priority":%d}' % value, b'"priority":%d}' % value)
+    assert json.loads(plan.body) == {**json.loads(body), "priority": value}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_body_priority_on_inference_paths(path: str, backend: str) -> None:
+    plan = planner(backend).plan(tunnel(target=path.encode() + b"?x=1"), b"{}")
+    assert "priority" in json.loads(plan.body)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        b"/v1/models",
+        b"/metrics",
+        b"/v1/chat/completions/x",
+        b"/v1/tokenize",
+        b"/V1/chat/completions",
+    ],
+)
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_no_body_priority_elsewhere(target: bytes, backend: str) -> None:
+    plan = planner(backend).plan(tunnel(target=target), b'{"priority":1,"a":1}')
+    assert json.loads(plan.body) == {"a": 1}
+    assert plan.priority.body_priority is not None  # derived, but not written on this path
+
+
+def test_plan_headers_order_and_ownership() -> None:
+    request = tunnel(
+        (b"traceparent", TRACEPARENT),
+        (b"tracestate", b"a=1"),
+        (b"Host", b"evil"),
+        (b"Content-Length", b"999"),
+        (b"Accept", b"text/event-stream"),
+        (b"X-Tenant-Id", b"t"),
+    )
+    plan = planner("dynamo").plan(request, b'{"stream":true}')
+    assert plan.headers == (
+        (b"x-request-id", b"req-1"),
+        (b"traceparent", TRACEPARENT),
+        (b"tracestate", b"a=1"),
+        (b"x-model", b"m"),
+        (b"Accept", b"text/event-stream"),
+        (b"x-dynamo-request-priority", b"0"),
+        (b"x-dynamo-request-strict-priority", b"0"),
+    )
+    assert plan.stream_requested is True
+    assert plan.stripped == ("x-tenant-id",)
+    assert (plan.method, plan.target, plan.request_id, plan.model) == (
+        "POST",
+        "/v1/chat/completions",
+        "req-1",
+        "m",
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "stream"),
+    [
+        (b'{"stream":true}', True),
+        (b'{"stream":"true"}', False),
+        (b'{"stream":1}', False),
+        (b"{}", False),
+    ],
+)
+def test_stream_requested_only_for_literal_true(body: bytes, stream: bool) -> None:
+    assert planner("dynamo").plan(tunnel(), body).stream_requested is stream
+
+
+def test_plan_health() -> None:
+    request = parse_request(
+        b"GET",
+        b"/health?x=1",
+        [
+            (b"x-request-id", b"h1"),
+            (b"x-dynamo-dp-rank", b"1"),
+            (b"x-request-id", b"h2"),
+            (b"accept", b"*/*"),
+        ],
+    )
+    assert isinstance(request, HealthRequest)
+    plan = planner("dynamo").plan_health(request)
+    # A repeated id is unusable: no x-request-id at all rather than the client's two.
+    assert plan.headers == ((b"accept", b"*/*"),)
+    assert plan.body == b"" and plan.priority.empty
+    request = parse_request(b"HEAD", b"/health", [(b"X-Request-Id", b" h1 ")])
+    assert isinstance(request, HealthRequest)
+    plan = planner("vllm").plan_health(request)
+    assert plan.headers == ((b"x-request-id", b"h1"),)
+    assert (plan.method, plan.target) == ("HEAD", "/health")
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.dictionaries(
+        st.text(max_size=5).filter(lambda k: k != "priority"),
+        st.integers() | st.text(max_size=5),
+        max_size=5,
+    ),
+    st.sampled_from([b"", b" ", b"\n", b"\t\r\n"]),
+    st.integers(0, 2**31 - 1),
+)
+def test_append_member(obj: dict, ws: bytes, value: int) -> None:
+    body = ws + json.dumps(obj).encode() + ws
+    appended = append_member(body, "priority", value)
+    assert json.loads(appended) == {**obj, "priority": value}

@@ -1,0 +1,157 @@
+"""Settings precedence: flag > PYLON_* env > TOML file > default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from pylon.settings import Settings, load_settings, split_host_port
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("PYLON_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def toml(tmp_path: Path):
+    def write(text: str) -> Path:
+        path = tmp_path / "pylon.toml"
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def test_defaults() -> None:
+    s = load_settings({})
+    assert s.backend == "dynamo"
+    assert s.priority_ceiling == 3600
+    assert s.derive_priority is True
+    assert s.retryable_status_codes == (429, 503)
+    assert s.listen_host_port == ("127.0.0.1", 8080)
+    assert s.adapter_options.ceiling == 3600
+    policy = s.retry_policy
+    assert policy.retryable_status_codes == frozenset({429, 503})
+    assert policy.upstream_retry_header == b"x-stargate-upstream-retryable"
+
+
+def test_precedence_flag_env_file_default(monkeypatch: pytest.MonkeyPatch, toml) -> None:
+    path = toml(
+        'priority_ceiling = 10\nbackend = "sglang"\nmax_headers = 50\nlog_level = "debug"\n'
+    )
+    monkeypatch.setenv("PYLON_PRIORITY_CEILING", "20")
+    monkeypatch.setenv("PYLON_BACKEND", "vllm")
+    s = load_settings({"priority_ceiling": 30}, path)
+    assert s.priority_ceiling == 30  # flag beats env and file
+    assert s.backend == "vllm"  # env beats file
+    assert s.max_headers == 50  # file beats default
+    assert s.log_level == "debug"
+    assert s.listen == "127.0.0.1:8080"  # default
+
+
+def test_file_only_applies_to_its_own_load(toml) -> None:
+    load_settings({}, toml("priority_ceiling = 10\n"))
+    assert load_settings({}).priority_ceiling == 3600
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="config file not found"):
+        load_settings({}, tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("true", True), ("false", False), ("1", True), ("0", False), ("TRUE", True), ("False", False)],
+)
+def test_booleans_from_env(monkeypatch: pytest.MonkeyPatch, raw: str, expected: bool) -> None:
+    monkeypatch.setenv("PYLON_DERIVE_PRIORITY", raw)
+    monkeypatch.setenv("PYLON_SGLANG_LOW_PRIORITY_FIRST", raw)
+    s = load_settings({})
+    assert s.derive_priority is expected
+    assert s.sglang_low_priority_first is expected
+    assert s.adapter_options.sglang_low_priority_first is expected
+
+
+def test_status_list_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYLON_RETRYABLE_STATUS_CODES", "429, 503,500")
+    assert load_settings({}).retryable_status_codes == (429, 503, 500)
+    monkeypatch.setenv("PYLON_RETRYABLE_STATUS_CODES", "")
+    assert load_settings({}).retryable_status_codes == ()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("PYLON_DERIVE_PRIORITY", "maybe"),
+        ("PYLON_PRIORITY_CEILING", "0"),
+        ("PYLON_PRIORITY_CEILING", "2147483648"),
+        ("PYLON_PRIORITY_CEILING", "ten"),
+        ("PYLON_BACKEND", "trtllm"),
+        ("PYLON_LISTEN", "nope"),
+        ("PYLON_LISTEN", "127.0.0.1:70000"),
+        ("PYLON_RETRYABLE_STATUS_CODES", "429,abc"),
+        ("PYLON_RETRYABLE_STATUS_CODES", "99"),
+        ("PYLON_UPSTREAM", "https://engine:8000"),
+        ("PYLON_UPSTREAM", "http://engine:8000/?q=1"),
+        ("PYLON_LOG_LEVEL", "loud"),
+        ("PYLON_MAX_SSE_EVENT_BYTES", "1"),
+    ],
+)
+def test_bad_env_values_raise(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises((ValidationError, ValueError)):
+        load_settings({})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"backend": "x"}, {"priority_ceiling": -1}, {"not_a_setting": 1}, {"max_headers": 1}],
+)
+def test_bad_flags_raise(overrides: dict) -> None:
+    with pytest.raises(ValidationError):
+        load_settings(overrides)
+
+
+def test_bad_file_raises(toml) -> None:
+    with pytest.raises(ValidationError):
+        load_settings({}, toml('backend = "trtllm"\n'))
+    with pytest.raises(ValidationError):
+        load_settings({}, toml("unknown_key = 1\n"))
+
+
+def test_log_level_case_insensitive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYLON_LOG_LEVEL", "WARNING")
+    assert load_settings({}).log_level == "warning"
+
+
+def test_settings_are_frozen() -> None:
+    s = Settings()
+    with pytest.raises(ValidationError):
+        s.backend = "vllm"  # type: ignore[misc]
+
+
+def test_upstream_and_redaction() -> None:
+    s = load_settings({"upstream": "http://user:secret@127.0.0.1:8000"})
+    assert "secret" not in str(s.redacted())
+    s = load_settings({"upstream": "http://127.0.0.1:8000"})
+    assert s.redacted()["upstream"].startswith("http://127.0.0.1:8000")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("0.0.0.0:80", ("0.0.0.0", 80)), ("[::1]:9000", ("::1", 9000)), ("host:0", ("host", 0))],
+)
+def test_split_host_port(value: str, expected: tuple[str, int]) -> None:
+    assert split_host_port(value) == expected
+
+
+@pytest.mark.parametrize("value", ["host", ":80", "host:", "host:-1", "[zz]:80", "host:65536"])
+def test_split_host_port_rejects(value: str) -> None:
+    with pytest.raises(ValueError):
+        split_host_port(value)

@@ -1,0 +1,124 @@
+"""SSE splitting is independent of how the bytes are cut (style P10)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event
+
+LIMIT = 1 << 20
+
+
+def feed_all(pieces: list[bytes], limit: int = LIMIT) -> tuple[list[bytes], bytes]:
+    splitter = SseSplitter(limit)
+    events: list[bytes] = []
+    for piece in pieces:
+        events.extend(splitter.feed(piece))
+    return events, splitter.pending
+
+
+def cut(data: bytes, points: list[int]) -> list[bytes]:
+    bounds = sorted({0, len(data), *(p % (len(data) + 1) for p in points)})
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+_line = st.text(
+    st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=20
+).map(str.encode)
+
+
+@st.composite
+def event_stream(draw) -> tuple[bytes, list[bytes], bytes]:
+    """(stream bytes, the events, trailing unterminated bytes)."""
+    eol = draw(st.sampled_from([b"\n", b"\r\n"]))
+    events = []
+    for _ in range(draw(st.integers(0, 6))):
+        lines = draw(
+            st.lists(
+                st.sampled_from([b"data: ", b"event: ", b": ", b"id: "]).flatmap(
+                    lambda f: _line.map(lambda t, f=f: f + t)
+                ),
+                min_size=1,
+                max_size=4,
+            )
+        )
+        events.append(eol.join(lines) + eol + eol)
+    tail = draw(st.sampled_from([b"", b"data: partial"]))
+    return b"".join(events) + tail, events, tail
+
+
+@settings(max_examples=300, deadline=None)
+@given(event_stream(), st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_any_chunking_gives_identical_events(stream, points) -> None:
+    data, events, tail = stream
+    whole, pending = feed_all([data])
+    assert (whole, pending) == (events, tail)
+    assert feed_all(cut(data, points)) == (events, tail)
+    assert feed_all([data[i : i + 1] for i in range(len(data))]) == (events, tail)
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
+def test_one_byte_pieces(eol: bytes) -> None:
+    data = b"data: a" + eol + b"data: b" + eol + eol + b": keepalive" + eol + eol
+    events, pending = feed_all([data[i : i + 1] for i in range(len(data))])
+    assert events == [b"data: a" + eol + b"data: b" + eol + eol, b": keepalive" + eol + eol]
+    assert pending == b""
+
+
+def test_too_large_unterminated_event() -> None:
+    splitter = SseSplitter(64)
+    assert splitter.feed(b"data: " + b"x" * 58) == []  # exactly 64 pending: still fine
+    with pytest.raises(SseEventTooLarge):
+        splitter.feed(b"x")
+
+
+def test_too_large_byte_by_byte() -> None:
+    splitter = SseSplitter(64)
+    with pytest.raises(SseEventTooLarge):
+        for _ in range(100):
+            splitter.feed(b"y")
+
+
+def test_limit_is_per_event_not_per_stream() -> None:
+    splitter = SseSplitter(64)
+    total = 0
+    for _ in range(1000):
+        total += len(splitter.feed(b"data: " + b"z" * 40 + b"\n\n"))
+    assert total == 1000
+
+
+@pytest.mark.parametrize(
+    ("event", "output"),
+    [
+        (b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', True),
+        (b"event: message\ndata: x\n\n", True),
+        (b"id: 1\r\ndata: x\r\n\r\n", True),
+        (b"data:x\n\n", True),
+        (b": keep-alive\n\n", False),
+        (b"event: ping\n\n", False),
+        (b"id: 7\n\n", False),
+        (b'event: response.created\ndata: {"type":"response.created"}\n\n', False),
+        (b"event:response.created\ndata: {}\n\n", False),
+        (b'data: {"type":"response.created","response":{}}\n\n', False),
+        (b'data: {"type": "response.created"}\n\n', False),
+        (b"event: response.in_progress\ndata: {}\n\n", False),
+        (b'data: {"type":"response.in_progress"}\n\n', False),
+        (
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n',
+            True,
+        ),
+        (b"xdata: no\n\n", False),
+    ],
+)
+def test_is_output_event(event: bytes, output: bool) -> None:
+    assert is_output_event(event) is output
+
+
+def test_error_event_is_one_complete_event() -> None:
+    event = error_event(b'{"code":"upstream_timeout"}')
+    assert feed_all([event]) == ([event], b"")
+    assert event.startswith(b"event: error\n")
