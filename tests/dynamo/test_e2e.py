@@ -210,7 +210,8 @@ def test_5_frontend_accepted_everything_pylon_sent(
     dynamo_stack: Any, gateway: Any, ledger: Any
 ) -> None:
     """Every request through the gateway in tests 1-4 got a 200 from the real frontend."""
-    assert ledger.entries, "tests 1-4 did not run in this session"
+    if not ledger.entries:
+        pytest.skip("tests 1-4 did not run in this session (run the whole file)")
     bad = [e for e in ledger.entries if e[1] != 200]
     assert not bad, f"{len(bad)}/{len(ledger.entries)} rejected, e.g. {bad[:3]}"
     metrics = dynamo_stack.metrics()
