@@ -2,7 +2,7 @@
 
 Pure functions. Every name below is removed case-insensitively, every duplicate, whatever the
 surrounding whitespace. There is deliberately no switch to turn this off. The same tables are
-rendered in docs/api-contract.md; `tests/test_docs.py` keeps the two in step.
+rendered in docs/api-contract.md; `tests/unit/test_docs.py` keeps the two in step.
 """
 
 from __future__ import annotations
