@@ -122,3 +122,14 @@ def test_error_event_is_one_complete_event() -> None:
     event = error_event(b'{"code":"upstream_timeout"}')
     assert feed_all([event]) == ([event], b"")
     assert event.startswith(b"event: error\n")
+
+
+@pytest.mark.parametrize("name", [b"response.created", b"response.in_progress"])
+def test_bookkeeping_events_in_every_spelling(name: bytes) -> None:
+    spellings = [
+        b"event: " + name + b"\ndata: {}\n\n",
+        b"event:" + name + b"\ndata: {}\n\n",
+        b'data: {"type":"' + name + b'"}\n\n',
+        b'data: {"type": "' + name + b'"}\n\n',
+    ]
+    assert [is_output_event(e) for e in spellings] == [False] * 4
