@@ -6,7 +6,7 @@ Pure and incremental: feed arbitrary chunks (a byte at a time works), get comple
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # An event ends at a blank line. Lines end in LF or CRLF (a lone CR, also legal in SSE, is not
 # produced by any engine pylon fronts, and recognising it would split a CRLF cut across chunks).
@@ -20,58 +20,34 @@ class SseEventTooLarge(Exception):
 @dataclass(slots=True)
 class SseSplitter:
     max_event_bytes: int
-    _buffer: bytes = b""
-
-    def feed_block(self, chunk: bytes) -> bytes:
-        """All complete events now available, as one block (empty when none is complete).
-
-        The relay writes the block as it is: whole events only, in order, as soon as they end.
-        """
-        buffer = self._buffer + chunk if self._buffer else chunk
-        end = _last_boundary_end(buffer, len(self._buffer))
-        block, self._buffer = buffer[:end], buffer[end:]
-        if len(self._buffer) > self.max_event_bytes:
-            raise SseEventTooLarge(
-                f"an SSE event exceeded {self.max_event_bytes} bytes without ending"
-            )
-        return block
+    _buffer: bytearray = field(default_factory=bytearray)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Complete events (each with its terminating blank line), in order."""
-        return split_events(self.feed_block(chunk))
+        buffer = self._buffer
+        # Rescan from a little before the old end: a boundary may straddle two chunks.
+        start = max(0, len(buffer) - 3)
+        buffer += chunk
+        events: list[bytes] = []
+        consumed = 0
+        while True:
+            match = _BOUNDARY.search(buffer, max(start, consumed))
+            if match is None:
+                break
+            events.append(bytes(buffer[consumed : match.end()]))
+            consumed = match.end()
+        if consumed:
+            del buffer[:consumed]
+        if len(buffer) > self.max_event_bytes:
+            raise SseEventTooLarge(
+                f"an SSE event exceeded {self.max_event_bytes} bytes without ending"
+            )
+        return events
 
     @property
     def pending(self) -> bytes:
         """Bytes of an unterminated event (what a stream that ends mid-event leaves behind)."""
         return bytes(self._buffer)
-
-
-def _last_boundary_end(buffer: bytes, old_length: int) -> int:
-    """End offset of the last blank line in `buffer` (0 if none).
-
-    Only the new bytes, plus three before them (a boundary may straddle two chunks), can hold
-    a boundary the previous call did not see.
-    """
-    start = max(0, old_length - 3)
-    if b"\r" not in buffer:
-        found = buffer.rfind(b"\n\n", start)
-        return found + 2 if found >= 0 else 0
-    end = 0
-    for match in _BOUNDARY.finditer(buffer, start):
-        end = match.end()
-    return end
-
-
-def split_events(block: bytes) -> list[bytes]:
-    """A block of complete events -> the events, each with its terminating blank line."""
-    events: list[bytes] = []
-    consumed = 0
-    while consumed < len(block):
-        match = _BOUNDARY.search(block, consumed)
-        assert match is not None, "a block holds complete events only"
-        events.append(block[consumed : match.end()])
-        consumed = match.end()
-    return events
 
 
 def is_output_event(event: bytes) -> bool:
