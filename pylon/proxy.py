@@ -20,7 +20,13 @@ from pylon.core.errors import ErrorCode, PylonError, UpstreamError, problem_body
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.retry import RetryMark, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import sanitize_response_headers
-from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event
+from pylon.core.sse import (
+    SseEventTooLarge,
+    SseSplitter,
+    error_event,
+    is_output_event,
+    iter_events,
+)
 from pylon.logs import get_logger
 from pylon.settings import Settings
 from pylon.upstream.pool import (
@@ -227,11 +233,11 @@ class Proxy:
         failure: PylonError | None = None
         try:
             while (chunk := await exchange.next_chunk()) is not None:
-                events = splitter.feed(chunk)
-                if not events:
+                block = splitter.feed_block(chunk)
+                if not block:
                     continue
-                sink.write(b"".join(events) if len(events) > 1 else events[0])
-                if seen_output or any(is_output_event(event) for event in events):
+                sink.write(block)
+                if seen_output or any(map(is_output_event, iter_events(block))):
                     seen_output = True
                     watchdog.arm(settings.output_gap_timeout, "gap between events too long")
                 if sink.paused:

@@ -6,7 +6,8 @@ Pure and incremental: feed arbitrary chunks (a byte at a time works), get comple
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 # An event ends at a blank line. Lines end in LF or CRLF (a lone CR, also legal in SSE, is not
 # produced by any engine pylon fronts, and recognising it would split a CRLF cut across chunks).
@@ -20,29 +21,25 @@ class SseEventTooLarge(Exception):
 @dataclass(slots=True)
 class SseSplitter:
     max_event_bytes: int
-    _buffer: bytearray = field(default_factory=bytearray)
+    _buffer: bytes = b""
 
-    def feed(self, chunk: bytes) -> list[bytes]:
-        """Complete events (each with its terminating blank line), in order."""
-        buffer = self._buffer
-        # Rescan from a little before the old end: a boundary may straddle two chunks.
-        start = max(0, len(buffer) - 3)
-        buffer += chunk
-        events: list[bytes] = []
-        consumed = 0
-        while True:
-            match = _BOUNDARY.search(buffer, max(start, consumed))
-            if match is None:
-                break
-            events.append(bytes(buffer[consumed : match.end()]))
-            consumed = match.end()
-        if consumed:
-            del buffer[:consumed]
-        if len(buffer) > self.max_event_bytes:
+    def feed_block(self, chunk: bytes) -> bytes:
+        """All complete events now available, as one block (empty when none is complete).
+
+        The relay writes the block as it is: whole events only, in order, as soon as they end.
+        """
+        buffer = self._buffer + chunk if self._buffer else chunk
+        end = _last_boundary_end(buffer, len(self._buffer))
+        block, self._buffer = buffer[:end], buffer[end:]
+        if len(self._buffer) > self.max_event_bytes:
             raise SseEventTooLarge(
                 f"an SSE event exceeded {self.max_event_bytes} bytes without ending"
             )
-        return events
+        return block
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """Complete events (each with its terminating blank line), in order."""
+        return split_events(self.feed_block(chunk))
 
     @property
     def pending(self) -> bytes:
@@ -50,22 +47,57 @@ class SseSplitter:
         return bytes(self._buffer)
 
 
+def _last_boundary_end(buffer: bytes, old_length: int) -> int:
+    """End offset of the last blank line in `buffer` (0 if none).
+
+    Only the new bytes, plus three before them (a boundary may straddle two chunks), can hold
+    a boundary the previous call did not see.
+    """
+    start = max(0, old_length - 3)
+    if b"\r" not in buffer:
+        found = buffer.rfind(b"\n\n", start)
+        return found + 2 if found >= 0 else 0
+    end = 0
+    for match in _BOUNDARY.finditer(buffer, start):
+        end = match.end()
+    return end
+
+
+def split_events(block: bytes) -> list[bytes]:
+    """A block of complete events -> the events, each with its terminating blank line."""
+    return list(iter_events(block))
+
+
+def iter_events(block: bytes) -> Iterator[bytes]:
+    """Lazily, so a caller looking for the first event of a kind stops there."""
+    consumed = 0
+    while consumed < len(block):
+        match = _BOUNDARY.search(block, consumed)
+        assert match is not None, "a block holds complete events only"
+        yield block[consumed : match.end()]
+        consumed = match.end()
+
+
+_DATA_LINE = re.compile(rb"^data: ?(.*?)\r?$", re.MULTILINE)
+_EVENT_LINE = re.compile(rb"^event: ?(.*?)\r?$", re.MULTILINE)
+_JSON_TYPE = re.compile(rb'"type"\s*:\s*"([^"]*)"')
+# Responses API bookkeeping: announced before any token, so not output (by name or JSON type).
+_NOT_OUTPUT_TYPES = frozenset({b"response.created", b"response.in_progress", b"response.queued"})
+
+
 def is_output_event(event: bytes) -> bool:
-    """Does this event carry model output (as opposed to a comment or a created notice)?"""
-    if not (event.startswith(b"data:") or b"\ndata:" in event):
+    """Does this event carry model output (not a comment, `[DONE]` or a bookkeeping notice)?
+
+    Only consulted until the first output of a stream, so clarity beats speed here.
+    """
+    data = b"\n".join(match.group(1) for match in _DATA_LINE.finditer(event)).strip()
+    if not data or data == b"[DONE]":
         return False
-    # Responses API bookkeeping events are not output (by event name or by JSON `type`).
-    return not any(marker in event for marker in _NOT_OUTPUT_MARKERS)
-
-
-_NOT_OUTPUT_MARKERS = (
-    b"event: response.created",
-    b"event:response.created",
-    b'"type":"response.created"',
-    b'"type": "response.created"',
-    b"event: response.in_progress",
-    b'"type":"response.in_progress"',
-)
+    name = _EVENT_LINE.search(event)
+    if name is not None and name.group(1).strip() in _NOT_OUTPUT_TYPES:
+        return False
+    kind = _JSON_TYPE.search(data)
+    return kind is None or kind.group(1) not in _NOT_OUTPUT_TYPES
 
 
 def error_event(payload: bytes) -> bytes:

@@ -56,6 +56,7 @@ class Http1Connection(asyncio.Protocol):
         self._closing = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
+        self._out: list[bytes] = []
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -205,6 +206,18 @@ class Http1Connection(asyncio.Protocol):
 
     # --- used by the responder ---
     def write(self, data: bytes) -> None:
+        # Corked: everything written in one loop iteration (head, body, chunk terminator) goes
+        # out in one send, flushed right after the current callbacks.
+        if not self._out:
+            self._loop.call_soon(self._flush)
+        self._out.append(data)
+
+    def _flush(self) -> None:
+        out = self._out
+        if not out:
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
 
@@ -223,11 +236,13 @@ class Http1Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self._closing = True
+        self._flush()
         if self._transport is not None:
             self._transport.close()
 
     def abort(self) -> None:
         self._closing = True
+        self._out.clear()
         if self._transport is not None:
             self._transport.abort()
 
