@@ -144,6 +144,17 @@ def measure(ctx: Ctx, row: Row, mode: Mode, port: int, pids: tuple[int, int]) ->
     res = run_wrk(port, mode.stream, ctx.args.duration, ctx.args.connections)
     p1, u1 = cpu_seconds(proxy_pid), cpu_seconds(up_pid)
     fill_row(row, mode, res, p1 - p0, u1 - u0)
+    if row.status != "ok":
+        row.status += f"; post-run probe: {post_probe(port, mode.stream)}"
+
+
+def post_probe(port: int, stream: bool) -> str:
+    """Diagnose a failed run: does a single request still succeed?"""
+    try:
+        probe(port, stream)
+    except (RuntimeError, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
 
 
 def fill_row(row: Row, mode: Mode, res: WrkResult, proxy_cpu: float, up_cpu: float) -> None:
@@ -202,7 +213,9 @@ def run_upstream(ctx: Ctx, upstream: str, modes: list[Mode], proxies: list[str])
     for mode in modes:
         pace = ctx.args.pace_ms if mode.paced else 0.0
         try:
-            proc, up_port = start_listening(ctx.group, upstream_argv(upstream, pace))
+            argv = upstream_argv(upstream, pace)
+            log = ctx.workdir / f"upstream-{upstream}-{mode.key}.log"
+            proc, up_port = start_listening(ctx.group, argv, log_path=log)
         except (RuntimeError, OSError) as exc:
             print(f"!!! upstream {upstream} failed to start: {exc}", file=sys.stderr)
             rows += [

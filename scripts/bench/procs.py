@@ -92,7 +92,7 @@ def wait_port(proc: subprocess.Popen[bytes], port: int, timeout: float) -> None:
 
 
 def start_listening(
-    group: ProcessGroup, argv: list[str], timeout: float = 15.0
+    group: ProcessGroup, argv: list[str], timeout: float = 15.0, log_path: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start a server that prints ``... listening on http://HOST:PORT``; return (proc, port)."""
     proc = group.track(
@@ -115,19 +115,26 @@ def start_listening(
         seen.append(line.rstrip())
         match = _LISTEN_RE.search(line)
         if match:
-            _drain(proc)
+            _drain(proc, log_path)
             return proc, int(match.group(2))
     group.stop(proc)
     raise RuntimeError(f"{argv[0]} did not report a listening port: {' | '.join(seen[-5:])}")
 
 
-def _drain(proc: subprocess.Popen[bytes]) -> None:
-    """Keep reading the child's stdout in the background so it never blocks on a full pipe."""
+def _drain(proc: subprocess.Popen[bytes], log_path: Path | None) -> None:
+    """Keep reading the child's stdout in the background (to log_path if given)."""
 
     def pump() -> None:
         assert proc.stdout is not None
-        for _ in iter(proc.stdout.readline, b""):
-            pass
+        log = log_path.open("ab") if log_path else None
+        try:
+            for line in iter(proc.stdout.readline, b""):
+                if log:
+                    log.write(line)
+                    log.flush()
+        finally:
+            if log:
+                log.close()
 
     threading.Thread(target=pump, daemon=True).start()
 
