@@ -1,0 +1,3 @@
+from pylon.cli import main
+
+main()
