@@ -22,6 +22,8 @@ _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
     "sglang": "sglang",
 }
 EMBEDDED_MOCK_MODEL = "mock-model"
+# Seconds in-flight HTTP/3 streams get to finish after GOAWAY when pylon stops.
+QUIC_SHUTDOWN_GRACE = 1.0
 
 
 def upstream_target(url: str) -> UpstreamTarget:
@@ -60,11 +62,29 @@ async def _embedded_mock(settings: Settings, stack: AsyncExitStack) -> str:
     return str(mock.base_url)
 
 
+async def _start_quic(settings: Settings, proxy: Proxy, stack: AsyncExitStack) -> str:
+    """The HTTP/3 listener (direct tunnel mode), with its hot-reloaded TLS identity."""
+    from pylon.server.http3 import Http3Server
+    from pylon.tls import TlsIdentity
+
+    assert settings.quic_listen is not None
+    identity = TlsIdentity.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    reloader = asyncio.create_task(identity.watch(settings.tls_reload_interval))
+    stack.callback(reloader.cancel)
+    h3 = Http3Server(settings, proxy, identity)
+    host, port = await h3.start(*split_host_port(settings.quic_listen))
+    stack.push_async_callback(h3.shutdown, QUIC_SHUTDOWN_GRACE)
+    address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    get_logger().info("listening_quic", address=address, alpn="h3", retry=settings.quic_retry)
+    return address
+
+
 async def serve(
     settings: Settings,
     on_ready: Callable[[str], Any] | None = None,
     stop: asyncio.Event | None = None,
     handle_signals: bool = True,
+    on_quic_ready: Callable[[str], Any] | None = None,
 ) -> None:
     """Run pylon until `stop` is set or SIGINT/SIGTERM arrives."""
     loop = asyncio.get_running_loop()
@@ -95,6 +115,10 @@ async def serve(
         stack.callback(server.close)
         bound = server.sockets[0].getsockname()
         address = f"{bound[0]}:{bound[1]}" if ":" not in bound[0] else f"[{bound[0]}]:{bound[1]}"
+        if settings.quic_listen is not None:
+            quic_address = await _start_quic(settings, proxy, stack)
+            if on_quic_ready is not None:
+                on_quic_ready(quic_address)
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)

@@ -84,6 +84,36 @@ class Settings(BaseSettings):
     )
     log_format: Literal["json", "console"] = Field("json", description="log rendering")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    # --- TLS identity ---
+    tls_cert: Path | None = Field(
+        None, description="server certificate chain (PEM); unset with --tls-key = self-signed"
+    )
+    tls_key: Path | None = Field(None, description="server private key (PEM), with --tls-cert")
+    tls_client_ca: Path | None = Field(
+        None, description="CA bundle (PEM): only clients with a certificate from it may connect"
+    )
+    tls_reload_interval: float = Field(
+        2.0, gt=0, description="seconds between checks of the cert/key files for a new pair"
+    )
+    # --- HTTP/3 / QUIC ---
+    quic_listen: str | None = Field(
+        None, description="UDP listen address for HTTP/3 (HOST:PORT); unset = no QUIC listener"
+    )
+    quic_idle_timeout: float = Field(
+        60.0, gt=0, description="seconds without packets before a QUIC connection is closed"
+    )
+    quic_max_data: int = Field(
+        16 * MiB, ge=64 * KiB, description="QUIC connection receive window (bytes)"
+    )
+    quic_max_stream_data: int = Field(
+        4 * MiB, ge=16 * KiB, description="QUIC per-stream receive window (bytes)"
+    )
+    quic_max_concurrent_streams: int = Field(
+        128, ge=1, le=4096, description="concurrent request streams per QUIC connection"
+    )
+    quic_retry: bool = Field(
+        True, description="validate client addresses with a QUIC Retry before any handshake"
+    )
 
     @field_validator("listen")
     @classmethod
@@ -126,6 +156,19 @@ class Settings(BaseSettings):
         if value is not None and (value.query or value.fragment):
             raise ValueError("the upstream URL may not carry a query or fragment")
         return value
+
+    @field_validator("quic_listen")
+    @classmethod
+    def _valid_quic_listen(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_host_port(value)
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key must be given together (or neither)")
+        return self
 
     @model_validator(mode="after")
     def _known_backend(self) -> Settings:

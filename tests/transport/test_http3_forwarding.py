@@ -1,0 +1,169 @@
+"""Pylon over HTTP/3 in front of mock_dynamo: the core's contract, strip and derive, SSE relay and
+cancellation, exercised through aioquic's client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pylon.core.sanitize import DENIED_BODY_FIELDS, DENIED_REQUEST_HEADERS
+from tests.integration.test_forwarding import spoofed_body, spoofed_headers
+from tests.transport.conftest_h3 import (
+    CHAT,
+    MODEL,
+    H3StackFactory,
+    chat,
+    h3_stack,
+    request_headers,
+    sse_payloads,
+)
+
+__all__ = ["h3_stack"]  # the fixture, imported for pytest
+
+
+def _values(record: dict[str, object], name: str) -> list[str]:
+    headers = record["headers"]
+    assert isinstance(headers, list)
+    return [value for key, value in headers if key.lower() == name]
+
+
+@pytest.mark.parametrize("backend", ["dynamo", "vllm", "sglang", "passthrough"])
+async def test_strip_and_derive_over_h3(h3_stack: H3StackFactory, backend: str) -> None:
+    stack = await h3_stack(backend)
+    # HTTP/3 field names are lowercase on the wire (uppercase would be a malformed message).
+    headers = [(name.lower(), value) for name, value in spoofed_headers()]
+    async with stack.connect() as client:
+        reply = await client.request(CHAT, spoofed_body(backend), headers)
+    assert reply.status == 200, reply.body
+    record = await stack.last_request()
+    names = [name.lower() for name, _ in record["headers"]]
+    for denied in DENIED_REQUEST_HEADERS:
+        assert denied.decode() not in names
+    assert not [n for n in names if n.startswith(("x-stargate-", "x-smg-", "x-override-"))]
+    body = record["body"]
+    for key in DENIED_BODY_FIELDS:
+        if key != "priority":
+            assert key not in body
+    assert body["seed"] == 2**70
+    dynamo_headers = sorted(n for n in names if n.startswith("x-dynamo-"))
+    if backend == "dynamo":
+        assert dynamo_headers == ["x-dynamo-request-priority", "x-dynamo-request-strict-priority"]
+        assert _values(record, "x-dynamo-request-priority") == [str(3600 - 7)]
+    else:
+        assert dynamo_headers == []
+    if backend in ("vllm", "sglang"):
+        assert body["priority"] == (7 if backend == "vllm" else 3600 - 7)
+    else:
+        assert "priority" not in body
+    assert _values(record, "x-request-id") == ["spoof-1"]
+
+
+async def test_authority_becomes_host_and_pseudo_headers_do_not_leak(
+    h3_stack: H3StackFactory,
+) -> None:
+    stack = await h3_stack("dynamo")
+    async with stack.connect() as client:
+        reply = await client.request(CHAT, chat())
+    assert reply.status == 200
+    assert reply.json()["object"] == "chat.completion"
+    names = [name for name, _ in reply.headers]
+    assert names == [name.lower() for name in names]
+    assert b"transfer-encoding" not in names and b"connection" not in names
+    record = await stack.last_request()
+    assert not [name for name, _ in record["headers"] if name.startswith(":")]
+
+
+async def test_sse_is_relayed_event_by_event(h3_stack: H3StackFactory) -> None:
+    stack = await h3_stack("dynamo", mock={"token_delay_ms": 60, "num_tokens": 5})
+    async with stack.connect() as client:
+        reply = await client.request(CHAT, chat(stream=True, max_tokens=5), timeout=10)
+    assert reply.status == 200
+    assert reply.header(b"content-type", ) == b"text/event-stream"
+    assert reply.body.rstrip().endswith(b"data: [DONE]")
+    assert len(sse_payloads(reply.body)) >= 5
+    # Each token arrives on its own, about one token delay after the previous one.
+    arrivals = [at for at, data in reply.chunks if b"data:" in data]
+    assert len(arrivals) >= 5
+    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
+    assert sum(gap > 0.03 for gap in gaps) >= 3, gaps
+
+
+async def test_contract_error_is_answered_before_the_body(h3_stack: H3StackFactory) -> None:
+    stack = await h3_stack("dynamo")
+    async with stack.connect() as client:
+        headers = request_headers(extra=[("x-model", MODEL)])  # no x-request-id
+        # Headers only, the body never comes: the answer must not wait for it.
+        reply = await client.send(headers, body=None, end=False).wait(3)
+    assert reply.status == 400
+    assert reply.header(b"content-type") == b"application/problem+json"
+    assert reply.json()["code"] == "missing_request_id"
+    assert (await stack.control())["requests"] == []
+
+
+async def test_health_bypasses_the_contract(h3_stack: H3StackFactory) -> None:
+    stack = await h3_stack("dynamo")
+    async with stack.connect() as client:
+        reply = await client.request("/health", method="GET", headers=[])
+    assert reply.status == 200
+
+
+async def test_many_concurrent_streams_on_one_connection(h3_stack: H3StackFactory) -> None:
+    stack = await h3_stack("dynamo", mock={"token_delay_ms": 5, "num_tokens": 4})
+    async with stack.connect() as client:
+        replies = await asyncio.gather(
+            *(
+                client.request(CHAT, chat(stream=i % 2 == 0), [("x-request-id", f"c{i}"), ("x-model", MODEL)])
+                for i in range(24)
+            )
+        )
+    assert [reply.status for reply in replies] == [200] * 24
+    ids = sorted(_values(r, "x-request-id")[0] for r in (await stack.control())["requests"])
+    assert ids == sorted(f"c{i}" for i in range(24))
+
+
+async def test_client_reset_cancels_the_engine_request_promptly(
+    h3_stack: H3StackFactory,
+) -> None:
+    stack = await h3_stack("dynamo", mock={"token_delay_ms": 50, "num_tokens": 400})
+    async with stack.connect() as client:
+        body = b'{"model": "mock-model", "stream": true, "max_tokens": 400, "messages": []}'
+        reply = client.send(request_headers(body=body), body)
+        async with asyncio.timeout(5):
+            while reply.body.count(b"data:") < 3:
+                await asyncio.sleep(0.01)
+        client.reset(reply.stream_id)
+        reset_at = time.time()
+        record: dict[str, object] = {}
+        for _ in range(100):
+            record = (await stack.control())["requests"][-1]
+            if record["cancelled_at"] is not None:
+                break
+            await asyncio.sleep(0.02)
+        # The connection itself stays usable.
+        again = await client.request(CHAT, chat())
+        assert again.status == 200
+    assert record["cancelled_at"] is not None, "the engine never saw the cancellation"
+    lag = float(record["cancelled_at"]) - reset_at  # type: ignore[arg-type]
+    assert lag < 0.1, f"engine request cancelled {lag * 1000:.0f} ms after the reset"
+
+
+async def test_connection_loss_cancels_the_engine_request(h3_stack: H3StackFactory) -> None:
+    stack = await h3_stack("dynamo", mock={"token_delay_ms": 50, "num_tokens": 400})
+    async with stack.connect() as client:
+        body = b'{"model": "mock-model", "stream": true, "max_tokens": 400, "messages": []}'
+        reply = client.send(request_headers(body=body), body)
+        async with asyncio.timeout(5):
+            while reply.body.count(b"data:") < 2:
+                await asyncio.sleep(0.01)
+        client.close()
+        closed_at = time.time()
+    record: dict[str, object] = {}
+    for _ in range(100):
+        record = (await stack.control())["requests"][-1]
+        if record["cancelled_at"] is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert record["cancelled_at"] is not None
+    assert float(record["cancelled_at"]) - closed_at < 0.1  # type: ignore[arg-type]
