@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
 from pylon.server.http1 import Http1Connection
+from pylon.server.http2 import H2Limits, Http2Connection, ProtocolSwitch
 from pylon.settings import Settings, split_host_port
 from pylon.upstream.pool import UpstreamPool, UpstreamTarget
 
@@ -79,6 +80,34 @@ async def _start_quic(settings: Settings, proxy: Proxy, stack: AsyncExitStack) -
     return address
 
 
+def tcp_protocol_factory(settings: Settings, proxy: Proxy) -> Callable[[], asyncio.Protocol]:
+    """HTTP/1.1 and HTTP/2 share the TCP port: `ProtocolSwitch` picks one per connection."""
+    limits = H2Limits(
+        max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
+        max_body=settings.max_body_bytes,
+        max_streams=settings.h2_max_concurrent_streams,
+        stream_window=settings.h2_stream_window,
+        header_timeout=settings.header_timeout,
+        idle_timeout=settings.client_idle_timeout,
+    )
+
+    def http1() -> asyncio.Protocol:
+        return Http1Connection(
+            proxy,
+            settings.max_header_bytes,
+            settings.max_headers,
+            settings.max_body_bytes,
+            header_timeout=settings.header_timeout,
+            idle_timeout=settings.client_idle_timeout,
+        )
+
+    def http2() -> asyncio.Protocol:
+        return Http2Connection(proxy, limits)
+
+    return lambda: ProtocolSwitch(http1, http2, settings.header_timeout)
+
+
 async def serve(
     settings: Settings,
     on_ready: Callable[[str], Any] | None = None,
@@ -104,9 +133,7 @@ async def serve(
         proxy = Proxy(settings, pool)
         host, port = settings.listen_host_port
         server = await loop.create_server(
-            lambda: Http1Connection(
-                proxy, settings.max_header_bytes, settings.max_headers, settings.max_body_bytes
-            ),
+            tcp_protocol_factory(settings, proxy),
             host,
             port,
             reuse_address=True,

@@ -8,6 +8,7 @@ timeouts, retry marking, logging) happens here, once, for all of them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import orjson
 
 from pylon.adapters import build_adapter
+from pylon.auth import TokenAuth, strip_authorization, unauthorized
 from pylon.core.contract import Header, HealthRequest, TunnelRequest
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError, problem_body
 from pylon.core.plan import ForwardPlan, Planner
@@ -119,6 +121,9 @@ class Proxy:
         self._retry_header = frozenset({self._retry.upstream_retry_header})
         self._loop = pool.loop
         self._log = get_logger()
+        # Tunnel authentication lives here, not in a transport, so every ingress gets it.
+        path = settings.tunnel_token_file
+        self._auth = TokenAuth(path) if path is not None else None
 
     async def handle(
         self, request: TunnelRequest | HealthRequest, body: bytes, sink: ResponseSink
@@ -127,12 +132,16 @@ class Proxy:
         request_id = request.request_id
         try:
             if isinstance(request, TunnelRequest):
+                if self._auth is not None and not self._auth.allows(request.headers):
+                    raise unauthorized()
                 plan = self._planner.plan(request, body)
             else:
                 plan = self._planner.plan_health(request)
         except PylonError as error:
             self.reject(sink, error, request_id, started, getattr(request, "model", None))
             return
+        if self._auth is not None:
+            plan = dataclasses.replace(plan, headers=strip_authorization(plan.headers))
         await self._forward(plan, sink, started)
 
     def reject(

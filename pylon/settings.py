@@ -84,6 +84,25 @@ class Settings(BaseSettings):
     )
     log_format: Literal["json", "console"] = Field("json", description="log rendering")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    # --- HTTP/2 --- (and the client-connection timeouts HTTP/1.1 shares)
+    header_timeout: float = Field(
+        30.0, gt=0, description="seconds a client has to send a complete request head"
+    )
+    client_idle_timeout: float = Field(
+        300.0, gt=0, description="seconds an HTTP/1.1 or HTTP/2 connection may sit idle"
+    )
+    h2_max_concurrent_streams: int = Field(
+        128, ge=1, le=4096, description="concurrent request streams per HTTP/2 connection"
+    )
+    h2_stream_window: int = Field(
+        1 * MiB, ge=65535, le=2**31 - 1, description="HTTP/2 per-stream receive window (bytes)"
+    )
+    # --- tunnel auth ---
+    tunnel_token_file: Path | None = Field(
+        None,
+        description="file holding the bearer token every non-health request must carry "
+        "(re-read when it changes)",
+    )
     # --- TLS identity ---
     tls_cert: Path | None = Field(
         None, description="server certificate chain (PEM); unset with --tls-key = self-signed"

@@ -4,6 +4,13 @@ Per connection: parse a request head, check limits, run the tunnel contract at o
 request is answered before its body is read), buffer the body up to the limit, then hand the
 request to the transport-neutral `Proxy` as one task. Pipelined requests queue in order.
 Client disconnect cancels the task, which closes the engine connection at once.
+
+Framing hardening (RFC 9112): llhttp already rejects Content-Length with Transfer-Encoding,
+invalid or repeated Content-Length, invalid Transfer-Encoding, obs-fold, whitespace before the
+colon, bare CR/LF and NUL; we add what it lets through: a missing or repeated Host, and
+Transfer-Encoding on HTTP/1.0. Each answer is 400 and a close. Two timers bound idle clients: a
+head must arrive within `header_timeout` (slowloris), and a kept-alive connection with nothing
+in flight is closed after `idle_timeout`.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -19,6 +26,7 @@ import httptools
 
 from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
 from pylon.core.errors import ContractError, ErrorCode, LimitError, PylonError
+from pylon.logs import get_logger
 from pylon.proxy import Proxy
 
 _REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
@@ -29,11 +37,62 @@ class _StopParsing(Exception):
     """Raised inside an httptools callback to stop parsing this connection's input."""
 
 
+class Deadline:
+    """One connection timer whose deadline moves without rescheduling on every request.
+
+    Arming stores a float (and reschedules only to fire earlier); the timer re-checks when it
+    fires. HTTP/1.1 arms and disarms per request, so this keeps the per-request cost near zero.
+    """
+
+    __slots__ = ("_deadline", "_handle", "_loop", "_on_expire")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_expire: Callable[[], None]) -> None:
+        self._loop = loop
+        self._on_expire = on_expire
+        self._deadline: float | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self, seconds: float) -> None:
+        deadline = self._loop.time() + seconds
+        self._deadline = deadline
+        if self._handle is None or self._handle.when() > deadline:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._handle = self._loop.call_at(deadline, self._fire)
+
+    def disarm(self) -> None:
+        self._deadline = None  # the pending handle notices when it fires
+
+    def cancel(self) -> None:
+        self._deadline = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self._deadline is None:
+            return
+        if self._loop.time() + 0.001 < self._deadline:
+            self._handle = self._loop.call_at(self._deadline, self._fire)
+            return
+        self._deadline = None
+        self._on_expire()
+
+
 class Http1Connection(asyncio.Protocol):
     def __init__(
-        self, proxy: Proxy, max_header_bytes: int, max_headers: int, max_body: int
+        self,
+        proxy: Proxy,
+        max_header_bytes: int,
+        max_headers: int,
+        max_body: int,
+        header_timeout: float = 30.0,
+        idle_timeout: float = 300.0,
     ) -> None:
         self._proxy = proxy
+        self._header_timeout = header_timeout
+        self._idle_timeout = idle_timeout
         self._max_header_bytes = max_header_bytes
         self._max_headers = max_headers
         self._max_body = max_body
@@ -57,11 +116,15 @@ class Http1Connection(asyncio.Protocol):
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._out: list[bytes] = []
+        self._timer = Deadline(self._loop, self._timed_out)
+        self._in_head = False
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
+        # A new connection owes us a request head: the slowloris clock starts now.
+        self._timer.arm(self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -79,6 +142,7 @@ class Http1Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self._timer.cancel()
         self._queue.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -102,6 +166,8 @@ class Http1Connection(asyncio.Protocol):
         self._body = []
         self._body_bytes = 0
         self._request = None
+        self._in_head = True
+        self._timer.arm(self._header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -119,8 +185,13 @@ class Http1Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self._parser
+        self._in_head = False
+        self._timer.disarm()
         self._keep_alive = parser.should_keep_alive()
         self._http10 = parser.get_http_version() == "1.0"
+        framing = _framing_error(self._headers, self._http10)
+        if framing is not None:
+            self._stop(ContractError(framing))
         try:
             self._request = parse_request(parser.get_method(), self._url, self._headers)
         except ContractError as error:
@@ -169,8 +240,17 @@ class Http1Connection(asyncio.Protocol):
             self._run_next()
         elif self._transport is not None:
             self._transport.resume_reading()
+            self._timer.arm(self._header_timeout if self._in_head else self._idle_timeout)
 
     # --- helpers ---
+    def _timed_out(self) -> None:
+        if self._task is not None or self._closing:
+            return  # a request is running: its own timeouts apply, not the connection's
+        # A half-sent head gets no answer (nginx and Envoy also just close): the client is
+        # either gone or hostile, and a response could be taken for the next request's.
+        get_logger().info("client_timeout", timer="header" if self._in_head else "idle")
+        self.abort()
+
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > self._max_header_bytes:
@@ -302,6 +382,21 @@ class Http1Responder:
 
     def abort(self) -> None:
         self._conn.abort()
+
+
+def _framing_error(headers: list[Header], http10: bool) -> str | None:
+    """What llhttp lets through but RFC 9112 forbids; None when the head is fine."""
+    hosts = 0
+    for name, _ in headers:
+        if len(name) == 4 and name.lower() == b"host":
+            hosts += 1
+        elif http10 and len(name) == 17 and name.lower() == b"transfer-encoding":
+            # RFC 9112 6.1: HTTP/1.0 framing with Transfer-Encoding is faulty by definition.
+            return "Transfer-Encoding is not allowed in an HTTP/1.0 request"
+    # RFC 9112 3.2: exactly one Host on HTTP/1.1; HTTP/1.0 clients may omit it.
+    if hosts > 1 or (hosts == 0 and not http10):
+        return "an HTTP/1.1 request needs exactly one Host header"
+    return None
 
 
 def _declared_length(headers: list[Header]) -> int | None:
