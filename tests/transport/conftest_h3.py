@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,13 +20,17 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from aioquic._buffer import Buffer, BufferReadError
 from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import FrameType, H3Connection
+from aioquic.h3.connection import FrameType, H3Connection, H3Stream, StreamType
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
-from cryptography.hazmat.primitives import hashes
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from mock_dynamo.server import MockConfig, MockServer, start_mock
 from pylon.app import upstream_target
@@ -68,16 +73,38 @@ class H3Response:
 
 
 class _RecordingH3(H3Connection):
-    """Client-side H3Connection that remembers GOAWAY frames (aioquic ignores them)."""
+    """Client-side H3Connection that keeps the peer's control stream bytes, so tests can see
+    GOAWAY frames (aioquic discards their payload)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.goaways: list[bytes] = []
+        self.control_bytes = b""
         super().__init__(*args, **kwargs)
 
-    def _handle_control_frame(self, frame_type: int, frame_data: bytes) -> None:
-        if frame_type == FrameType.GOAWAY:
-            self.goaways.append(frame_data)
-        super()._handle_control_frame(frame_type, frame_data)
+    def _receive_stream_data_uni(
+        self, stream: H3Stream, data: bytes, stream_ended: bool
+    ) -> list[H3Event]:
+        is_control = stream.stream_type == StreamType.CONTROL or (
+            stream.stream_type is None and data[:1] == bytes([StreamType.CONTROL])
+        )
+        if is_control:
+            self.control_bytes += data
+        return super()._receive_stream_data_uni(stream, data, stream_ended)
+
+    @property
+    def goaways(self) -> list[int]:
+        """Stream ids of the GOAWAY frames received so far."""
+        buf = Buffer(data=self.control_bytes)
+        buf.pull_uint_var()  # stream type
+        found = []
+        while not buf.eof():
+            try:
+                frame_type, length = buf.pull_uint_var(), buf.pull_uint_var()
+                payload = buf.pull_bytes(length)
+            except BufferReadError:
+                break
+            if frame_type == FrameType.GOAWAY:
+                found.append(Buffer(data=payload).pull_uint_var())
+        return found
 
 
 class H3Client(QuicConnectionProtocol):
@@ -88,12 +115,14 @@ class H3Client(QuicConnectionProtocol):
         self.terminated: ConnectionTerminated | None = None
 
     @property
-    def goaways(self) -> list[bytes]:
+    def goaways(self) -> list[int]:
         return self.http.goaways
 
     @property
     def peer_fingerprint(self) -> str:
-        return str(self._quic.tls._peer_certificate.fingerprint(hashes.SHA256()).hex())
+        certificate = self._quic.tls._peer_certificate
+        assert certificate is not None
+        return certificate.fingerprint(hashes.SHA256()).hex()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, StreamReset) and event.stream_id in self.responses:
@@ -290,3 +319,80 @@ def sse_payloads(body: bytes) -> list[bytes]:
         for line in body.split(b"\n")
         if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"
     ]
+
+
+# --- certificates for the TLS tests ---
+def make_ca(name: str = "pylon test CA") -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def make_leaf(
+    issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
+    name: str = "localhost",
+    days: float = 30,
+    start_days: float = -1,
+) -> tuple[bytes, bytes]:
+    """(cert PEM, key PEM) for `name`, signed by `issuer` (self-signed when None)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    issuer_cert, issuer_key = issuer if issuer is not None else (None, key)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_cert.subject if issuer_cert is not None else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now + datetime.timedelta(days=start_days))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .sign(issuer_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def write_pair(folder: Path, pair: tuple[bytes, bytes], stem: str = "server") -> tuple[Path, Path]:
+    cert, key = folder / f"{stem}.crt", folder / f"{stem}.key"
+    # Replace atomically, as a cert manager would, so the poller never reads half a file.
+    for path, data in ((cert, pair[0]), (key, pair[1])):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return cert, key
+
+
+def fingerprint(cert_pem: bytes) -> str:
+    return x509.load_pem_x509_certificate(cert_pem).fingerprint(hashes.SHA256()).hex()
