@@ -14,6 +14,7 @@ in `:method` and `:path`, which become request-line injection on the HTTP/1.1 en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections import deque
@@ -35,7 +36,7 @@ from h2.events import (
     TrailersReceived,
     WindowUpdated,
 )
-from h2.exceptions import InvalidBodyLengthError, ProtocolError
+from h2.exceptions import InvalidBodyLengthError, ProtocolError, StreamClosedError
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
@@ -443,8 +444,10 @@ class Http2Connection(asyncio.Protocol):
         stream = self._streams.get(event.stream_id)
         fields = event.headers
         size = sum(len(name) + len(value) + 4 for name, value in fields)
-        if stream is not None and not stream.started and (
-            len(fields) > self._limits.max_headers or size > self._limits.max_header_bytes
+        if (
+            stream is not None
+            and not stream.started
+            and (len(fields) > self._limits.max_headers or size > self._limits.max_header_bytes)
         ):
             self._reject(
                 stream,
@@ -538,7 +541,7 @@ class Http2Connection(asyncio.Protocol):
     def reset(self, stream: H2Stream, code: ErrorCodes) -> None:
         if stream.closed:
             return
-        self._h2.reset_stream(stream.id, code)
+        self._reset_quietly(stream.id, code)
         self._streams.pop(stream.id, None)
         self._cancel(stream)
         self._schedule_flush()
@@ -548,9 +551,15 @@ class Http2Connection(asyncio.Protocol):
         stream.closed = True
         if not stream.remote_ended:
             # RFC 9113 8.1: the response is complete; tell the client to stop sending its body.
-            self._h2.reset_stream(stream.id, ErrorCodes.NO_ERROR)
+            self._reset_quietly(stream.id, ErrorCodes.NO_ERROR)
         self._streams.pop(stream.id, None)
         self._maybe_idle()
+
+    def _reset_quietly(self, stream_id: int, code: ErrorCodes) -> None:
+        # Our events can lag h2's state (one read may carry HEADERS, DATA and END_STREAM), so the
+        # stream may already be closed at h2's level; then there is nothing left to reset.
+        with contextlib.suppress(StreamClosedError):
+            self._h2.reset_stream(stream_id, code)
 
     def _cancel(self, stream: H2Stream) -> None:
         stream.closed = True

@@ -18,11 +18,12 @@ from h2.connection import H2Connection
 from h2.events import (
     ConnectionTerminated,
     DataReceived,
+    RemoteSettingsChanged,
     ResponseReceived,
     StreamEnded,
     StreamReset,
 )
-from h2.settings import SettingCodes
+from h2.settings import SettingCodes, Settings
 
 Header = tuple[bytes, bytes]
 
@@ -64,11 +65,16 @@ class H2Client:
             )
         )
         if window is not None:
-            self.conn.local_settings.initial_window_size = window
+            # Current at once (not pending an ACK), so the client's own window never shrinks.
+            self.conn.local_settings = Settings(
+                client=True, initial_values={SettingCodes.INITIAL_WINDOW_SIZE: window}
+            )
         self.conn.initiate_connection()
         self.responses: dict[int, H2Response] = {}
         self.terminated: ConnectionTerminated | None = None
+        self.error: Exception | None = None
         self.closed = asyncio.Event()
+        self.settings_received = asyncio.Event()
         self._flush()
         self._task = asyncio.create_task(self._read_loop())
 
@@ -77,7 +83,10 @@ class H2Client:
         cls, address: tuple[str, int], auto_ack: bool = True, window: int | None = None
     ) -> H2Client:
         reader, writer = await asyncio.open_connection(*address)
-        return cls(reader, writer, auto_ack, window)
+        client = cls(reader, writer, auto_ack, window)
+        async with asyncio.timeout(5):
+            await client.settings_received.wait()
+        return client
 
     def _flush(self) -> None:
         data = self.conn.data_to_send()
@@ -92,6 +101,9 @@ class H2Client:
                 self._flush()
         except (ConnectionError, OSError):
             pass
+        except Exception as exc:
+            self.error = exc
+            raise
         finally:
             self.closed.set()
             for response in self.responses.values():
@@ -117,10 +129,10 @@ class H2Client:
             response.done.set()
         elif isinstance(event, ConnectionTerminated):
             self.terminated = event
+        elif isinstance(event, RemoteSettingsChanged):
+            self.settings_received.set()
 
-    def send(
-        self, headers: list[Header], body: bytes | None = None, end: bool = True
-    ) -> int:
+    def send(self, headers: list[Header], body: bytes | None = None, end: bool = True) -> int:
         """Open a stream with exactly these header fields (no validation, no reordering)."""
         stream_id = self.conn.get_next_available_stream_id()
         self.responses[stream_id] = H2Response()
@@ -138,8 +150,10 @@ class H2Client:
         self.conn.reset_stream(stream_id, code)
         self._flush()
 
-    def ack(self, stream_id: int, size: int) -> None:
-        self.conn.acknowledge_received_data(size, stream_id)
+    def open_window(self, stream_id: int, size: int) -> None:
+        """Manual flow control: let the server send `size` more bytes on this stream."""
+        self.conn.increment_flow_control_window(size, stream_id)
+        self.conn.increment_flow_control_window(size)
         self._flush()
 
     async def response(self, stream_id: int, timeout: float = 5.0) -> H2Response:
@@ -148,8 +162,15 @@ class H2Client:
             await response.done.wait()
         return response
 
-    def remote_setting(self, code: SettingCodes) -> int:
-        return int(self.conn.remote_settings[code])
+    def ignore_stream_limit(self) -> None:
+        """Behave like a client that disregards the server's MAX_CONCURRENT_STREAMS."""
+        values = {SettingCodes(code): value for code, value in self.conn.remote_settings.items()}
+        values[SettingCodes.MAX_CONCURRENT_STREAMS] = 2**31 - 1
+        self.conn.remote_settings = Settings(client=False, initial_values=values)
+
+    def remote_setting(self, code: SettingCodes) -> int | None:
+        value = self.conn.remote_settings.get(code)
+        return int(value) if value is not None else None
 
     async def close(self) -> None:
         self._task.cancel()

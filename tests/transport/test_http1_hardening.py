@@ -1,0 +1,152 @@
+"""HTTP/1.1 framing hardening (RFC 9112 3.2, 5, 6) and the connection timers.
+
+tests/integration/test_errors_and_limits.py::test_malformed_http_is_400_and_closes already covers
+CL+TE, whitespace before the colon, obs-fold, differing Content-Lengths and absolute-form; these
+are the rest of the smuggling table (reliability-cases F1-F12), each answered 400 and closed.
+`raw_exchange` reads until the server closes, so getting a reply at all proves the close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from tests.integration.conftest import MODEL, StackFactory, raw_exchange
+
+CHAT = "/v1/chat/completions"
+HEAD = f"POST {CHAT} HTTP/1.1\r\nx-request-id: r\r\nx-model: {MODEL}\r\n"
+BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+).encode()
+
+
+def request(extra: str, body: bytes = b"", head: str = HEAD) -> bytes:
+    return (head + extra + "\r\n").encode() + body
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # F10 / RFC 9112 3.2: exactly one Host
+        request(f"host: a\r\nhost: b\r\ncontent-length: {len(BODY)}\r\n", BODY),
+        request(f"content-length: {len(BODY)}\r\n", BODY),
+        # F3, F4: Content-Length lists, signs, repeats of the same value, empty
+        request("host: x\r\ncontent-length: 5, 5\r\n", b"hello"),
+        request("host: x\r\ncontent-length: 5\r\ncontent-length: 5\r\n", b"hello"),
+        request("host: x\r\ncontent-length: -1\r\n"),
+        request("host: x\r\ncontent-length: +5\r\n", b"hello"),
+        request("host: x\r\ncontent-length: \r\n"),
+        # F5: transfer codings other than a final chunked, and TE on HTTP/1.0
+        request("host: x\r\ntransfer-encoding: xchunked\r\n", b"0\r\n\r\n"),
+        request("host: x\r\ntransfer-encoding: chunked, identity\r\n", b"0\r\n\r\n"),
+        request("host: x\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n"),
+        request(
+            "host: x\r\ntransfer-encoding: chunked\r\n",
+            b"%x\r\n%b\r\n0\r\n\r\n" % (len(BODY), BODY),
+            head=HEAD.replace("HTTP/1.1", "HTTP/1.0"),
+        ),
+        # F8, F9: bare LF line ends, NUL / bare CR / control bytes in a value
+        request("host: x\r\n").replace(b"\r\n", b"\n"),
+        request("host: x\r\nx-a: 1\x002\r\n"),
+        request("host: x\r\nx-a: 1\r2\r\n"),
+        request("host: x\r\nx-a: a\x01b\r\n"),
+        # whitespace or a tab inside a field name
+        request("host: x\r\nx\ta: 1\r\n"),
+    ],
+    ids=[
+        "two_hosts",
+        "no_host",
+        "cl_list",
+        "cl_repeated_same",
+        "cl_negative",
+        "cl_plus",
+        "cl_empty",
+        "te_xchunked",
+        "te_chunked_identity",
+        "te_repeated",
+        "te_on_http10",
+        "bare_lf",
+        "nul_in_value",
+        "bare_cr_in_value",
+        "ctl_in_value",
+        "tab_in_name",
+    ],
+)
+async def test_smuggling_shapes_are_400_and_close(make_stack: StackFactory, raw: bytes) -> None:
+    stack = await make_stack("dynamo")
+    # A valid pipelined request behind the bad one must never be read (F13).
+    follow = request(f"host: x\r\ncontent-length: {len(BODY)}\r\n", BODY)
+    reply = await raw_exchange(*stack.pylon_address, raw + follow)
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:120]
+    assert b"HTTP/1.1 200" not in reply
+    assert b"connection: close" in reply
+    assert (await stack.control())["requests"] == []
+
+
+async def test_http10_without_host_is_fine(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo")
+    raw = request(f"content-length: {len(BODY)}\r\n", BODY, head=HEAD.replace("1.1", "1.0"))
+    reply = await raw_exchange(*stack.pylon_address, raw)
+    assert reply.startswith(b"HTTP/1.1 200 ")
+
+
+async def test_slowloris_head_is_closed_after_the_header_timeout(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", header_timeout=0.3)
+    reader, writer = await asyncio.open_connection(*stack.pylon_address)
+    started = time.monotonic()
+    try:
+        for byte in b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n":
+            writer.write(bytes([byte]))
+            await asyncio.sleep(0.005)
+        async with asyncio.timeout(3):
+            assert await reader.read() == b""  # closed, no answer
+        assert time.monotonic() - started < 1.5
+    finally:
+        writer.close()
+    assert (await stack.control())["requests"] == []
+
+
+async def test_silent_client_is_closed_after_the_header_timeout(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", header_timeout=0.3)
+    reader, writer = await asyncio.open_connection(*stack.pylon_address)
+    try:
+        async with asyncio.timeout(3):
+            assert await reader.read() == b""
+    finally:
+        writer.close()
+
+
+async def test_idle_keep_alive_connection_is_closed(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", client_idle_timeout=0.3, header_timeout=5)
+    reader, writer = await asyncio.open_connection(*stack.pylon_address)
+    try:
+        writer.write(request(f"host: x\r\ncontent-length: {len(BODY)}\r\n", BODY))
+        async with asyncio.timeout(3):
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 ")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            idle_from = time.monotonic()
+            assert await reader.read() == b""
+        assert 0.2 < time.monotonic() - idle_from < 2
+    finally:
+        writer.close()
+
+
+async def test_long_response_outlives_the_idle_and_header_timeouts(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(
+        "dynamo",
+        mock={"num_tokens": 10, "token_delay_ms": 60},
+        client_idle_timeout=0.2,
+        header_timeout=0.2,
+    )
+    body = json.dumps({"model": MODEL, "messages": [], "max_tokens": 10, "stream": True}).encode()
+    raw = request(f"host: x\r\nconnection: close\r\ncontent-length: {len(body)}\r\n", body)
+    reply = await raw_exchange(*stack.pylon_address, raw)
+    assert reply.startswith(b"HTTP/1.1 200 ")
+    assert b"data: [DONE]" in reply
