@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import ssl
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
@@ -14,6 +15,9 @@ from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import H2Limits, Http2Connection, ProtocolSwitch
 from pylon.settings import Settings, split_host_port
 from pylon.upstream.pool import UpstreamPool, UpstreamTarget
+
+if TYPE_CHECKING:
+    from pylon.tls import TlsIdentity
 
 # Which mock_dynamo flavour stands in for each backend when no --upstream is given.
 _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
@@ -63,15 +67,44 @@ async def _embedded_mock(settings: Settings, stack: AsyncExitStack) -> str:
     return str(mock.base_url)
 
 
-async def _start_quic(settings: Settings, proxy: Proxy, stack: AsyncExitStack) -> str:
-    """The HTTP/3 listener (direct tunnel mode), with its hot-reloaded TLS identity."""
-    from pylon.server.http3 import Http3Server
+def _tls_identity(settings: Settings, stack: AsyncExitStack) -> TlsIdentity | None:
+    """One hot-reloaded identity for every TLS listener (TCP with a certificate, and QUIC)."""
+    if settings.tls_cert is None and settings.quic_listen is None:
+        return None
     from pylon.tls import TlsIdentity
 
-    assert settings.quic_listen is not None
     identity = TlsIdentity.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     reloader = asyncio.create_task(identity.watch(settings.tls_reload_interval))
     stack.callback(reloader.cancel)
+    return identity
+
+
+def tcp_ssl_context(identity: TlsIdentity) -> ssl.SSLContext:
+    """The TCP listener's context: ALPN h2 and http/1.1, client certificates per --tls-client-ca.
+
+    asyncio fixes a server's context at creation; to serve a reloaded certificate without a
+    restart, each handshake switches to the identity's current context in the servername
+    callback (OpenSSL runs it for every ClientHello, with or without SNI).
+    """
+    alpn = ("h2", "http/1.1")
+    base = identity.current_ssl_context(alpn)
+
+    def current(ssl_object: ssl.SSLObject, _name: str | None, context: ssl.SSLContext) -> None:
+        latest = identity.current_ssl_context(alpn)
+        if latest is not context:
+            ssl_object.context = latest
+
+    base.sni_callback = current
+    return base
+
+
+async def _start_quic(
+    settings: Settings, proxy: Proxy, stack: AsyncExitStack, identity: TlsIdentity
+) -> str:
+    """The HTTP/3 listener (direct tunnel mode), with its hot-reloaded TLS identity."""
+    from pylon.server.http3 import Http3Server
+
+    assert settings.quic_listen is not None
     h3 = Http3Server(settings, proxy, identity)
     host, port = await h3.start(*split_host_port(settings.quic_listen))
     stack.push_async_callback(h3.shutdown, QUIC_SHUTDOWN_GRACE)
@@ -132,18 +165,22 @@ async def serve(
         stack.callback(pool.close)
         proxy = Proxy(settings, pool)
         host, port = settings.listen_host_port
+        identity = _tls_identity(settings, stack)
+        tls = settings.tls_cert is not None and identity is not None
         server = await loop.create_server(
             tcp_protocol_factory(settings, proxy),
             host,
             port,
             reuse_address=True,
             backlog=2048,
+            ssl=tcp_ssl_context(identity) if tls and identity is not None else None,
         )
         stack.callback(server.close)
         bound = server.sockets[0].getsockname()
         address = f"{bound[0]}:{bound[1]}" if ":" not in bound[0] else f"[{bound[0]}]:{bound[1]}"
         if settings.quic_listen is not None:
-            quic_address = await _start_quic(settings, proxy, stack)
+            assert identity is not None
+            quic_address = await _start_quic(settings, proxy, stack, identity)
             if on_quic_ready is not None:
                 on_quic_ready(quic_address)
         if handle_signals:
@@ -153,7 +190,7 @@ async def serve(
         log.info(
             "listening",
             address=address,
-            url=f"http://{address}",
+            url=f"{'https' if tls else 'http'}://{address}",
             upstream=upstream,
             backend=settings.backend,
             derive_priority=settings.derive_priority,
