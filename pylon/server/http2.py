@@ -246,7 +246,7 @@ class H2Stream:
             return
         self.pending.append(data)
         self.pending_bytes += len(data)
-        self._conn.pump(self)
+        self._conn.mark(self)
 
     async def drain(self) -> None:
         while self.paused and not self.closed:
@@ -259,7 +259,7 @@ class H2Stream:
     def end(self) -> None:
         if not self.closed:
             self.ending = True
-            self._conn.pump(self)
+            self._conn.mark(self)
 
     def abort(self) -> None:
         self._conn.reset(self, ErrorCodes.INTERNAL_ERROR)
@@ -280,11 +280,17 @@ class Http2Connection(asyncio.Protocol):
                 header_encoding=None,
                 validate_inbound_headers=False,
                 normalize_inbound_headers=False,
+                # What we send is pylon's own head or the engine's, already sanitized (no
+                # connection-specific fields) and lowercased here; httptools has already
+                # refused CR/LF/NUL in the engine's values. h2's re-check costs per response.
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
             )
         )
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, H2Stream] = {}
         self._flush_scheduled = False
+        self._dirty: dict[int, H2Stream] = {}
         self._write_paused = False
         self._closed = False
         self._timer = Deadline(self.loop, self._idle)
@@ -312,12 +318,7 @@ class Http2Connection(asyncio.Protocol):
         self._schedule_flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
-        self._timer.cancel()
-        streams = list(self._streams.values())
-        self._streams.clear()
-        for stream in streams:
-            self._cancel(stream)
+        self._close_streams()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -513,12 +514,20 @@ class Http2Connection(asyncio.Protocol):
             self.reset(stream, ErrorCodes.INTERNAL_ERROR)
         self._schedule_flush()
 
+    def mark(self, stream: H2Stream) -> None:
+        """The stream has output; it is framed at the next flush, with everything else written
+        in this loop iteration (so head, body and END_STREAM of a small response share frames
+        and one socket write)."""
+        self._dirty[stream.id] = stream
+        self._schedule_flush()
+
     def pump(self, stream: H2Stream) -> None:
         """Send what the peer's windows allow, in frames no larger than it accepts."""
-        if stream.closed:
+        if stream.closed or self._closed:
             return
         h2 = self._h2
         pending = stream.pending
+        ended = False
         while pending:
             room = min(h2.local_flow_control_window(stream.id), h2.max_outbound_frame_size)
             if room <= 0:
@@ -530,13 +539,14 @@ class Http2Connection(asyncio.Protocol):
                 pending[0] = chunk[room:]
                 chunk = chunk[:room]
             stream.pending_bytes -= len(chunk)
-            h2.send_data(stream.id, chunk)
+            ended = stream.ending and not pending
+            h2.send_data(stream.id, chunk, end_stream=ended)
         if not pending and stream.ending:
-            h2.end_stream(stream.id)
+            if not ended:
+                h2.end_stream(stream.id)
             self._finish(stream)
         else:
             stream.wake()
-        self._schedule_flush()
 
     def reset(self, stream: H2Stream, code: ErrorCodes) -> None:
         if stream.closed:
@@ -558,8 +568,9 @@ class Http2Connection(asyncio.Protocol):
     def _reset_quietly(self, stream_id: int, code: ErrorCodes) -> None:
         # Our events can lag h2's state (one read may carry HEADERS, DATA and END_STREAM), so the
         # stream may already be closed at h2's level; then there is nothing left to reset.
-        with contextlib.suppress(StreamClosedError):
-            self._h2.reset_stream(stream_id, code)
+        if not self._closed:
+            with contextlib.suppress(StreamClosedError):
+                self._h2.reset_stream(stream_id, code)
 
     def _cancel(self, stream: H2Stream) -> None:
         stream.closed = True
@@ -580,10 +591,20 @@ class Http2Connection(asyncio.Protocol):
         self._shutdown()
 
     def _shutdown(self) -> None:
+        """GOAWAY sent or received: h2 will send nothing more, so every stream ends now."""
+        self._closed = True  # no more stream output; only what h2 has queued (GOAWAY) goes
         self._flush()
-        self._closed = True
+        self._close_streams()
         if self._transport is not None:
             self._transport.close()
+
+    def _close_streams(self) -> None:
+        self._closed = True
+        self._timer.cancel()
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            self._cancel(stream)
 
     def _schedule_flush(self) -> None:
         # Corked: every frame produced in one loop iteration goes out in one write.
@@ -593,6 +614,14 @@ class Http2Connection(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._dirty:
+            dirty, self._dirty = self._dirty, {}
+            for stream in dirty.values():
+                try:
+                    self.pump(stream)
+                except ProtocolError as exc:  # a state we did not foresee: fail the stream only
+                    self._log.warning("h2_send_failed", stream_id=stream.id, detail=str(exc))
+                    self.reset(stream, ErrorCodes.INTERNAL_ERROR)
         data = self._h2.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)

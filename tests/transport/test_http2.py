@@ -245,3 +245,28 @@ async def test_nghttp_independent_client(make_stack: StackFactory, tmp_path: Any
     assert json.loads(out)["choices"][0]["message"]["content"]
     record = await stack.last_request()
     assert header_values(record, "x-request-id") == ["ng-1"]
+
+
+async def test_client_goaway_mid_response_ends_streams_cleanly(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 30, "num_tokens": 400})
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        body = json.dumps(chat(stream=True, max_tokens=400)).encode()
+        ids = [h2.send(request_headers(request_id=f"ga{i}"), body) for i in range(3)]
+        async with asyncio.timeout(5):
+            while not all(b"data:" in h2.responses[sid].body for sid in ids):
+                await asyncio.sleep(0.01)
+        h2.conn.close_connection()  # GOAWAY while three responses are mid-stream
+        h2._flush()
+        async with asyncio.timeout(3):
+            await h2.closed.wait()
+        await asyncio.sleep(0.1)
+        for i in range(3):
+            assert await _cancelled_at(stack, f"ga{i}") is not None
+        assert errors == []
+    finally:
+        loop.set_exception_handler(None)
+        await h2.close()
