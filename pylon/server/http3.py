@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pylsqpack
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -59,6 +59,7 @@ from pylon.tls import TlsIdentity
 SEND_HIGH_WATER = 1024 * 1024
 SEND_LOW_WATER = 256 * 1024
 DRAIN_ACK_GRACE = 2.0  # seconds a drained connection waits for its last ACKs before closing
+ACK_COALESCE_DELAY = 0.001  # seconds an ACK may wait to share a send with a response
 # QUIC CRYPTO_ERROR (0x100) + TLS alert certificate_required (116), RFC 9001 4.8.
 _CERTIFICATE_REQUIRED = 0x100 + 116
 _HEADER_OVERHEAD = 4  # per field, as the HTTP/1.1 ingress counts ": " and CRLF
@@ -203,6 +204,7 @@ class Http3Protocol(QuicConnectionProtocol):
         self._requests: dict[int, _Request] = {}
         self._dirty: list[H3Responder] = []
         self._flush_handle: asyncio.Handle | None = None
+        self._deferred_transmit: asyncio.TimerHandle | None = None
         self._writers: dict[int, asyncio.Future[None]] = {}
         self._refused = False
         self._draining = False
@@ -214,11 +216,29 @@ class Http3Protocol(QuicConnectionProtocol):
 
     # --- aioquic ---
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        super().datagram_received(data, addr)
+        # aioquic answers every datagram at once (mostly a bare ACK), and then the response,
+        # a moment later, goes out in a second send. Once the handshake is done, wait up to
+        # ACK_COALESCE_DELAY (far below the 25 ms max_ack_delay peers allow) so the ACK rides
+        # with the response: half the sends, and aioquic walks every stream on each send.
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        self._process_events()
+        if self._quic._handshake_complete and not self._refused:
+            if self._deferred_transmit is None:
+                self._deferred_transmit = self._loop.call_later(
+                    ACK_COALESCE_DELAY, self.transmit
+                )
+        else:
+            self.transmit()
         if self._writers:
             self._wake_writers()
         if self._draining:
             self._maybe_close_drained()
+
+    def transmit(self) -> None:
+        if self._deferred_transmit is not None:
+            self._deferred_transmit.cancel()
+            self._deferred_transmit = None
+        super().transmit()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if self._refused:
