@@ -68,6 +68,10 @@ DENIED_REQUEST_HEADERS: Mapping[bytes, str] = {
     # Raw-QUIC tunnel framing; never meaningful to an engine
     b"x-method": "tunnel framing",
     b"x-path": "tunnel framing",
+    # Client address claims: pylon's peer is the gateway, so any value here is the caller's word
+    b"forwarded": "client address claim (spoofable)",
+    b"x-forwarded-for": "client address claim (spoofable)",
+    b"x-real-ip": "client address claim (spoofable)",
 }
 
 # Whole families, matched by prefix: (prefix, who reads it).
@@ -128,6 +132,14 @@ DENIED_NESTED_FIELDS: Mapping[tuple[str, str], str] = {
 
 def header_denied_reason(name: bytes) -> str | None:
     """Why a (normalised, lower-case) request header may not reach the engine, or None."""
+    if b"_" in name:
+        # Underscore twins (`x_dynamo_request_priority`): some servers and CGI-style stacks
+        # read them as the dashed name, so they are as dangerous as the original.
+        dashed = name.replace(b"_", b"-")
+        if dashed in PYLON_OWNED_REQUEST_HEADERS or dashed in _CONTRACT_TWINS:
+            return "underscore twin of a tunnel or pylon-owned header"
+        reason = header_denied_reason(dashed)
+        return None if reason is None else f"underscore twin: {reason}"
     if name in HOP_BY_HOP:
         return "hop-by-hop"
     reason = DENIED_REQUEST_HEADERS.get(name)
@@ -137,6 +149,12 @@ def header_denied_reason(name: bytes) -> str | None:
         if name.startswith(prefix):
             return prefix_reason
     return None
+
+
+# The tunnel headers pylon reads itself; their underscore twins would look like them downstream.
+_CONTRACT_TWINS: frozenset[bytes] = frozenset(
+    {b"x-model", b"x-priority", b"x-input-tokens", b"x-routing-key"}
+)
 
 
 def _connection_tokens(headers: Sequence[Header]) -> frozenset[bytes]:

@@ -53,7 +53,9 @@ def planner(backend: str = "passthrough", ceiling: int = 3600, derive: bool = Tr
 def escaped_key(key: str, mask: list[bool]) -> bytes:
     out = []
     for ch, esc in zip(key, mask, strict=False):
-        out.append(f"\\u{ord(ch):04x}" if esc else json.dumps(ch)[1:-1])
+        # Past the BMP a \u escape is a surrogate pair, which json.dumps spells correctly.
+        escaped = f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else json.dumps(ch)[1:-1]
+        out.append(escaped if esc else json.dumps(ch, ensure_ascii=False)[1:-1])
     out.extend(json.dumps(ch)[1:-1] for ch in key[len(mask) :])
     return ('"' + "".join(out) + '"').encode()
 

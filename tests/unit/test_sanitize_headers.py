@@ -199,3 +199,18 @@ def test_response_headers() -> None:
     kept = sanitize_response_headers(headers)
     assert kept == [(b"Content-Type", b"text/event-stream"), (b"x-engine-thing", b"kept")]
     assert all(not n.lower().startswith(DENIED_RESPONSE_HEADER_PREFIXES) for n, _ in kept)
+
+
+@given(
+    name=st.sampled_from(
+        [n.decode() for n in DENIED_REQUEST_HEADERS]
+        + ["x-dynamo-request-priority", "x-stargate-retryable", "x-priority", "x-request-id",
+           "x-model", "host", "transfer-encoding"]
+    ),
+    upper=st.booleans(),
+)
+def test_underscore_twins_are_stripped(name: str, upper: bool) -> None:
+    twin = name.replace("-", "_")
+    twin = twin.upper() if upper else twin
+    out = sanitize_request_headers([(twin.encode(), b"1"), (b"x_benign_name", b"2")])
+    assert out.headers == ((b"x_benign_name", b"2"),)
