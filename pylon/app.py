@@ -123,6 +123,9 @@ def tcp_protocol_factory(settings: Settings, proxy: Proxy) -> Callable[[], async
         stream_window=settings.h2_stream_window,
         header_timeout=settings.header_timeout,
         idle_timeout=settings.client_idle_timeout,
+        max_stream_resets=settings.max_stream_resets,
+        max_control_frames=settings.max_control_frames,
+        flood_window=settings.flood_window,
     )
 
     def http1() -> asyncio.Protocol:

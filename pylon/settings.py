@@ -97,6 +97,14 @@ class Settings(BaseSettings):
     h2_stream_window: int = Field(
         1 * MiB, ge=65535, le=2**31 - 1, description="HTTP/2 per-stream receive window (bytes)"
     )
+    # --- flood guards (HTTP/2 and HTTP/3) ---
+    flood_window: float = Field(10.0, gt=0, description="seconds per flood-guard window")
+    max_stream_resets: int = Field(
+        1000, ge=0, description="client stream resets per window per connection (0 = no limit)"
+    )
+    max_control_frames: int = Field(
+        200, ge=0, description="client PING/SETTINGS frames per window per h2 connection (0 = off)"
+    )
     # --- tunnel auth ---
     tunnel_token_file: Path | None = Field(
         None,

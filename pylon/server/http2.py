@@ -29,6 +29,7 @@ from h2.events import (
     ConnectionTerminated,
     DataReceived,
     Event,
+    PingReceived,
     RemoteSettingsChanged,
     RequestReceived,
     StreamEnded,
@@ -42,6 +43,7 @@ from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
 from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
 from pylon.core.errors import ErrorCode, LimitError, PylonError
+from pylon.core.flood import RateGuard
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
 from pylon.server.http1 import Deadline
@@ -74,6 +76,9 @@ class H2Limits:
     stream_window: int
     header_timeout: float
     idle_timeout: float
+    max_stream_resets: int = 1000
+    max_control_frames: int = 200
+    flood_window: float = 10.0
 
 
 class Malformed(Exception):
@@ -294,6 +299,8 @@ class Http2Connection(asyncio.Protocol):
         self._write_paused = False
         self._closed = False
         self._timer = Deadline(self.loop, self._idle)
+        self._resets = RateGuard(limits.max_stream_resets, limits.flood_window)
+        self._control = RateGuard(limits.max_control_frames, limits.flood_window)
         self._log = get_logger()
 
     # --- asyncio.Protocol ---
@@ -368,10 +375,19 @@ class Http2Connection(asyncio.Protocol):
         elif isinstance(event, WindowUpdated):
             self._on_window(event.stream_id)
         elif isinstance(event, StreamReset):
+            if event.remote_reset and self._resets.hit(self.loop.time()):
+                self._enhance_your_calm("rapid_reset")
+                return
             self._on_reset(event)
+        elif isinstance(event, PingReceived):
+            if self._control.hit(self.loop.time()):
+                self._enhance_your_calm("ping_flood")
         elif isinstance(event, TrailersReceived):
             self._on_trailers(event)
         elif isinstance(event, RemoteSettingsChanged):
+            if self._control.hit(self.loop.time()):
+                self._enhance_your_calm("settings_flood")
+                return
             self._on_window(0)
         elif isinstance(event, ConnectionTerminated):
             self._shutdown()
@@ -582,6 +598,14 @@ class Http2Connection(asyncio.Protocol):
     def _maybe_idle(self) -> None:
         if not self._streams and not self._closed:
             self._timer.arm(self._limits.idle_timeout)
+
+    def _enhance_your_calm(self, kind: str) -> None:
+        """CVE-2023-44487 and kin: a peer abusing cheap frames loses the whole connection."""
+        if self._closed:
+            return
+        self._log.warning("h2_flood", kind=kind, streams=len(self._streams))
+        self._h2.close_connection(error_code=ErrorCodes.ENHANCE_YOUR_CALM)
+        self._shutdown()
 
     def _idle(self) -> None:
         if self._streams or self._closed:

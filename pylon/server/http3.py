@@ -50,6 +50,7 @@ from aioquic.quic.events import (
 from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
 from pylon.core.errors import ContractError, LimitError, PylonError
 from pylon.core.errors import ErrorCode as PylonCode
+from pylon.core.flood import RateGuard
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
 from pylon.settings import Settings
@@ -59,6 +60,7 @@ from pylon.tls import TlsIdentity
 SEND_HIGH_WATER = 1024 * 1024
 SEND_LOW_WATER = 256 * 1024
 DRAIN_ACK_GRACE = 2.0  # seconds a drained connection waits for its last ACKs before closing
+H3_EXCESSIVE_LOAD = 0x107
 ACK_COALESCE_DELAY = 0.001  # seconds an ACK may wait to share a send with a response
 # QUIC CRYPTO_ERROR (0x100) + TLS alert certificate_required (116), RFC 9001 4.8.
 _CERTIFICATE_REQUIRED = 0x100 + 116
@@ -205,6 +207,7 @@ class Http3Protocol(QuicConnectionProtocol):
         self._dirty: list[H3Responder] = []
         self._flush_handle: asyncio.Handle | None = None
         self._deferred_transmit: asyncio.TimerHandle | None = None
+        self._resets = RateGuard(self._settings.max_stream_resets, self._settings.flood_window)
         self._writers: dict[int, asyncio.Future[None]] = {}
         self._refused = False
         self._draining = False
@@ -224,9 +227,7 @@ class Http3Protocol(QuicConnectionProtocol):
         self._process_events()
         if self._quic._handshake_complete and not self._refused:
             if self._deferred_transmit is None:
-                self._deferred_transmit = self._loop.call_later(
-                    ACK_COALESCE_DELAY, self.transmit
-                )
+                self._deferred_transmit = self._loop.call_later(ACK_COALESCE_DELAY, self.transmit)
         else:
             self.transmit()
         if self._writers:
@@ -252,6 +253,14 @@ class Http3Protocol(QuicConnectionProtocol):
         elif isinstance(event, HandshakeCompleted):
             self._check_client_certificate()
         elif isinstance(event, StreamReset | StopSendingReceived):
+            # RESET_STREAM and STOP_SENDING each cancel a request; count a live one once.
+            live = event.stream_id in self._requests
+            if live and self._resets.hit(self._loop.time()):
+                # Rapid reset (CVE-2023-44487 on QUIC): the abuser loses the connection.
+                self._log.warning("h3_flood", kind="rapid_reset", streams=len(self._requests))
+                self.close(H3_EXCESSIVE_LOAD, "too many stream resets")
+                self._terminated()
+                return
             self._cancel(event.stream_id, "client_reset")
         elif isinstance(event, ConnectionTerminated):
             self._terminated()

@@ -1,0 +1,95 @@
+"""Flood guards: rapid reset (CVE-2023-44487) and PING/SETTINGS floods cost the abuser its
+connection, never pylon or the other connections (reliability cases F28, F29)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from h2.errors import ErrorCodes
+
+from pylon.core.flood import RateGuard
+from tests.integration.conftest import StackFactory
+from tests.transport.conftest_h3 import H3StackFactory, h3_stack, request_headers
+from tests.transport.h2client import H2Client
+from tests.transport.h2client import request_headers as h2_request_headers
+
+__all__ = ["h3_stack"]
+BODY = json.dumps({"model": "mock-model", "messages": [], "max_tokens": 2}).encode()
+
+
+def test_rate_guard_trips_past_the_limit_and_resets_per_window() -> None:
+    guard = RateGuard(limit=3, window=10.0)
+    assert [guard.hit(0.0) for _ in range(4)] == [False, False, False, True]
+    assert guard.hit(10.0) is False  # a new window
+    assert RateGuard(limit=0, window=1.0).hit(0.0) is False  # 0 = off
+
+
+async def test_h2_rapid_reset_gets_enhance_your_calm(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", mock={"ttft_ms": 500}, max_stream_resets=20)
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        for i in range(40):
+            sid = h2.send(h2_request_headers(request_id=f"rr-{i}"), BODY)
+            h2.reset(sid)
+            if h2.closed.is_set():
+                break
+        async with asyncio.timeout(5):
+            await h2.closed.wait()
+        assert h2.terminated is not None
+        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        await h2.close()
+    # Other clients are unaffected.
+    fresh = await H2Client.connect(stack.pylon_address)
+    try:
+        reply = await fresh.response(fresh.send(h2_request_headers(request_id="ok"), BODY))
+        assert reply.status == 200
+    finally:
+        await fresh.close()
+
+
+async def test_h2_normal_cancellations_below_the_limit_keep_the_connection(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack("dynamo", mock={"ttft_ms": 200}, max_stream_resets=20)
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        for i in range(10):
+            h2.reset(h2.send(h2_request_headers(request_id=f"c-{i}"), BODY))
+        reply = await h2.response(h2.send(h2_request_headers(request_id="after"), BODY))
+        assert reply.status == 200
+        assert h2.terminated is None
+    finally:
+        await h2.close()
+
+
+async def test_h2_ping_flood_gets_enhance_your_calm(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", max_control_frames=30)
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        for i in range(60):
+            h2.conn.ping(i.to_bytes(8, "big"))
+        h2._flush()
+        async with asyncio.timeout(5):
+            await h2.closed.wait()
+        assert h2.terminated is not None
+        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        await h2.close()
+
+
+async def test_h3_rapid_reset_closes_the_connection(h3_stack: H3StackFactory) -> None:
+    stack = await h3_stack("dynamo", mock={"ttft_ms": 500}, max_stream_resets=20)
+    async with stack.connect() as client:
+        for i in range(40):
+            extra = [("x-request-id", f"rr-{i}"), ("x-model", "mock-model")]
+            response = client.send(request_headers("POST", extra=extra, body=BODY), BODY)
+            client.reset(response.stream_id)
+        async with asyncio.timeout(5):
+            await client.wait_closed()
+        assert client._quic._close_event is not None
+        assert client._quic._close_event.error_code == 0x107  # H3_EXCESSIVE_LOAD
+    async with stack.connect() as fresh:
+        reply = await fresh.request(body={"model": "mock-model", "messages": [], "max_tokens": 2})
+        assert reply.status == 200
