@@ -17,7 +17,7 @@ import orjson
 
 from pylon.adapters import build_adapter
 from pylon.auth import TokenAuth, strip_authorization, unauthorized
-from pylon.core.contract import Header, HealthRequest, TunnelRequest
+from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError, problem_body
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.retry import RetryMark, classify_upstream_response, local_connect_failure
@@ -125,15 +125,33 @@ class Proxy:
         path = settings.tunnel_token_file
         self._auth = TokenAuth(path) if path is not None else None
 
+    def admit(
+        self, method: bytes, target: bytes, headers: Sequence[Header]
+    ) -> TunnelRequest | HealthRequest:
+        """Every transport's first step, at headers time, before any body byte is read.
+
+        The tunnel contract, then tunnel authentication: so a bad or unauthenticated request is
+        answered at once, and no transport can forget either. Raises `PylonError`.
+        """
+        request = parse_request(method, target, headers)
+        if (
+            self._auth is not None
+            and isinstance(request, TunnelRequest)
+            and not self._auth.allows(request.headers)
+        ):
+            error = unauthorized()
+            error.request_id = request.request_id
+            raise error
+        return request
+
     async def handle(
         self, request: TunnelRequest | HealthRequest, body: bytes, sink: ResponseSink
     ) -> None:
+        """Carry an admitted request (see `admit`) to the engine and the answer back."""
         started = time.monotonic()
         request_id = request.request_id
         try:
             if isinstance(request, TunnelRequest):
-                if self._auth is not None and not self._auth.allows(request.headers):
-                    raise unauthorized()
                 plan = self._planner.plan(request, body)
             else:
                 plan = self._planner.plan_health(request)

@@ -32,6 +32,7 @@ class ErrorCode(StrEnum):
     BODY_TOO_LARGE = "body_too_large"
     HEADERS_TOO_LARGE = "headers_too_large"
     UNAUTHORIZED = "unauthorized"
+    REQUEST_TIMEOUT = "request_timeout"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_PROTOCOL_ERROR = "upstream_protocol_error"
@@ -57,6 +58,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.MALFORMED_REQUEST: 400,
     ErrorCode.BODY_NOT_JSON_OBJECT: 400,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.BODY_TOO_LARGE: 413,
     ErrorCode.HEADERS_TOO_LARGE: 431,
     ErrorCode.UPSTREAM_PROTOCOL_ERROR: 502,
@@ -76,6 +78,7 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.MALFORMED_REQUEST: "Malformed request",
     ErrorCode.BODY_NOT_JSON_OBJECT: "Body is not a JSON object",
     ErrorCode.UNAUTHORIZED: "Unauthorized",
+    ErrorCode.REQUEST_TIMEOUT: "Request timeout",
     ErrorCode.BODY_TOO_LARGE: "Request body too large",
     ErrorCode.HEADERS_TOO_LARGE: "Request header fields too large",
     ErrorCode.UPSTREAM_PROTOCOL_ERROR: "Bad response from the engine",

@@ -24,8 +24,8 @@ from typing import Any, cast
 
 import httptools
 
-from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
-from pylon.core.errors import ContractError, ErrorCode, LimitError, PylonError
+from pylon.core.contract import Header, HealthRequest, TunnelRequest
+from pylon.core.errors import ClientError, ContractError, ErrorCode, LimitError, PylonError
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
 
@@ -118,6 +118,7 @@ class Http1Connection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._timer = Deadline(self._loop, self._timed_out)
         self._in_head = False
+        self._in_body = False
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -186,15 +187,18 @@ class Http1Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self._parser
         self._in_head = False
-        self._timer.disarm()
+        # The body owes us bytes too: a client that stops mid-body is timed out like one that
+        # stops mid-head (each body chunk moves the deadline; the message end disarms it).
+        self._in_body = True
+        self._timer.arm(self._header_timeout)
         self._keep_alive = parser.should_keep_alive()
         self._http10 = parser.get_http_version() == "1.0"
         framing = _framing_error(self._headers, self._http10)
         if framing is not None:
             self._stop(ContractError(framing))
         try:
-            self._request = parse_request(parser.get_method(), self._url, self._headers)
-        except ContractError as error:
+            self._request = self._proxy.admit(parser.get_method(), self._url, self._headers)
+        except PylonError as error:
             self._stop(error, error.request_id)
         declared = _declared_length(self._headers)
         if declared is not None and declared > self._max_body:
@@ -207,8 +211,11 @@ class Http1Connection(asyncio.Protocol):
         if self._body_bytes > self._max_body:
             self._stop(self._too_large(), self._request_id())
         self._body.append(body)
+        self._timer.arm(self._header_timeout)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
+        self._timer.disarm()
         body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
         self._body = []
         assert self._request is not None
@@ -246,9 +253,21 @@ class Http1Connection(asyncio.Protocol):
     def _timed_out(self) -> None:
         if self._task is not None or self._closing:
             return  # a request is running: its own timeouts apply, not the connection's
-        # A half-sent head gets no answer (nginx and Envoy also just close): the client is
-        # either gone or hostile, and a response could be taken for the next request's.
-        get_logger().info("client_timeout", timer="header" if self._in_head else "idle")
+        if self._in_head or self._in_body:
+            # A request was started and not finished: tell the client why (408), then close,
+            # since the rest of its bytes can no longer be framed.
+            timer = "header" if self._in_head else "body"
+            get_logger().info("client_timeout", timer=timer, request_id=self._request_id())
+            error = ClientError(
+                f"the request {'head' if self._in_head else 'body'} did not arrive within "
+                f"{self._header_timeout} s",
+                code=ErrorCode.REQUEST_TIMEOUT,
+            )
+            self._closing = True
+            responder = Http1Responder(self, keep_alive=False, is_head=False)
+            self._proxy.reject(responder, error, self._request_id(), time.monotonic())
+            return
+        get_logger().info("client_timeout", timer="idle")
         self.abort()
 
     def _count_head(self, size: int) -> None:

@@ -41,7 +41,7 @@ from h2.exceptions import InvalidBodyLengthError, ProtocolError, StreamClosedErr
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
-from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
+from pylon.core.contract import Header, HealthRequest, TunnelRequest
 from pylon.core.errors import ErrorCode, LimitError, PylonError
 from pylon.core.flood import RateGuard
 from pylon.logs import get_logger
@@ -428,7 +428,7 @@ class Http2Connection(asyncio.Protocol):
                 f"request head exceeds {limits.max_header_bytes} bytes",
                 code=ErrorCode.HEADERS_TOO_LARGE,
             )
-        request = parse_request(head.method, head.path, head.headers)
+        request = self._proxy.admit(head.method, head.path, head.headers)
         declared = declared_length(head.headers)
         if declared is not None and declared > limits.max_body:
             raise _too_large(limits.max_body, request.request_id)

@@ -1,7 +1,7 @@
 """HTTP/3 ingress (direct tunnel mode) on aioquic: QUIC + TLS 1.3, ALPN h3, no 0-RTT.
 
-Per request stream: decoded header pairs -> limits -> `parse_request` (a contract error is
-answered at once, before any body), the body buffered up to the limit, then the transport-neutral
+Per request stream: decoded header pairs -> limits -> `Proxy.admit` (contract and auth; a bad
+request is answered at once, before any body), the body buffered up to the limit, then the transport-neutral
 `Proxy.handle` as one task per stream with an HTTP/3 `ResponseSink`. A client RESET_STREAM or
 STOP_SENDING, or the connection going away, cancels that stream's task, which closes its engine
 connection.
@@ -47,7 +47,7 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
-from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
+from pylon.core.contract import Header, HealthRequest, TunnelRequest
 from pylon.core.errors import ContractError, LimitError, PylonError
 from pylon.core.errors import ErrorCode as PylonCode
 from pylon.core.flood import RateGuard
@@ -319,7 +319,7 @@ class Http3Protocol(QuicConnectionProtocol):
                 code=PylonCode.HEADERS_TOO_LARGE,
             )
         method, target, headers = _to_origin_form(fields)
-        return parse_request(method, target, headers)
+        return self._server.proxy.admit(method, target, headers)
 
     def _on_data(self, event: DataReceived, state: _Request) -> None:
         if state.answered:

@@ -177,3 +177,25 @@ async def test_serve_refuses_to_start_without_a_usable_token_file(tmp_path: Path
     )
     with pytest.raises(TokenFileError):
         await asyncio.wait_for(serve(settings, handle_signals=False), 5)
+
+
+async def test_unauthenticated_request_is_refused_before_its_body(
+    make_stack: StackFactory, token_file: Path
+) -> None:
+    """A client without the token cannot make pylon read (and buffer) a large body."""
+    stack = await make_stack("dynamo", tunnel_token_file=str(token_file))
+    host, port = stack.pylon_address
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(
+            (
+                f"POST {CHAT} HTTP/1.1\r\nhost: x\r\nx-request-id: big-anon\r\nx-model: {MODEL}\r\n"
+                "content-type: application/json\r\ncontent-length: 50000000\r\n\r\n"
+            ).encode()
+        )
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401 ")
+    finally:
+        writer.close()
+    assert (await stack.control())["requests"] == []

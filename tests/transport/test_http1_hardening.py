@@ -102,8 +102,27 @@ async def test_slowloris_head_is_closed_after_the_header_timeout(make_stack: Sta
             writer.write(bytes([byte]))
             await asyncio.sleep(0.005)
         async with asyncio.timeout(3):
-            assert await reader.read() == b""  # closed, no answer
+            reply = await reader.read()  # answered, then closed
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:80]
+        assert b'"code":"request_timeout"' in reply
         assert time.monotonic() - started < 1.5
+    finally:
+        writer.close()
+    assert (await stack.control())["requests"] == []
+
+
+async def test_stalled_body_is_408_after_the_header_timeout(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", header_timeout=0.3)
+    reader, writer = await asyncio.open_connection(*stack.pylon_address)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: slow-body\r\n"
+            b"x-model: mock-model\r\ncontent-length: 100\r\n\r\n{\"model\""
+        )
+        async with asyncio.timeout(3):
+            reply = await reader.read()
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:80]
+        assert b'"request_id":"slow-body"' in reply
     finally:
         writer.close()
     assert (await stack.control())["requests"] == []
