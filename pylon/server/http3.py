@@ -1,8 +1,8 @@
 """HTTP/3 ingress (direct tunnel mode) on aioquic: QUIC + TLS 1.3, ALPN h3, no 0-RTT.
 
 Per request stream: decoded header pairs -> limits -> `Proxy.admit` (contract and auth; a bad
-request is answered at once, before any body), the body buffered up to the limit, then the transport-neutral
-`Proxy.handle` as one task per stream with an HTTP/3 `ResponseSink`. A client RESET_STREAM or
+request is answered at once, before any body), the body buffered up to the limit, then the
+transport-neutral `Proxy.handle` as one task per stream with an HTTP/3 `ResponseSink`. A client RESET_STREAM or
 STOP_SENDING, or the connection going away, cancels that stream's task, which closes its engine
 connection.
 
