@@ -2,9 +2,9 @@
 
 Per request stream: decoded header pairs -> limits -> `Proxy.admit` (contract and auth; a bad
 request is answered at once, before any body), the body buffered up to the limit, then the
-transport-neutral `Proxy.handle` as one task per stream with an HTTP/3 `ResponseSink`. A client RESET_STREAM or
-STOP_SENDING, or the connection going away, cancels that stream's task, which closes its engine
-connection.
+transport-neutral `Proxy.handle` as one task per stream with an HTTP/3 `ResponseSink`. A client
+RESET_STREAM or STOP_SENDING, or the connection going away, cancels that stream's task, which
+closes its engine connection.
 
 aioquic's `H3Connection` treats every malformed request as a connection error and closes the
 whole QUIC connection, killing every other stream on it (RFC 9114 4.1.2 asks for a *stream*
