@@ -31,6 +31,7 @@ from pylon.core.sse import (
 )
 from pylon.logs import get_logger
 from pylon.settings import Settings
+from pylon.timers import Deadline
 from pylon.upstream.pool import (
     Exchange,
     UpstreamBroken,
@@ -71,41 +72,21 @@ class ResponseSink(Protocol):
         ...
 
 
-class Watchdog:
-    """One timer per exchange whose deadline moves with each event without rescheduling.
+class Watchdog(Deadline):
+    """The relay's timer: when it expires, the engine exchange fails with the armed reason.
 
-    Re-arming only stores a float; the timer re-checks when it fires. That keeps the per-event
-    cost of the gap timeout near zero.
+    Re-arming per event only stores a float (see `Deadline`), so the gap timeout is nearly free.
     """
 
-    __slots__ = ("_deadline", "_exchange", "_handle", "_loop", "_reason")
+    __slots__ = ("_reason",)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, exchange: Exchange) -> None:
-        self._loop = loop
-        self._exchange = exchange
-        self._deadline = 0.0
-        self._handle: asyncio.TimerHandle | None = None
+        super().__init__(loop, lambda: exchange.fail(UpstreamTimeout(self._reason)))
         self._reason = ""
 
-    def arm(self, seconds: float, reason: str) -> None:
-        self._deadline = self._loop.time() + seconds
+    def arm_for(self, seconds: float, reason: str) -> None:
         self._reason = reason
-        if self._handle is None or self._handle.when() > self._deadline:
-            if self._handle is not None:
-                self._handle.cancel()
-            self._handle = self._loop.call_at(self._deadline, self._fire)
-
-    def _fire(self) -> None:
-        if self._loop.time() + 0.001 < self._deadline:
-            self._handle = self._loop.call_at(self._deadline, self._fire)
-            return
-        self._handle = None
-        self._exchange.fail(UpstreamTimeout(self._reason))
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        self.arm(seconds)
 
 
 class Proxy:
@@ -201,7 +182,7 @@ class Proxy:
         status = 0
         try:
             if plan.stream_requested:
-                watchdog.arm(self._settings.first_output_timeout, "no response head in time")
+                watchdog.arm_for(self._settings.first_output_timeout, "no response head in time")
             status = await self._relay(plan, exchange, sink, watchdog)
         except _AlreadyAnswered:
             outcome = "upstream_broken_mid_body"
@@ -255,7 +236,7 @@ class Proxy:
         settings = self._settings
         sink.start(200, headers, None)
         splitter = SseSplitter(settings.max_sse_event_bytes)
-        watchdog.arm(settings.first_output_timeout, "no output before the first-output timeout")
+        watchdog.arm_for(settings.first_output_timeout, "no output before the first-output timeout")
         seen_output = False
         failure: PylonError | None = None
         try:
@@ -266,7 +247,7 @@ class Proxy:
                 sink.write(block)
                 if seen_output or any(map(is_output_event, iter_events(block))):
                     seen_output = True
-                    watchdog.arm(settings.output_gap_timeout, "gap between events too long")
+                    watchdog.arm_for(settings.output_gap_timeout, "gap between events too long")
                 if sink.paused:
                     await sink.drain()
             if not seen_output:

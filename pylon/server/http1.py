@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -28,6 +28,7 @@ from pylon.core.contract import Header, HealthRequest, TunnelRequest
 from pylon.core.errors import ClientError, ContractError, ErrorCode, LimitError, PylonError
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
+from pylon.timers import Deadline
 
 _REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -35,49 +36,6 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 class _StopParsing(Exception):
     """Raised inside an httptools callback to stop parsing this connection's input."""
-
-
-class Deadline:
-    """One connection timer whose deadline moves without rescheduling on every request.
-
-    Arming stores a float (and reschedules only to fire earlier); the timer re-checks when it
-    fires. HTTP/1.1 arms and disarms per request, so this keeps the per-request cost near zero.
-    """
-
-    __slots__ = ("_deadline", "_handle", "_loop", "_on_expire")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_expire: Callable[[], None]) -> None:
-        self._loop = loop
-        self._on_expire = on_expire
-        self._deadline: float | None = None
-        self._handle: asyncio.TimerHandle | None = None
-
-    def arm(self, seconds: float) -> None:
-        deadline = self._loop.time() + seconds
-        self._deadline = deadline
-        if self._handle is None or self._handle.when() > deadline:
-            if self._handle is not None:
-                self._handle.cancel()
-            self._handle = self._loop.call_at(deadline, self._fire)
-
-    def disarm(self) -> None:
-        self._deadline = None  # the pending handle notices when it fires
-
-    def cancel(self) -> None:
-        self._deadline = None
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def _fire(self) -> None:
-        self._handle = None
-        if self._deadline is None:
-            return
-        if self._loop.time() + 0.001 < self._deadline:
-            self._handle = self._loop.call_at(self._deadline, self._fire)
-            return
-        self._deadline = None
-        self._on_expire()
 
 
 class Http1Connection(asyncio.Protocol):

@@ -46,7 +46,7 @@ from pylon.core.errors import ErrorCode, LimitError, PylonError
 from pylon.core.flood import RateGuard
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
-from pylon.server.http1 import Deadline
+from pylon.timers import Deadline
 
 KiB = 1024
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
