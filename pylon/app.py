@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import signal
 import ssl
+import weakref
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
@@ -17,7 +18,10 @@ from pylon.settings import Settings, split_host_port
 from pylon.upstream.pool import UpstreamPool, UpstreamTarget
 
 if TYPE_CHECKING:
+    from pylon.server.http3 import Http3Server
     from pylon.tls import TlsIdentity
+
+_Conn = TypeVar("_Conn", Http1Connection, Http2Connection, ProtocolSwitch)
 
 # Which mock_dynamo flavour stands in for each backend when no --upstream is given.
 _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
@@ -27,8 +31,6 @@ _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
     "sglang": "sglang",
 }
 EMBEDDED_MOCK_MODEL = "mock-model"
-# Seconds in-flight HTTP/3 streams get to finish after GOAWAY when pylon stops.
-QUIC_SHUTDOWN_GRACE = 1.0
 
 
 def upstream_target(url: str) -> UpstreamTarget:
@@ -100,21 +102,59 @@ def tcp_ssl_context(identity: TlsIdentity) -> ssl.SSLContext:
 
 async def _start_quic(
     settings: Settings, proxy: Proxy, stack: AsyncExitStack, identity: TlsIdentity
-) -> str:
+) -> tuple[Http3Server, str]:
     """The HTTP/3 listener (direct tunnel mode), with its hot-reloaded TLS identity."""
     from pylon.server.http3 import Http3Server
 
     assert settings.quic_listen is not None
     h3 = Http3Server(settings, proxy, identity)
     host, port = await h3.start(*split_host_port(settings.quic_listen))
-    stack.push_async_callback(h3.shutdown, QUIC_SHUTDOWN_GRACE)
+    stack.callback(h3.close)
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     get_logger().info("listening_quic", address=address, alpn="h3", retry=settings.quic_retry)
-    return address
+    return h3, address
 
 
-def tcp_protocol_factory(settings: Settings, proxy: Proxy) -> Callable[[], asyncio.Protocol]:
+class LiveConnections:
+    """The TCP listener's open connections, so shutdown can drain them (weakly held)."""
+
+    def __init__(self) -> None:
+        self._connections: weakref.WeakSet[Http1Connection | Http2Connection | ProtocolSwitch] = (
+            weakref.WeakSet()
+        )
+
+    def add(self, connection: _Conn) -> _Conn:
+        self._connections.add(connection)
+        return connection
+
+    def drain(self) -> None:
+        for connection in list(self._connections):
+            connection.graceful_close()
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for connection in list(self._connections) if connection.busy)
+
+
+async def drain_and_wait(live: LiveConnections, h3: Http3Server | None, grace: float) -> None:
+    """Stop admitting work everywhere, then let requests in flight finish for up to `grace` s."""
+    loop = asyncio.get_running_loop()
+    live.drain()
+    if h3 is not None:
+        h3.drain()
+    deadline = loop.time() + grace
+    while loop.time() < deadline and (live.busy or (h3 is not None and h3.connections)):
+        await asyncio.sleep(0.02)
+    get_logger().info(
+        "drained", unfinished_tcp=live.busy, unfinished_quic=h3.connections if h3 else 0
+    )
+
+
+def tcp_protocol_factory(
+    settings: Settings, proxy: Proxy, live: LiveConnections | None = None
+) -> Callable[[], asyncio.Protocol]:
     """HTTP/1.1 and HTTP/2 share the TCP port: `ProtocolSwitch` picks one per connection."""
+    live = live or LiveConnections()
     limits = H2Limits(
         max_header_bytes=settings.max_header_bytes,
         max_headers=settings.max_headers,
@@ -129,19 +169,21 @@ def tcp_protocol_factory(settings: Settings, proxy: Proxy) -> Callable[[], async
     )
 
     def http1() -> asyncio.Protocol:
-        return Http1Connection(
-            proxy,
-            settings.max_header_bytes,
-            settings.max_headers,
-            settings.max_body_bytes,
-            header_timeout=settings.header_timeout,
-            idle_timeout=settings.client_idle_timeout,
+        return live.add(
+            Http1Connection(
+                proxy,
+                settings.max_header_bytes,
+                settings.max_headers,
+                settings.max_body_bytes,
+                header_timeout=settings.header_timeout,
+                idle_timeout=settings.client_idle_timeout,
+            )
         )
 
     def http2() -> asyncio.Protocol:
-        return Http2Connection(proxy, limits)
+        return live.add(Http2Connection(proxy, limits))
 
-    return lambda: ProtocolSwitch(http1, http2, settings.header_timeout)
+    return lambda: live.add(ProtocolSwitch(http1, http2, settings.header_timeout))
 
 
 async def serve(
@@ -170,8 +212,9 @@ async def serve(
         host, port = settings.listen_host_port
         identity = _tls_identity(settings, stack)
         tls = settings.tls_cert is not None and identity is not None
+        live = LiveConnections()
         server = await loop.create_server(
-            tcp_protocol_factory(settings, proxy),
+            tcp_protocol_factory(settings, proxy, live),
             host,
             port,
             reuse_address=True,
@@ -181,9 +224,10 @@ async def serve(
         stack.callback(server.close)
         bound = server.sockets[0].getsockname()
         address = f"{bound[0]}:{bound[1]}" if ":" not in bound[0] else f"[{bound[0]}]:{bound[1]}"
+        h3: Http3Server | None = None
         if settings.quic_listen is not None:
             assert identity is not None
-            quic_address = await _start_quic(settings, proxy, stack, identity)
+            h3, quic_address = await _start_quic(settings, proxy, stack, identity)
             if on_quic_ready is not None:
                 on_quic_ready(quic_address)
         if handle_signals:
@@ -201,4 +245,8 @@ async def serve(
         if on_ready is not None:
             on_ready(address)
         await stop.wait()
-        log.info("stopping", address=address)
+        # Graceful stop: no new connections, no new requests (GOAWAY on HTTP/2 and HTTP/3, idle
+        # HTTP/1.1 keep-alives closed), and requests in flight get the grace period to finish.
+        log.info("stopping", address=address, grace_s=settings.shutdown_grace)
+        server.close()
+        await drain_and_wait(live, h3, settings.shutdown_grace)

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     local_connect_failures_retryable: bool = Field(
         False, description="mark engine connect failures retryable"
     )
+    shutdown_grace: float = Field(
+        30.0, ge=0, description="seconds requests in flight get to finish after SIGTERM"
+    )
     log_format: Literal["json", "console"] = Field("json", description="log rendering")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     # --- HTTP/2 --- (and the client-connection timeouts HTTP/1.1 shares)

@@ -77,6 +77,7 @@ class Http1Connection(asyncio.Protocol):
         self._timer = Deadline(self._loop, self._timed_out)
         self._in_head = False
         self._in_body = False
+        self._draining = False
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -201,11 +202,27 @@ class Http1Connection(asyncio.Protocol):
             return
         if self._closing:
             return
+        if self._draining:
+            # Shutting down: the response in flight is done; pipelined requests behind it were
+            # never started, so the client may retry them on another connection.
+            self.close()
+            return
         if self._queue:
             self._run_next()
         elif self._transport is not None:
             self._transport.resume_reading()
             self._timer.arm(self._header_timeout if self._in_head else self._idle_timeout)
+
+    # --- shutdown ---
+    def graceful_close(self) -> None:
+        """Finish the request in flight, start no other, then close (idle: close now)."""
+        self._draining = True
+        if self._task is None and not self._in_head and not self._in_body:
+            self.close()
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None and not self._closing
 
     # --- helpers ---
     def _timed_out(self) -> None:

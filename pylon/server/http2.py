@@ -39,7 +39,7 @@ from h2.events import (
 )
 from h2.exceptions import InvalidBodyLengthError, ProtocolError, StreamClosedError
 from h2.settings import SettingCodes, Settings
-from hyperframe.frame import DataFrame, Frame, HeadersFrame
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
 from pylon.core.contract import Header, HealthRequest, TunnelRequest
 from pylon.core.errors import ErrorCode, LimitError, PylonError
@@ -299,6 +299,7 @@ class Http2Connection(asyncio.Protocol):
         self._write_paused = False
         self._closed = False
         self._timer = Deadline(self.loop, self._idle)
+        self._goaway_sent: int | None = None  # last stream id named in our graceful GOAWAY
         self._resets = RateGuard(limits.max_stream_resets, limits.flood_window)
         self._control = RateGuard(limits.max_control_frames, limits.flood_window)
         self._log = get_logger()
@@ -394,6 +395,10 @@ class Http2Connection(asyncio.Protocol):
 
     def _on_request(self, event: RequestReceived) -> None:
         sid = event.stream_id
+        if self._goaway_sent is not None and sid > self._goaway_sent:
+            # Opened after our GOAWAY: refused, so the client retries it elsewhere (RFC 9113 6.8).
+            self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            return
         if len(self._streams) >= self._limits.max_streams:
             self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             return
@@ -596,8 +601,35 @@ class Http2Connection(asyncio.Protocol):
             stream.task.cancel()
 
     def _maybe_idle(self) -> None:
+        self._close_if_drained()
         if not self._streams and not self._closed:
             self._timer.arm(self._limits.idle_timeout)
+
+    # --- shutdown ---
+    def graceful_close(self) -> None:
+        """Graceful GOAWAY: streams already open finish; the connection closes when they have.
+
+        h2 only offers a final GOAWAY (after which it sends nothing), so this first one, which
+        keeps the connection usable for the streams it names, is framed here.
+        """
+        if self._closed or self._goaway_sent is not None:
+            return
+        last = self._h2.highest_inbound_stream_id
+        self._goaway_sent = last
+        self._flush()
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(GoAwayFrame(0, last_stream_id=last, error_code=0).serialize())
+        self._log.info("h2_draining", last_stream_id=last, streams=len(self._streams))
+        self._close_if_drained()
+
+    def _close_if_drained(self) -> None:
+        if self._goaway_sent is not None and not self._streams and not self._closed:
+            self._h2.close_connection(last_stream_id=self._goaway_sent)
+            self._shutdown()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._streams) and not self._closed
 
     def _enhance_your_calm(self, kind: str) -> None:
         """CVE-2023-44487 and kin: a peer abusing cheap frames loses the whole connection."""
@@ -702,6 +734,15 @@ class ProtocolSwitch(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
+
+    def graceful_close(self) -> None:
+        """Shutting down before the client said a word: nothing to finish."""
+        if self._transport is not None and self._transport.get_protocol() is self:
+            self._transport.close()
+
+    @property
+    def busy(self) -> bool:
+        return False
 
     def _switch(self, factory: Callable[[], asyncio.Protocol], data: bytes) -> None:
         if self._timer is not None:

@@ -1,0 +1,156 @@
+"""Graceful stop (SIGTERM): no new work on any listener, requests in flight finish within the
+grace period, then pylon exits (reliability case F68)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mock_dynamo.config import MockConfig
+from mock_dynamo.server import start_mock
+from pylon.app import serve
+from pylon.logs import configure_logging
+from pylon.settings import load_settings
+from tests.integration.conftest import MODEL
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Running:
+    address: tuple[str, int]
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Callable[..., Any]]:
+    configure_logging("json", "warning")
+    cleanups: list[Any] = []
+
+    async def start(**settings: Any) -> Running:
+        engine = await start_mock(MockConfig(models=(MODEL,), token_delay_ms=30, num_tokens=400))
+        cleanups.append(engine.stop)
+        config = load_settings(
+            {
+                "listen": "127.0.0.1:0",
+                "upstream": engine.base_url,
+                "log_level": "warning",
+                **settings,
+            }
+        )
+        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            serve(config, on_ready=ready.set_result, stop=stop, handle_signals=False)
+        )
+        cleanups.append(lambda: asyncio.wait_for(task, 10))
+        cleanups.append(stop.set)
+        host, port = (await asyncio.wait_for(ready, 5)).rsplit(":", 1)
+        return Running((host, int(port)), stop, task)
+
+    yield start
+    for cleanup in reversed(cleanups):
+        result = cleanup()
+        if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+            await result
+
+
+def stream_request(request_id: str, tokens: int) -> bytes:
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": tokens,
+        }
+    ).encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nhost: x\r\nx-request-id: {request_id}\r\n"
+        f"x-model: {MODEL}\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def test_http1_stream_in_flight_finishes_and_new_connections_are_refused(
+    running: Callable[..., Any],
+) -> None:
+    pylon = await running(shutdown_grace=10)
+    reader, writer = await asyncio.open_connection(*pylon.address)
+    idle_reader, idle_writer = await asyncio.open_connection(*pylon.address)
+    writer.write(stream_request("in-flight", 15))
+    async with asyncio.timeout(5):
+        first = await reader.readuntil(b"\n\n")
+    assert first.startswith(b"HTTP/1.1 200 ")
+    pylon.stop.set()
+    async with asyncio.timeout(5):
+        rest = await reader.read()  # to the close, after the last chunk
+        assert await idle_reader.read() == b""  # the idle keep-alive was closed at once
+    body = first + rest
+    assert body.count(b"data: {") == 17  # role chunk, 15 tokens, finish chunk
+    assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    writer.close()
+    idle_writer.close()
+    async with asyncio.timeout(5):
+        await pylon.task
+    with pytest.raises(OSError):
+        await asyncio.open_connection(*pylon.address)
+
+
+@pytest.mark.skipif(shutil.which("nghttp") is None, reason="nghttp (nghttp2-client) not installed")
+async def test_http2_goaway_lets_open_streams_finish(
+    running: Callable[..., Any], tmp_path: Path
+) -> None:
+    """nghttp, an independent HTTP/2 client, sees GOAWAY and still gets its whole stream.
+
+    (The `h2` library, as a client, drops every stream on a GOAWAY, so it cannot show this.)
+    """
+    pylon = await running(shutdown_grace=10)
+    payload = tmp_path / "body.json"
+    payload.write_bytes(stream_request("h2", 15).split(b"\r\n\r\n", 1)[1])
+    proc = await asyncio.create_subprocess_exec(
+        "nghttp",
+        "-v",
+        "--no-dep",
+        "-H",
+        "x-request-id: h2-in-flight",
+        "-H",
+        f"x-model: {MODEL}",
+        "-d",
+        str(payload),
+        f"http://{pylon.address[0]}:{pylon.address[1]}{CHAT}",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    await asyncio.sleep(0.25)  # the stream is open and relaying (15 tokens x 30 ms)
+    pylon.stop.set()
+    out, err = await asyncio.wait_for(proc.communicate(), 10)
+    assert proc.returncode == 0, err
+    assert b"recv GOAWAY frame" in out
+    assert b"error_code=NO_ERROR(0x00)" in out
+    assert out.count(b"data: {") == 17
+    assert b"data: [DONE]" in out
+    async with asyncio.timeout(5):
+        await pylon.task
+
+
+async def test_grace_period_bounds_the_shutdown(running: Callable[..., Any]) -> None:
+    pylon = await running(shutdown_grace=0.3)
+    reader, writer = await asyncio.open_connection(*pylon.address)
+    writer.write(stream_request("too-long", 400))  # 400 x 30 ms: far past the grace period
+    async with asyncio.timeout(5):
+        await reader.readuntil(b"\n\n")
+    started = time.monotonic()
+    pylon.stop.set()
+    async with asyncio.timeout(5):
+        await pylon.task
+    assert time.monotonic() - started < 2.0
+    writer.close()
