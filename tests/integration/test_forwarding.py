@@ -177,3 +177,14 @@ async def test_query_string_is_forwarded(make_stack: StackFactory) -> None:
     assert reply.status_code == 200
     control = await stack.control()
     assert control["requests"][-1]["path"] == CHAT
+
+
+async def test_upstream_base_path_is_joined_with_path_and_query(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack("dynamo")
+    prefixed = await make_stack("dynamo", upstream=f"{stack.mock.base_url}/engine/")
+    reply = await prefixed.post(f"{CHAT}?trace=1", chat())
+    assert reply.status_code == 404  # the mock serves no /engine/... routes: it shows the URL
+    record = (await stack.control())["requests"][-1]
+    assert record["path"] == f"/engine{CHAT}"
