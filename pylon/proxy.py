@@ -78,11 +78,15 @@ class Watchdog(Deadline):
     Re-arming per event only stores a float (see `Deadline`), so the gap timeout is nearly free.
     """
 
-    __slots__ = ("_reason",)
+    __slots__ = ("_exchange", "_reason")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, exchange: Exchange) -> None:
-        super().__init__(loop, lambda: exchange.fail(UpstreamTimeout(self._reason)))
+        super().__init__(loop)
+        self._exchange = exchange
         self._reason = ""
+
+    def expired(self) -> None:
+        self._exchange.fail(UpstreamTimeout(self._reason))
 
     def arm_for(self, seconds: float, reason: str) -> None:
         self._reason = reason

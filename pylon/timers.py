@@ -15,7 +15,9 @@ class Deadline:
 
     __slots__ = ("_deadline", "_handle", "_loop", "_on_expire")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_expire: Callable[[], None]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_expire: Callable[[], None] | None = None
+    ) -> None:
         self._loop = loop
         self._on_expire = on_expire
         self._deadline: float | None = None
@@ -46,4 +48,10 @@ class Deadline:
             self._handle = self._loop.call_at(self._deadline, self._fire)
             return
         self._deadline = None
-        self._on_expire()
+        self.expired()
+
+    def expired(self) -> None:
+        """What expiry does; a subclass overrides this instead of passing a callback that
+        refers back to it (which would make a reference cycle per timer for the GC to find)."""
+        if self._on_expire is not None:
+            self._on_expire()
