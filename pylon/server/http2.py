@@ -42,7 +42,7 @@ from h2.settings import SettingCodes, Settings
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
 from pylon.core.contract import Header, HealthRequest, TunnelRequest
-from pylon.core.errors import ErrorCode, LimitError, PylonError
+from pylon.core.errors import ClientError, ErrorCode, LimitError, PylonError
 from pylon.core.flood import RateGuard
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
@@ -213,6 +213,7 @@ class H2Stream:
         "is_head",
         "pending",
         "pending_bytes",
+        "progress",
         "remote_ended",
         "request",
         "started",
@@ -234,6 +235,7 @@ class H2Stream:
         self.started = False
         self.closed = False
         self.remote_ended = False
+        self.progress = conn.loop.time()  # when the request last moved (head or body bytes)
         self.waiter: asyncio.Future[None] | None = None
 
     # --- ResponseSink ---
@@ -299,6 +301,7 @@ class Http2Connection(asyncio.Protocol):
         self._write_paused = False
         self._closed = False
         self._timer = Deadline(self.loop, self._idle)
+        self._body_watch = Deadline(self.loop, self._check_stalled_bodies)
         self._goaway_sent: int | None = None  # last stream id named in our graceful GOAWAY
         self._resets = RateGuard(limits.max_stream_resets, limits.flood_window)
         self._control = RateGuard(limits.max_control_frames, limits.flood_window)
@@ -420,6 +423,37 @@ class Http2Connection(asyncio.Protocol):
             return
         if stream.remote_ended:
             self._run(stream)
+        else:
+            self._body_watch.arm(self._limits.header_timeout)
+
+    def _check_stalled_bodies(self) -> None:
+        """A stream whose body stops arriving for `header_timeout` gets 408 (like HTTP/1.1)."""
+        now, limit = self.loop.time(), self._limits.header_timeout
+        next_check: float | None = None
+        for stream in list(self._streams.values()):
+            if stream.task is not None or stream.started or stream.remote_ended:
+                continue
+            idle = now - stream.progress
+            if idle >= limit:
+                request_id = stream.request.request_id if stream.request else None
+                self._log.info(
+                    "client_timeout",
+                    timer="body",
+                    protocol="h2",
+                    stream_id=stream.id,
+                    request_id=request_id,
+                )
+                error = ClientError(
+                    f"the request body did not arrive within {limit} s",
+                    code=ErrorCode.REQUEST_TIMEOUT,
+                )
+                error.request_id = request_id
+                self._reject(stream, error)
+            else:
+                next_check = min(next_check or limit, limit - idle)
+        if next_check is not None:
+            self._body_watch.arm(next_check)
+        self._schedule_flush()
 
     def _admit(self, fields: list[Header], head: RequestHead) -> TunnelRequest | HealthRequest:
         """Limits and the tunnel contract, at headers time: a bad request is answered at once."""
@@ -447,6 +481,7 @@ class Http2Connection(asyncio.Protocol):
         if stream is None or stream.started or stream.task is not None:
             return
         stream.body_bytes += len(event.data)
+        stream.progress = self.loop.time()
         if stream.body_bytes > self._limits.max_body:
             request_id = stream.request.request_id if stream.request else None
             self._reject(stream, _too_large(self._limits.max_body, request_id))
@@ -657,6 +692,7 @@ class Http2Connection(asyncio.Protocol):
     def _close_streams(self) -> None:
         self._closed = True
         self._timer.cancel()
+        self._body_watch.cancel()
         streams = list(self._streams.values())
         self._streams.clear()
         for stream in streams:

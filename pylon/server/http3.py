@@ -48,12 +48,13 @@ from aioquic.quic.events import (
 )
 
 from pylon.core.contract import Header, HealthRequest, TunnelRequest
-from pylon.core.errors import ContractError, LimitError, PylonError
+from pylon.core.errors import ClientError, ContractError, LimitError, PylonError
 from pylon.core.errors import ErrorCode as PylonCode
 from pylon.core.flood import RateGuard
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
 from pylon.settings import Settings
+from pylon.timers import Deadline
 from pylon.tls import TlsIdentity
 
 # A stream whose unacknowledged send buffer is above HIGH pauses the relay until it is below LOW.
@@ -183,11 +184,14 @@ _check_aioquic()
 class _Request:
     """One request stream's state between its HEADERS and the end of its body."""
 
-    __slots__ = ("answered", "body", "body_bytes", "request", "sink", "started", "task")
+    __slots__ = ("answered", "body", "body_bytes", "progress", "request", "sink", "started", "task")
 
-    def __init__(self, request: TunnelRequest | HealthRequest | None, started: float) -> None:
+    def __init__(
+        self, request: TunnelRequest | HealthRequest | None, started: float, now: float = 0.0
+    ) -> None:
         self.request = request
         self.started = started
+        self.progress = now  # loop time the request last moved (head or body bytes)
         self.body: list[bytes] = []
         self.body_bytes = 0
         self.answered = request is None  # answered early: later input is ignored
@@ -208,6 +212,7 @@ class Http3Protocol(QuicConnectionProtocol):
         self._flush_handle: asyncio.Handle | None = None
         self._deferred_transmit: asyncio.TimerHandle | None = None
         self._resets = RateGuard(self._settings.max_stream_resets, self._settings.flood_window)
+        self._body_watch = Deadline(self._loop, self._check_stalled_bodies)
         self._writers: dict[int, asyncio.Future[None]] = {}
         self._refused = False
         self._draining = False
@@ -300,9 +305,34 @@ class Http3Protocol(QuicConnectionProtocol):
         if declared is not None and declared > self._settings.max_body_bytes:
             self._answer(sid, _body_too_large(self._settings), request.request_id, ended, started)
             return
-        self._requests[sid] = _Request(request, started)
+        self._requests[sid] = _Request(request, started, self._loop.time())
         if event.stream_ended:
             self._on_body_end(sid, self._requests[sid])
+        else:
+            self._body_watch.arm(self._settings.header_timeout)
+
+    def _check_stalled_bodies(self) -> None:
+        """A stream whose body stops arriving for `header_timeout` gets 408 (like HTTP/1.1)."""
+        now, limit = self._loop.time(), self._settings.header_timeout
+        next_check: float | None = None
+        for sid, state in list(self._requests.items()):
+            if state.answered or state.task is not None or state.request is None:
+                continue
+            idle = now - state.progress
+            if idle < limit:
+                next_check = min(next_check or limit, limit - idle)
+                continue
+            request_id = state.request.request_id
+            self._log.info(
+                "client_timeout", timer="body", protocol="h3", stream_id=sid, request_id=request_id
+            )
+            del self._requests[sid]
+            error = ClientError(
+                f"the request body did not arrive within {limit} s", code=PylonCode.REQUEST_TIMEOUT
+            )
+            self._answer(sid, error, request_id, ended=False)
+        if next_check is not None:
+            self._body_watch.arm(next_check)
 
     def _parse_head(self, fields: Sequence[Header]) -> TunnelRequest | HealthRequest:
         settings = self._settings
@@ -327,6 +357,7 @@ class Http3Protocol(QuicConnectionProtocol):
                 self._requests.pop(event.stream_id, None)
             return
         if event.data:
+            state.progress = self._loop.time()
             state.body_bytes += len(event.data)
             if state.body_bytes > self._settings.max_body_bytes:
                 request_id = state.request.request_id if state.request else None
@@ -433,6 +464,7 @@ class Http3Protocol(QuicConnectionProtocol):
             self._transmit_soon()
 
     def _terminated(self) -> None:
+        self._body_watch.cancel()
         for sid in list(self._requests):
             self._cancel(sid, "connection_closed", reset=False)
         for waiter in self._writers.values():

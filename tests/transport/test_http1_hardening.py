@@ -117,7 +117,7 @@ async def test_stalled_body_is_408_after_the_header_timeout(make_stack: StackFac
     try:
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: slow-body\r\n"
-            b"x-model: mock-model\r\ncontent-length: 100\r\n\r\n{\"model\""
+            b'x-model: mock-model\r\ncontent-length: 100\r\n\r\n{"model"'
         )
         async with asyncio.timeout(3):
             reply = await reader.read()

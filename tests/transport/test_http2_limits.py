@@ -282,3 +282,26 @@ async def test_silent_connection_is_closed_after_the_header_timeout(
     async with asyncio.timeout(3):
         assert await reader.read() == b""
     writer.close()
+
+
+async def test_stalled_request_body_is_408_on_that_stream_only(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", header_timeout=0.3)
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        stalled = h2.send(request_headers(request_id="slow-body"), b'{"model"', end=False)
+        healthy = h2.send(
+            request_headers(request_id="fine"),
+            json.dumps({"model": "mock-model", "messages": [], "max_tokens": 2}).encode(),
+        )
+        assert (await h2.response(healthy)).status == 200
+        reply = await h2.response(stalled, timeout=3)
+        assert reply.status == 408
+        assert reply.json()["code"] == "request_timeout"
+        assert reply.json()["request_id"] == "slow-body"
+        again = h2.send(
+            request_headers(request_id="after"),
+            json.dumps({"model": "mock-model", "messages": [], "max_tokens": 2}).encode(),
+        )
+        assert (await h2.response(again)).status == 200
+    finally:
+        await h2.close()

@@ -164,3 +164,19 @@ async def test_drain_sends_goaway_and_lets_in_flight_streams_finish(
         assert client.terminated is not None
         assert client.terminated.error_code == ErrorCode.H3_NO_ERROR
     assert len((await stack.control())["requests"]) == 1
+
+
+async def test_stalled_request_body_is_408_on_that_stream_only(h3_stack: H3StackFactory) -> None:
+    stack = await h3_stack("dynamo", header_timeout=0.3)
+    async with stack.connect() as client:
+        extra = [("x-request-id", "slow-body"), ("x-model", MODEL)]
+        stalled = client.send(
+            request_headers("POST", extra=extra, body=b"x"), b'{"model"', end=False
+        )
+        healthy = await client.request(body=chat())
+        assert healthy.status == 200
+        reply = await stalled.wait(3)
+        assert reply.status == 408
+        assert reply.json()["code"] == "request_timeout"
+        assert reply.json()["request_id"] == "slow-body"
+        assert (await client.request(body=chat())).status == 200
