@@ -34,6 +34,7 @@ from aioquic.h3.connection import (
     H3Stream,
     HeadersState,
     MessageError,
+    Setting,
     encode_frame,
 )
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
@@ -85,8 +86,11 @@ class PylonH3Connection(H3Connection):
     fails loudly if a future aioquic renames them.
     """
 
-    def __init__(self, quic: QuicConnection, max_header_block: int) -> None:
+    def __init__(
+        self, quic: QuicConnection, max_header_block: int, field_section_size: int = 0
+    ) -> None:
         self._max_header_block = max_header_block
+        self._field_section_size = field_section_size or max_header_block
         self._discarded: set[int] = set()
         super().__init__(quic)
 
@@ -98,6 +102,14 @@ class PylonH3Connection(H3Connection):
         self._blocked_streams = 0
         self._decoder = pylsqpack.Decoder(0, 0)
         super()._init_connection()
+
+    def _get_local_settings(self) -> dict[int, int]:
+        settings = super()._get_local_settings()
+        # Tell clients our header limit up front (RFC 9114 7.2.4.1; the size counts 32 bytes of
+        # overhead per field), and do not offer extended CONNECT, which pylon refuses.
+        settings[Setting.MAX_FIELD_SECTION_SIZE] = self._field_section_size
+        settings.pop(Setting.ENABLE_CONNECT_PROTOCOL, None)
+        return settings
 
     def send_goaway(self, stream_id: int) -> None:
         """RFC 9114 5.2: no request stream with an id >= `stream_id` will be processed."""
@@ -173,6 +185,7 @@ def _check_aioquic() -> None:
         "_receive_request_or_push_data",
         "_handle_request_or_push_frame",
         "_handle_request_or_push_end",
+        "_get_local_settings",
     ):
         if not callable(getattr(H3Connection, name, None)):
             raise ImportError(f"aioquic H3Connection.{name} is gone: pylon's HTTP/3 needs review")
@@ -250,7 +263,11 @@ class Http3Protocol(QuicConnectionProtocol):
         if self._refused:
             return
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._http = PylonH3Connection(self._quic, self._server.max_header_block)
+            self._http = PylonH3Connection(
+                self._quic,
+                self._server.max_header_block,
+                self._settings.max_header_bytes + 32 * self._settings.max_headers,
+            )
             if self._draining:
                 self._send_goaway()
             elif self._server.draining:

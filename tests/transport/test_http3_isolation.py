@@ -180,3 +180,15 @@ async def test_stalled_request_body_is_408_on_that_stream_only(h3_stack: H3Stack
         assert reply.json()["code"] == "request_timeout"
         assert reply.json()["request_id"] == "slow-body"
         assert (await client.request(body=chat())).status == 200
+
+
+async def test_settings_advertise_the_header_limit_and_no_extended_connect(
+    h3_stack: H3StackFactory,
+) -> None:
+    stack = await h3_stack("dynamo", max_header_bytes=8192, max_headers=50)
+    async with stack.connect() as client:
+        assert (await client.request(body=chat())).status == 200
+        received = client.http.received_settings
+        assert received is not None
+        assert received[0x6] == 8192 + 32 * 50  # SETTINGS_MAX_FIELD_SECTION_SIZE
+        assert 0x8 not in received  # SETTINGS_ENABLE_CONNECT_PROTOCOL
