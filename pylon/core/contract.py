@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pylon.core.errors import ContractError, ErrorCode
+from pylon.core.errors import ContractError, ErrorCode, LimitError
 
 Header = tuple[bytes, bytes]
 Headers = Sequence[Header]
@@ -78,6 +78,25 @@ class HealthRequest:
     target: str
     headers: tuple[Header, ...]
     request_id: str | None  # for logs only, when the caller sent a usable one
+
+
+HEADER_OVERHEAD = 4  # bytes counted per field, as on an HTTP/1.1 wire (": " and CRLF)
+
+
+def check_header_block(fields: Headers, max_headers: int, max_header_bytes: int) -> None:
+    """The header limits every transport applies to a decoded header block, the same way.
+
+    Counts regular fields (as HTTP/1.1 has no pseudo-headers) and the bytes of all fields,
+    each with `HEADER_OVERHEAD`. Raises `LimitError` (431 or a stream reset, per transport).
+    """
+    count = sum(1 for name, _ in fields if name[:1] != b":")
+    if count > max_headers:
+        raise LimitError(f"more than {max_headers} header fields", code=ErrorCode.HEADERS_TOO_LARGE)
+    size = sum(len(name) + len(value) for name, value in fields) + HEADER_OVERHEAD * len(fields)
+    if size > max_header_bytes:
+        raise LimitError(
+            f"request head exceeds {max_header_bytes} bytes", code=ErrorCode.HEADERS_TOO_LARGE
+        )
 
 
 def is_health_target(method: bytes, target: bytes) -> bool:

@@ -41,7 +41,7 @@ from h2.exceptions import InvalidBodyLengthError, ProtocolError, StreamClosedErr
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
-from pylon.core.contract import Header, HealthRequest, TunnelRequest
+from pylon.core.contract import Header, HealthRequest, TunnelRequest, check_header_block
 from pylon.core.errors import ClientError, ErrorCode, LimitError, PylonError
 from pylon.core.flood import RateGuard
 from pylon.logs import get_logger
@@ -458,15 +458,7 @@ class Http2Connection(asyncio.Protocol):
     def _admit(self, fields: list[Header], head: RequestHead) -> TunnelRequest | HealthRequest:
         """Limits and the tunnel contract, at headers time: a bad request is answered at once."""
         limits = self._limits
-        if len(head.headers) > limits.max_headers:
-            raise LimitError(
-                f"more than {limits.max_headers} header fields", code=ErrorCode.HEADERS_TOO_LARGE
-            )
-        if sum(len(name) + len(value) + 4 for name, value in fields) > limits.max_header_bytes:
-            raise LimitError(
-                f"request head exceeds {limits.max_header_bytes} bytes",
-                code=ErrorCode.HEADERS_TOO_LARGE,
-            )
+        check_header_block(fields, limits.max_headers, limits.max_header_bytes)
         request = self._proxy.admit(head.method, head.path, head.headers)
         declared = declared_length(head.headers)
         if declared is not None and declared > limits.max_body:

@@ -48,7 +48,7 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
-from pylon.core.contract import Header, HealthRequest, TunnelRequest
+from pylon.core.contract import Header, HealthRequest, TunnelRequest, check_header_block
 from pylon.core.errors import ClientError, ContractError, LimitError, PylonError
 from pylon.core.errors import ErrorCode as PylonCode
 from pylon.core.flood import RateGuard
@@ -66,7 +66,6 @@ H3_EXCESSIVE_LOAD = 0x107
 ACK_COALESCE_DELAY = 0.001  # seconds an ACK may wait to share a send with a response
 # QUIC CRYPTO_ERROR (0x100) + TLS alert certificate_required (116), RFC 9001 4.8.
 _CERTIFICATE_REQUIRED = 0x100 + 116
-_HEADER_OVERHEAD = 4  # per field, as the HTTP/1.1 ingress counts ": " and CRLF
 
 
 @dataclass
@@ -352,19 +351,7 @@ class Http3Protocol(QuicConnectionProtocol):
             self._body_watch.arm(next_check)
 
     def _parse_head(self, fields: Sequence[Header]) -> TunnelRequest | HealthRequest:
-        settings = self._settings
-        size = sum(len(name) + len(value) for name, value in fields)
-        size += _HEADER_OVERHEAD * len(fields)
-        if len(fields) > settings.max_headers:
-            raise LimitError(
-                f"more than {settings.max_headers} header fields",
-                code=PylonCode.HEADERS_TOO_LARGE,
-            )
-        if size > settings.max_header_bytes:
-            raise LimitError(
-                f"request head exceeds {settings.max_header_bytes} bytes",
-                code=PylonCode.HEADERS_TOO_LARGE,
-            )
+        check_header_block(fields, self._settings.max_headers, self._settings.max_header_bytes)
         method, target, headers = _to_origin_form(fields)
         return self._server.proxy.admit(method, target, headers)
 
