@@ -47,20 +47,30 @@ NO_RESPONSE_STATUS = 0
 # Requests whose body is larger are refused by aiohttp; prompts can be big.
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _HUGE_CHUNK = 64 * 1024
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-                429: "RateLimitError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 StreamFn = Callable[[replies.ReplyPlan], Iterator[replies.Event]]
 BodyFn = Callable[[replies.ReplyPlan], dict[str, Any]]
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None
-                   ) -> web.Response:
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> web.Response:
     error = {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "code": status}
-    return web.Response(status=status, body=orjson.dumps({"error": error}),
-                        content_type="application/json", headers=headers)
+    return web.Response(
+        status=status,
+        body=orjson.dumps({"error": error}),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 def json_ok(payload: object) -> web.Response:
@@ -79,6 +89,7 @@ def _parse_json(raw: bytes) -> object:
 
 # --- recording --------------------------------------------------------------
 
+
 def _endpoint(request: web.Request) -> str:
     # Route templates rather than raw paths keep counters bounded when
     # clients probe random URLs.
@@ -90,9 +101,16 @@ async def _start_record(request: web.Request, state: MockState) -> RequestRecord
     body = _parse_json(await request.read())
     request[BODY_KEY] = body
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers]
-    record = state.recorder.start(RequestRecord(
-        method=request.method, path=request.path, endpoint=_endpoint(request),
-        headers=headers, body=body, received_at=time.time()))
+    record = state.recorder.start(
+        RequestRecord(
+            method=request.method,
+            path=request.path,
+            endpoint=_endpoint(request),
+            headers=headers,
+            body=body,
+            received_at=time.time(),
+        )
+    )
     model = body.get("model") if isinstance(body, dict) else None
     if isinstance(model, str):
         state.recorder.set_model(record, model)
@@ -115,8 +133,7 @@ async def record_requests(request: web.Request, handler: Handler) -> web.StreamR
         _finish_interrupted(state, record)
         raise
     state.recorder.finish(record, response.status)
-    log.debug("%s %s model=%s status=%d", record.method, record.path, record.model,
-              response.status)
+    log.debug("%s %s model=%s status=%d", record.method, record.path, record.model, response.status)
     return response
 
 
@@ -125,11 +142,13 @@ def _finish_interrupted(state: MockState, record: RequestRecord) -> None:
         state.recorder.finish(record, record.status or NO_RESPONSE_STATUS)
     else:
         state.recorder.cancel(record)
-    log.debug("%s %s interrupted (server_aborted=%s)", record.method, record.path,
-              record.server_aborted)
+    log.debug(
+        "%s %s interrupted (server_aborted=%s)", record.method, record.path, record.server_aborted
+    )
 
 
 # --- fault helpers ----------------------------------------------------------
+
 
 def _fault_headers(fault: Fault | None) -> dict[str, str]:
     headers: dict[str, str] = {}
@@ -147,8 +166,9 @@ async def _pre_fault(fault: Fault | None) -> web.Response | None:
     if fault.delay_ms:
         await asyncio.sleep(fault.delay_ms / 1000)
     if fault.status is not None:
-        return error_response(fault.status, f"injected fault: status {fault.status}",
-                              _fault_headers(fault))
+        return error_response(
+            fault.status, f"injected fault: status {fault.status}", _fault_headers(fault)
+        )
     return None
 
 
@@ -162,7 +182,8 @@ def _interrupt_point(fault: Fault | None) -> int | None:
 async def _interrupt(request: web.Request, fault: Fault) -> NoReturn:
     """Stall or drop the connection; only ends via cancellation."""
     drop = fault.drop_after_events is not None and (
-        fault.stall_after_events is None or fault.drop_after_events <= fault.stall_after_events)
+        fault.stall_after_events is None or fault.drop_after_events <= fault.stall_after_events
+    )
     if drop and request.transport is not None:
         request[RECORD_KEY].server_aborted = True
         request.transport.abort()
@@ -174,8 +195,10 @@ async def _interrupt(request: web.Request, fault: Fault) -> NoReturn:
 
 # --- reply writers ----------------------------------------------------------
 
-async def json_reply(request: web.Request, payload: object, fault: Fault | None,
-                     delay_s: float = 0.0) -> web.StreamResponse:
+
+async def json_reply(
+    request: web.Request, payload: object, fault: Fault | None, delay_s: float = 0.0
+) -> web.StreamResponse:
     early = await _pre_fault(fault)
     if early is not None:
         return early
@@ -201,8 +224,9 @@ async def json_reply(request: web.Request, payload: object, fault: Fault | None,
 class _SseWriter:
     """Writes SSE events, applying a fault's mid-stream behaviour."""
 
-    def __init__(self, request: web.Request, response: web.StreamResponse,
-                 fault: Fault | None) -> None:
+    def __init__(
+        self, request: web.Request, response: web.StreamResponse, fault: Fault | None
+    ) -> None:
         self.request, self.response, self.fault = request, response, fault
         self.written = 0
         self.injected = False
@@ -246,13 +270,17 @@ class _SseWriter:
         await self.checkpoint(final=True)
 
 
-async def stream_reply(request: web.Request, events: Iterator[replies.Event],
-                       fault: Fault | None) -> web.StreamResponse:
+async def stream_reply(
+    request: web.Request, events: Iterator[replies.Event], fault: Fault | None
+) -> web.StreamResponse:
     early = await _pre_fault(fault)
     if early is not None:
         return early
-    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-               **_fault_headers(fault)}
+    headers = {
+        "Content-Type": "text/event-stream",
+        "Cache-Control": "no-cache",
+        **_fault_headers(fault),
+    }
     response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     request[RECORD_KEY].status = response.status
@@ -262,6 +290,7 @@ async def stream_reply(request: web.Request, events: Iterator[replies.Event],
 
 
 # --- inference routes -------------------------------------------------------
+
 
 def _int_field(body: dict[str, Any], *names: str) -> int | None:
     for name in names:
@@ -281,11 +310,14 @@ def make_plan(state: MockState, body: dict[str, Any], model: str) -> replies.Rep
     prompt = [body.get(k) for k in ("messages", "prompt", "input", "instructions")]
     options = body.get("stream_options")
     return replies.ReplyPlan(
-        model=model, n_tokens=n_tokens,
+        model=model,
+        n_tokens=n_tokens,
         finish_reason="length" if limit is not None and limit <= knobs.num_tokens else "stop",
         prompt_tokens=max(1, replies.count_words(prompt)),
-        ttft_s=knobs.ttft_ms / 1000, token_delay_s=knobs.token_delay_ms / 1000,
-        include_usage=isinstance(options, dict) and options.get("include_usage") is True)
+        ttft_s=knobs.ttft_ms / 1000,
+        token_delay_s=knobs.token_delay_ms / 1000,
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+    )
 
 
 def _validate(request: web.Request) -> tuple[dict[str, Any], str] | web.Response:
@@ -344,24 +376,31 @@ async def handle_embeddings(request: web.Request) -> web.StreamResponse:
 
 # --- metadata routes --------------------------------------------------------
 
+
 async def handle_models(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     created = int(time.time())
-    data = [{"id": m, "object": "model", "created": created, "owned_by": state.config.flavor}
-            for m in state.config.models]
+    data = [
+        {"id": m, "object": "model", "created": created, "owned_by": state.config.flavor}
+        for m in state.config.models
+    ]
     fault = state.faults.take(request.path, None, inference=False)
     return await json_reply(request, {"object": "list", "data": data}, fault)
 
 
 async def handle_health(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    payload = {"status": "healthy", "flavor": state.config.flavor,
-               "models": list(state.config.models)}
+    payload = {
+        "status": "healthy",
+        "flavor": state.config.flavor,
+        "models": list(state.config.models),
+    }
     fault = state.faults.take(request.path, None, inference=False)
     return await json_reply(request, payload, fault)
 
 
 # --- test control -----------------------------------------------------------
+
 
 async def _control_json(request: web.Request) -> object:
     try:
@@ -408,12 +447,15 @@ def build_app(config: MockConfig) -> web.Application:
     next write, so `cancelled_at` comes late and stalls never end."""
     app = web.Application(middlewares=[record_requests], client_max_size=MAX_BODY_BYTES)
     app[STATE_KEY] = MockState.from_config(config)
-    app.router.add_post("/v1/chat/completions",
-                        _generation_route(replies.chat_body, replies.chat_stream))
-    app.router.add_post("/v1/completions",
-                        _generation_route(replies.completion_body, replies.completion_stream))
-    app.router.add_post("/v1/responses",
-                        _generation_route(replies.responses_body, replies.responses_stream))
+    app.router.add_post(
+        "/v1/chat/completions", _generation_route(replies.chat_body, replies.chat_stream)
+    )
+    app.router.add_post(
+        "/v1/completions", _generation_route(replies.completion_body, replies.completion_stream)
+    )
+    app.router.add_post(
+        "/v1/responses", _generation_route(replies.responses_body, replies.responses_stream)
+    )
     app.router.add_post("/v1/embeddings", handle_embeddings)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)

@@ -33,8 +33,11 @@ class LogLevel(StrEnum):
 
 def _configure_logging(level: LogLevel) -> None:
     # stdout carries the port line a parent process parses; logs go to stderr.
-    logging.basicConfig(stream=sys.stderr, level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 async def _serve(config: MockConfig, host: str, port: int) -> None:
@@ -63,10 +66,10 @@ def _run(config: MockConfig, host: str, port: int) -> None:
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port; 0 picks a free one.")] = 8000,
-    flavor: Annotated[FlavorName, typer.Option(help="Engine contract to enforce.")]
-    = FlavorName.dynamo,
-    model: Annotated[list[str] | None, typer.Option(help="Served model name (repeatable).")]
-    = None,
+    flavor: Annotated[
+        FlavorName, typer.Option(help="Engine contract to enforce.")
+    ] = FlavorName.dynamo,
+    model: Annotated[list[str] | None, typer.Option(help="Served model name (repeatable).")] = None,
     ttft_ms: Annotated[float, typer.Option(min=0, help="Delay before the first token.")] = 0.0,
     token_delay_ms: Annotated[float, typer.Option(min=0, help="Delay between tokens.")] = 0.0,
     num_tokens: Annotated[int, typer.Option(min=0, help="Tokens per reply.")] = 16,
@@ -75,8 +78,13 @@ def serve(
 ) -> None:
     """Mock LLM engine that records what reached it."""
     config = MockConfig(
-        flavor=flavor.value, models=tuple(model or (DEFAULT_MODEL,)), ttft_ms=ttft_ms,
-        token_delay_ms=token_delay_ms, num_tokens=num_tokens, capacity=capacity)
+        flavor=flavor.value,
+        models=tuple(model or (DEFAULT_MODEL,)),
+        ttft_ms=ttft_ms,
+        token_delay_ms=token_delay_ms,
+        num_tokens=num_tokens,
+        capacity=capacity,
+    )
     _configure_logging(log_level)
     _run(config, host, port)
 

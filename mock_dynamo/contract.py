@@ -12,14 +12,36 @@ from mock_dynamo.config import Flavor
 
 # Fields of Dynamo's `NvExt` struct; Dynamo deserializes it with
 # `deny_unknown_fields`, so anything else is a 400 there.
-DYNAMO_NVEXT_FIELDS = frozenset({
-    "backend_instance_id", "prefill_worker_id", "decode_worker_id", "dp_rank",
-    "prefill_dp_rank", "token_data", "agent_hints", "cache_salt", "routing_constraints",
-    "router", "annotations", "extra_fields", "request_timestamp_ms", "metadata_upload",
-    "max_thinking_tokens", "greed_sampling", "use_raw_prompt", "ignore_eos", "top_k",
-    "repetition_penalty", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
-    "guided_decoding_backend", "guided_whitespace_pattern",
-})
+DYNAMO_NVEXT_FIELDS = frozenset(
+    {
+        "backend_instance_id",
+        "prefill_worker_id",
+        "decode_worker_id",
+        "dp_rank",
+        "prefill_dp_rank",
+        "token_data",
+        "agent_hints",
+        "cache_salt",
+        "routing_constraints",
+        "router",
+        "annotations",
+        "extra_fields",
+        "request_timestamp_ms",
+        "metadata_upload",
+        "max_thinking_tokens",
+        "greed_sampling",
+        "use_raw_prompt",
+        "ignore_eos",
+        "top_k",
+        "repetition_penalty",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+        "guided_choice",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    }
+)
 
 
 def contract_violation(flavor: Flavor, body: dict[str, Any]) -> str | None:

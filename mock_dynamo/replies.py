@@ -46,8 +46,11 @@ class ReplyPlan:
         return "".join(self.tokens())
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.n_tokens,
-                "total_tokens": self.prompt_tokens + self.n_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.n_tokens,
+            "total_tokens": self.prompt_tokens + self.n_tokens,
+        }
 
 
 def count_words(value: object) -> int:
@@ -78,19 +81,32 @@ def _delays(plan: ReplyPlan) -> Iterator[float]:
 
 # --- chat completions -------------------------------------------------------
 
+
 def chat_body(plan: ReplyPlan) -> dict[str, Any]:
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-        "created": int(time.time()), "model": plan.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": plan.text()},
-                     "logprobs": None, "finish_reason": plan.finish_reason}],
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": plan.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": plan.text()},
+                "logprobs": None,
+                "finish_reason": plan.finish_reason,
+            }
+        ],
         "usage": plan.usage(),
     }
 
 
 def chat_stream(plan: ReplyPlan) -> Iterator[Event]:
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": plan.model}
+    base = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": plan.model,
+    }
 
     def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -110,19 +126,27 @@ def chat_stream(plan: ReplyPlan) -> Iterator[Event]:
 
 # --- legacy completions -----------------------------------------------------
 
+
 def completion_body(plan: ReplyPlan) -> dict[str, Any]:
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-        "created": int(time.time()), "model": plan.model,
-        "choices": [{"index": 0, "text": plan.text(), "logprobs": None,
-                     "finish_reason": plan.finish_reason}],
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": plan.model,
+        "choices": [
+            {"index": 0, "text": plan.text(), "logprobs": None, "finish_reason": plan.finish_reason}
+        ],
         "usage": plan.usage(),
     }
 
 
 def completion_stream(plan: ReplyPlan) -> Iterator[Event]:
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": plan.model}
+    base = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": plan.model,
+    }
 
     def chunk(text: str, finish: str | None = None) -> bytes:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -140,15 +164,27 @@ def completion_stream(plan: ReplyPlan) -> Iterator[Event]:
 
 # --- responses API ----------------------------------------------------------
 
+
 def _response_object(plan: ReplyPlan, rid: str, msg_id: str, done: bool) -> dict[str, Any]:
     content = [{"type": "output_text", "text": plan.text(), "annotations": []}]
-    message = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
-               "content": content}
-    usage = {"input_tokens": plan.prompt_tokens, "output_tokens": plan.n_tokens,
-             "total_tokens": plan.prompt_tokens + plan.n_tokens}
+    message = {
+        "type": "message",
+        "id": msg_id,
+        "status": "completed",
+        "role": "assistant",
+        "content": content,
+    }
+    usage = {
+        "input_tokens": plan.prompt_tokens,
+        "output_tokens": plan.n_tokens,
+        "total_tokens": plan.prompt_tokens + plan.n_tokens,
+    }
     incomplete = plan.finish_reason == "length"
     return {
-        "id": rid, "object": "response", "created_at": int(time.time()), "model": plan.model,
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": plan.model,
         "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
         "incomplete_details": {"reason": "max_output_tokens"} if done and incomplete else None,
         "output": [message] if done else [],
@@ -169,8 +205,13 @@ def responses_stream(plan: ReplyPlan) -> Iterator[Event]:
         return sse({"type": kind, "sequence_number": next(seq), **payload}, event=kind)
 
     started = _response_object(plan, rid, msg_id, False)
-    item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant",
-            "content": []}
+    item = {
+        "type": "message",
+        "id": msg_id,
+        "status": "in_progress",
+        "role": "assistant",
+        "content": [],
+    }
     part = {"type": "output_text", "text": "", "annotations": []}
     yield 0.0, ev("response.created", response=started)
     yield 0.0, ev("response.in_progress", response=started)
@@ -181,8 +222,10 @@ def responses_stream(plan: ReplyPlan) -> Iterator[Event]:
         yield next(delays), ev("response.output_text.delta", **loc, delta=token)
     final = _response_object(plan, rid, msg_id, True)
     text_part = final["output"][0]["content"][0]
-    yield (next(delays) if plan.n_tokens == 0 else 0.0), ev(
-        "response.output_text.done", **loc, text=plan.text())
+    yield (
+        (next(delays) if plan.n_tokens == 0 else 0.0),
+        ev("response.output_text.done", **loc, text=plan.text()),
+    )
     yield 0.0, ev("response.content_part.done", **loc, part=text_part)
     yield 0.0, ev("response.output_item.done", output_index=0, item=final["output"][0])
     # Like vLLM, always close with response.completed; a max_output_tokens
@@ -191,6 +234,7 @@ def responses_stream(plan: ReplyPlan) -> Iterator[Event]:
 
 
 # --- embeddings -------------------------------------------------------------
+
 
 def _embedding_inputs(raw: object) -> list[object]:
     """OpenAI accepts a string, a token list, or a list of either."""
@@ -220,5 +264,9 @@ def embeddings_body(model: str, raw_input: object, dims: int, fmt: str) -> dict[
             encoded = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
         data.append({"object": "embedding", "index": index, "embedding": encoded})
     prompt_tokens = max(1, count_words(items))
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }

@@ -45,13 +45,18 @@ class MockServer:
     async def __aenter__(self) -> MockServer:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.stop()
 
 
-async def start_mock(config: MockConfig | None = None, host: str = "127.0.0.1",
-                     port: int = 0) -> MockServer:
+async def start_mock(
+    config: MockConfig | None = None, host: str = "127.0.0.1", port: int = 0
+) -> MockServer:
     """Bind and start serving; `port=0` picks a free port (see `.port`)."""
     runner = web.AppRunner(
         build_app(config or MockConfig()),

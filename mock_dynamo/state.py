@@ -142,12 +142,22 @@ class Knobs:
             setattr(self, name, value)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ttft_ms": self.ttft_ms, "token_delay_ms": self.token_delay_ms,
-                "num_tokens": self.num_tokens}
+        return {
+            "ttft_ms": self.ttft_ms,
+            "token_delay_ms": self.token_delay_ms,
+            "num_tokens": self.num_tokens,
+        }
 
 
-_FAULT_INT_FIELDS = ("status", "delay_ms", "stall_after_events", "drop_after_events",
-                     "huge_event_bytes", "after_events", "times")
+_FAULT_INT_FIELDS = (
+    "status",
+    "delay_ms",
+    "stall_after_events",
+    "drop_after_events",
+    "huge_event_bytes",
+    "after_events",
+    "times",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,8 +200,9 @@ class Fault:
         return self.model is None or self.model == model
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
 
 
 def _check_fault_types(raw: dict[str, Any]) -> None:
@@ -267,5 +278,8 @@ class MockState:
         self.faults.clear()
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.recorder.snapshot(), "knobs": self.knobs.to_json(),
-                "faults": self.faults.to_json()}
+        return {
+            **self.recorder.snapshot(),
+            "knobs": self.knobs.to_json(),
+            "faults": self.faults.to_json(),
+        }

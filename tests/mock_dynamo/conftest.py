@@ -48,7 +48,7 @@ def sse_data(raw: str) -> list[str]:
     for block in raw.split("\n\n"):
         for line in block.split("\n"):
             if line.startswith("data: "):
-                out.append(line[len("data: "):])
+                out.append(line[len("data: ") :])
     return out
 
 
@@ -59,9 +59,9 @@ def sse_events(raw: str) -> list[tuple[str | None, Any]]:
         name, data = None, None
         for line in block.split("\n"):
             if line.startswith("event: "):
-                name = line[len("event: "):]
+                name = line[len("event: ") :]
             elif line.startswith("data: "):
-                payload = line[len("data: "):]
+                payload = line[len("data: ") :]
                 data = payload if payload == "[DONE]" else orjson.loads(payload)
         if data is not None:
             out.append((name, data))
@@ -75,8 +75,9 @@ async def snapshot(client: httpx.AsyncClient) -> dict[str, Any]:
     return result
 
 
-async def wait_for_record(client: httpx.AsyncClient, predicate: Callable[[dict[str, Any]], bool],
-                          timeout_s: float = 2.0) -> dict[str, Any]:
+async def wait_for_record(
+    client: httpx.AsyncClient, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 2.0
+) -> dict[str, Any]:
     """Poll /test-control until the last record satisfies `predicate` (bounded)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:

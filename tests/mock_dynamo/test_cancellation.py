@@ -14,12 +14,17 @@ from tests.mock_dynamo.conftest import MakeMock, snapshot, wait_for_record
 
 async def test_disconnect_mid_stream_sets_cancelled_at(make_mock: MakeMock) -> None:
     server = await make_mock(token_delay_ms=50, num_tokens=200)
-    body = orjson.dumps({"model": "mock-model", "stream": True,
-                         "messages": [{"role": "user", "content": "hi"}]})
+    body = orjson.dumps(
+        {"model": "mock-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    )
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     await writer.drain()
     buf = b""
     while buf.count(b"data: ") < 2:
@@ -39,7 +44,10 @@ async def test_disconnect_before_headers_records_499(make_mock: MakeMock) -> Non
     async with httpx.AsyncClient(base_url=server.base_url, timeout=5) as c:
         with_timeout = httpx.Timeout(5, read=0.2)
         with pytest.raises(httpx.ReadTimeout):
-            await c.post("/v1/chat/completions", timeout=with_timeout,
-                         json={"model": "mock-model", "messages": []})
+            await c.post(
+                "/v1/chat/completions",
+                timeout=with_timeout,
+                json={"model": "mock-model", "messages": []},
+            )
         record = await wait_for_record(c, lambda r: r["cancelled_at"] is not None)
     assert record["status"] == 499 and record["completed_at"] is None

@@ -19,7 +19,8 @@ PORT_LINE = re.compile(rb"mock-dynamo listening on http://127\.0\.0\.1:(\d+)\n")
 
 async def _run_to_exit(*args: str) -> tuple[int, bytes, bytes]:
     proc = await asyncio.create_subprocess_exec(
-        str(EXE), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        str(EXE), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode is not None
     return proc.returncode, out, err
@@ -27,9 +28,24 @@ async def _run_to_exit(*args: str) -> tuple[int, bytes, bytes]:
 
 async def test_console_script_serves_on_ephemeral_port() -> None:
     proc = await asyncio.create_subprocess_exec(
-        str(EXE), "--host", "127.0.0.1", "--port", "0", "--flavor", "vllm",
-        "--model", "a", "--model", "b", "--num-tokens", "3", "--token-delay-ms", "0",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        str(EXE),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--flavor",
+        "vllm",
+        "--model",
+        "a",
+        "--model",
+        "b",
+        "--num-tokens",
+        "3",
+        "--token-delay-ms",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     assert proc.stdout is not None
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 20)
@@ -38,9 +54,10 @@ async def test_console_script_serves_on_ephemeral_port() -> None:
         base = f"http://127.0.0.1:{int(match.group(1))}"
         async with httpx.AsyncClient(base_url=base, timeout=5) as c:
             models = (await c.get("/v1/models")).json()
-            chat = await c.post("/v1/chat/completions", json={"model": "b", "messages": [],
-                                                               "priority": "x"})
-            ok = (await c.post("/v1/chat/completions", json={"model": "b", "messages": []}))
+            chat = await c.post(
+                "/v1/chat/completions", json={"model": "b", "messages": [], "priority": "x"}
+            )
+            ok = await c.post("/v1/chat/completions", json={"model": "b", "messages": []})
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.wait_for(proc.wait(), 10)
@@ -50,10 +67,17 @@ async def test_console_script_serves_on_ephemeral_port() -> None:
     assert rc == 0
 
 
-@pytest.mark.parametrize("args", [
-    ("--flavor", "nope"), ("--port", "-1"), ("--num-tokens", "-2"), ("--capacity", "0"),
-    ("--bogus",), ("--ttft-ms", "abc"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--flavor", "nope"),
+        ("--port", "-1"),
+        ("--num-tokens", "-2"),
+        ("--capacity", "0"),
+        ("--bogus",),
+        ("--ttft-ms", "abc"),
+    ],
+)
 async def test_invalid_flags_exit_nonzero_with_one_line(args: tuple[str, ...]) -> None:
     rc, out, err = await _run_to_exit(*args)
     assert rc == 2
@@ -71,7 +95,12 @@ async def test_port_in_use_exits_with_one_line(make_mock: MakeMock) -> None:
 
 async def test_python_dash_m_help() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "mock_dynamo", "--help",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "mock_dynamo",
+        "--help",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0 and b"--token-delay-ms" in out

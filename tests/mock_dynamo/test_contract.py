@@ -32,8 +32,14 @@ async def test_dynamo_rejects_non_object_nvext(make_mock: MakeMock, nvext: objec
 
 
 async def test_dynamo_accepts_known_nvext_keys(make_mock: MakeMock) -> None:
-    nvext = {"backend_instance_id": 7, "annotations": ["a"], "agent_hints": {"x": 1},
-             "ignore_eos": True, "guided_json": {"type": "object"}, "cache_salt": "s"}
+    nvext = {
+        "backend_instance_id": 7,
+        "annotations": ["a"],
+        "agent_hints": {"x": 1},
+        "ignore_eos": True,
+        "guided_json": {"type": "object"},
+        "cache_salt": "s",
+    }
     assert (await _post(make_mock, "dynamo", {"nvext": nvext})).status_code == 200
     assert (await _post(make_mock, "dynamo", {})).status_code == 200
 
@@ -44,16 +50,16 @@ async def test_dynamo_does_not_check_priority(make_mock: MakeMock) -> None:
 
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])
 @pytest.mark.parametrize("priority", ["1", 1.5, True, None, [1]])
-async def test_engines_reject_non_integer_priority(make_mock: MakeMock, flavor: str,
-                                                   priority: object) -> None:
+async def test_engines_reject_non_integer_priority(
+    make_mock: MakeMock, flavor: str, priority: object
+) -> None:
     resp = await _post(make_mock, flavor, {"priority": priority})
     assert resp.status_code == 400
     assert "priority" in resp.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])
-async def test_engines_accept_integer_priority_and_nvext(make_mock: MakeMock,
-                                                        flavor: str) -> None:
+async def test_engines_accept_integer_priority_and_nvext(make_mock: MakeMock, flavor: str) -> None:
     assert (await _post(make_mock, flavor, {"priority": -3})).status_code == 200
     assert (await _post(make_mock, flavor, {})).status_code == 200
     # Only Dynamo deserializes nvext strictly.

@@ -10,8 +10,9 @@ from tests.mock_dynamo.conftest import MakeMock, raw_exchange, snapshot
 CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}]}
 
 
-async def test_headers_recorded_exactly_as_on_the_wire(mock: MockServer,
-                                                       client: httpx.AsyncClient) -> None:
+async def test_headers_recorded_exactly_as_on_the_wire(
+    mock: MockServer, client: httpx.AsyncClient
+) -> None:
     body = b'{"model":"mock-model","prompt":"x","max_tokens":1}'
     request = (
         b"POST /v1/completions HTTP/1.1\r\n"
@@ -28,9 +29,14 @@ async def test_headers_recorded_exactly_as_on_the_wire(mock: MockServer,
     assert reply.startswith(b"HTTP/1.1 200")
     record = (await snapshot(client))["requests"][-1]
     assert record["headers"] == [
-        ["Host", "127.0.0.1"], ["X-Dup", "one"], ["x-MIXED-case", "Value With Spaces"],
-        ["x-dup", "two"], ["X-Dup", "one"], ["Content-Type", "application/json"],
-        ["Content-Length", str(len(body))], ["Connection", "close"],
+        ["Host", "127.0.0.1"],
+        ["X-Dup", "one"],
+        ["x-MIXED-case", "Value With Spaces"],
+        ["x-dup", "two"],
+        ["X-Dup", "one"],
+        ["Content-Type", "application/json"],
+        ["Content-Length", str(len(body))],
+        ["Connection", "close"],
     ]
     assert record["body"] == {"model": "mock-model", "prompt": "x", "max_tokens": 1}
     assert record["method"] == "POST" and record["path"] == "/v1/completions"
@@ -55,17 +61,22 @@ async def test_records_all_requests_but_not_control(client: httpx.AsyncClient) -
     snap = await snapshot(client)
     records = snap["requests"]
     assert [(r["method"], r["path"], r["status"]) for r in records] == [
-        ("GET", "/health", 200), ("GET", "/v1/models", 200),
-        ("POST", "/v1/chat/completions", 404), ("POST", "/v1/chat/completions", 400),
+        ("GET", "/health", 200),
+        ("GET", "/v1/models", 200),
+        ("POST", "/v1/chat/completions", 404),
+        ("POST", "/v1/chat/completions", 400),
         ("GET", "/no/such/route", 404),
     ]
     assert records[3]["body"] is None
-    assert all(r["received_at"] <= r["completed_at"] and r["cancelled_at"] is None
-               for r in records)
+    assert all(r["received_at"] <= r["completed_at"] and r["cancelled_at"] is None for r in records)
     counters = snap["counters"]
     assert counters["total"] == 5 and counters["cancelled"] == 0
-    assert counters["by_endpoint"] == {"/health": 1, "/v1/models": 1,
-                                       "/v1/chat/completions": 2, "<unmatched>": 1}
+    assert counters["by_endpoint"] == {
+        "/health": 1,
+        "/v1/models": 1,
+        "/v1/chat/completions": 2,
+        "<unmatched>": 1,
+    }
     last = snap["last_by_endpoint_model"]
     assert last["/v1/chat/completions|nope"]["status"] == 404
     assert last["/v1/chat/completions|"]["status"] == 400
@@ -91,13 +102,22 @@ async def test_knobs_partial_update_applies_at_run_time(client: httpx.AsyncClien
     body = (await client.post("/v1/chat/completions", json=CHAT)).json()
     assert body["usage"]["completion_tokens"] == 3
     await client.put("/test-control/knobs", json={"ttft_ms": 5, "token_delay_ms": 1.5})
-    assert (await snapshot(client))["knobs"] == {"ttft_ms": 5, "token_delay_ms": 1.5,
-                                                 "num_tokens": 3}
+    assert (await snapshot(client))["knobs"] == {
+        "ttft_ms": 5,
+        "token_delay_ms": 1.5,
+        "num_tokens": 3,
+    }
 
 
 async def test_invalid_knobs_rejected_atomically(client: httpx.AsyncClient) -> None:
-    for bad in ({"num_tokens": -1}, {"num_tokens": True}, {"ttft_ms": "x"},
-                {"speed": 1}, [1], {"num_tokens": 4, "ttft_ms": -1}):
+    for bad in (
+        {"num_tokens": -1},
+        {"num_tokens": True},
+        {"ttft_ms": "x"},
+        {"speed": 1},
+        [1],
+        {"num_tokens": 4, "ttft_ms": -1},
+    ):
         assert (await client.put("/test-control/knobs", json=bad)).status_code == 400
     assert (await client.put("/test-control/knobs", content=b"{")).status_code == 400
     assert (await snapshot(client))["knobs"]["num_tokens"] == 16

@@ -48,22 +48,35 @@ async def test_retryable_header_on_success(client: httpx.AsyncClient) -> None:
 
 
 async def test_times_limits_and_filters_select(client: httpx.AsyncClient) -> None:
-    await _set_faults(client, [
-        {"path": "/v1/completions", "status": 429},
-        {"model": "mock-model", "status": 500, "times": 2},
-    ])
-    statuses = [(await client.post("/v1/chat/completions", json=CHAT)).status_code
-                for _ in range(3)]
+    await _set_faults(
+        client,
+        [
+            {"path": "/v1/completions", "status": 429},
+            {"model": "mock-model", "status": 500, "times": 2},
+        ],
+    )
+    statuses = [
+        (await client.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(3)
+    ]
     assert statuses == [500, 500, 200]
     resp = await client.post("/v1/completions", json={"model": "mock-model", "prompt": "x"})
     assert resp.status_code == 429
     faults = (await client.get("/test-control")).json()["faults"]
-    assert faults == [{"path": "/v1/completions", "status": 429, "delay_ms": 0,
-                       "malformed_event": False, "after_events": 1, "remaining": None}]
+    assert faults == [
+        {
+            "path": "/v1/completions",
+            "status": 429,
+            "delay_ms": 0,
+            "malformed_event": False,
+            "after_events": 1,
+            "remaining": None,
+        }
+    ]
 
 
 async def test_pathless_fault_spares_health_explicit_path_hits_it(
-        client: httpx.AsyncClient) -> None:
+    client: httpx.AsyncClient,
+) -> None:
     await _set_faults(client, [{"status": 500}])
     assert (await client.get("/health")).status_code == 200
     await _set_faults(client, [{"path": "/health", "status": 503}])
@@ -143,10 +156,18 @@ async def test_huge_unterminated_event(client: httpx.AsyncClient) -> None:
     assert len(tail) == 200_000 and tail.startswith(b"data: xxx")
 
 
-@pytest.mark.parametrize("bad", [
-    {"status": 503}, [{"nope": 1}], [{"status": "503"}], [{"times": -1}],
-    [{"retryable": "yes"}], [{"status": 42}], [1],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"status": 503},
+        [{"nope": 1}],
+        [{"status": "503"}],
+        [{"times": -1}],
+        [{"retryable": "yes"}],
+        [{"status": 42}],
+        [1],
+    ],
+)
 async def test_invalid_faults_rejected(client: httpx.AsyncClient, bad: object) -> None:
     assert (await client.put("/test-control/faults", json=bad)).status_code == 400
 

@@ -25,8 +25,12 @@ async def test_streaming_chat_shape_and_event_count(client: httpx.AsyncClient) -
     assert len({c["id"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("content" in c["choices"][0]["delta"] for c in chunks[1:-1])
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
-                                        "finish_reason": "stop"}
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
 
 
 async def test_streaming_chat_usage_chunk_and_max_tokens(client: httpx.AsyncClient) -> None:
@@ -60,8 +64,7 @@ async def test_completions_stream_and_body(client: httpx.AsyncClient) -> None:
     plain = (await client.post("/v1/completions", json=body)).json()
     assert plain["object"] == "text_completion"
     assert plain["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
-    events = sse_events((await client.post("/v1/completions",
-                                           json={**body, "stream": True})).text)
+    events = sse_events((await client.post("/v1/completions", json={**body, "stream": True})).text)
     assert len(events) == 4 + 1 + 1
     texts = "".join(d["choices"][0]["text"] for _, d in events[:-1])
     assert texts == plain["choices"][0]["text"]
@@ -104,8 +107,9 @@ async def test_embeddings_are_deterministic(client: httpx.AsyncClient) -> None:
     assert vectors[0] != vectors[1]
     assert all(-1.0 <= x <= 1.0 for v in vectors for x in v)
     assert first["usage"]["prompt_tokens"] == 3
-    single = (await client.post("/v1/embeddings",
-                                json={"model": "mock-model", "input": "gamma"})).json()
+    single = (
+        await client.post("/v1/embeddings", json={"model": "mock-model", "input": "gamma"})
+    ).json()
     assert single["data"][0]["embedding"] == vectors[1]
 
 
@@ -149,8 +153,7 @@ async def test_ttft_and_token_delay_pace_the_stream(make_mock: MakeMock) -> None
     server: MockServer = await make_mock(ttft_ms=100, token_delay_ms=20, num_tokens=5)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=5) as c:
         start = time.monotonic()
-        async with c.stream("POST", "/v1/chat/completions",
-                            json={**CHAT, "stream": True}) as resp:
+        async with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
             arrivals = []
             async for line in resp.aiter_lines():
                 if line.startswith("data: "):

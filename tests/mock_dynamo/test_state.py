@@ -9,14 +9,22 @@ from mock_dynamo.state import FaultTable, Knobs, Recorder, RequestRecord
 
 
 def _record(path: str = "/v1/models") -> RequestRecord:
-    return RequestRecord(method="GET", path=path, endpoint=path, headers=[], body=None,
-                         received_at=0.0)
+    return RequestRecord(
+        method="GET", path=path, endpoint=path, headers=[], body=None, received_at=0.0
+    )
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"flavor": "trt"}, {"models": ()}, {"models": ("",)}, {"ttft_ms": -1},
-    {"num_tokens": -1}, {"capacity": 0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"flavor": "trt"},
+        {"models": ()},
+        {"models": ("",)},
+        {"ttft_ms": -1},
+        {"num_tokens": -1},
+        {"capacity": 0},
+    ],
+)
 def test_config_rejects_invalid(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         MockConfig(**kwargs)  # type: ignore[arg-type]
@@ -34,8 +42,7 @@ def test_last_by_endpoint_model_is_bounded() -> None:
     recorder = Recorder(capacity=2)
     for model in ("a", "b", "c"):
         recorder.set_model(recorder.start(_record()), model)
-    assert list(recorder.snapshot()["last_by_endpoint_model"]) == ["/v1/models|b",
-                                                                   "/v1/models|c"]
+    assert list(recorder.snapshot()["last_by_endpoint_model"]) == ["/v1/models|b", "/v1/models|c"]
 
 
 def test_fault_times_zero_never_fires_and_first_match_wins() -> None:

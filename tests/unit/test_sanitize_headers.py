@@ -204,8 +204,15 @@ def test_response_headers() -> None:
 @given(
     name=st.sampled_from(
         [n.decode() for n in DENIED_REQUEST_HEADERS]
-        + ["x-dynamo-request-priority", "x-stargate-retryable", "x-priority", "x-request-id",
-           "x-model", "host", "transfer-encoding"]
+        + [
+            "x-dynamo-request-priority",
+            "x-stargate-retryable",
+            "x-priority",
+            "x-request-id",
+            "x-model",
+            "host",
+            "transfer-encoding",
+        ]
     ),
     upper=st.booleans(),
 )
