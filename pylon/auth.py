@@ -17,8 +17,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pylon.core.contract import Header
 from pylon.core.errors import ClientError, ErrorCode
+from pylon.core.http import Header
 from pylon.logs import get_logger
 
 # Upper bound on how long a rotated-away token keeps working. Tests shorten it.

@@ -17,8 +17,9 @@ import orjson
 
 from pylon.adapters import build_adapter
 from pylon.auth import TokenAuth, strip_authorization, unauthorized
-from pylon.core.contract import Header, HealthRequest, TunnelRequest, parse_request
+from pylon.core.contract import HealthRequest, TunnelRequest, parse_request
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError, problem_body
+from pylon.core.http import Header
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.retry import RetryMark, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import sanitize_response_headers

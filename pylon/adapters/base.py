@@ -1,11 +1,10 @@
-"""The one Protocol every backend priority adapter implements, and what an adapter may write."""
+"""Options shared by the backend adapters; the Protocol itself lives in `pylon.core.priority`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
 
-from pylon.core.contract import Header
+from pylon.core.priority import NO_WRITE, PriorityAdapter, PriorityWrite
 
 I32_MAX = 2**31 - 1
 
@@ -20,28 +19,15 @@ class AdapterOptions:
             raise ValueError(f"priority ceiling must be in 1..{I32_MAX}, got {self.ceiling}")
 
 
-@dataclass(frozen=True, slots=True)
-class PriorityWrite:
-    """What pylon writes toward the engine for one request; nothing else steers it."""
-
-    headers: tuple[Header, ...] = ()
-    body_priority: int | None = None  # top-level body `priority`, when the engine reads it there
-
-    @property
-    def empty(self) -> bool:
-        return not self.headers and self.body_priority is None
-
-
-NO_WRITE = PriorityWrite()
-
-
-class PriorityAdapter(Protocol):
-    name: ClassVar[str]
-
-    def derive(self, rank: int | None) -> PriorityWrite:
-        """Map the gateway rank (u32, lower = more urgent, None = unconfigured) to engine fields."""
-        ...
-
-
 def clamp_rank(rank: int, ceiling: int) -> int:
     return min(rank, ceiling)
+
+
+__all__ = [
+    "I32_MAX",
+    "NO_WRITE",
+    "AdapterOptions",
+    "PriorityAdapter",
+    "PriorityWrite",
+    "clamp_rank",
+]

@@ -8,20 +8,16 @@ surrounding optional whitespace by the HTTP parser (we strip again, so other tra
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pylon.core.errors import ContractError, ErrorCode, LimitError
-
-Header = tuple[bytes, bytes]
-Headers = Sequence[Header]
+from pylon.core.http import OWS, Header, Headers
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 MAX_REQUEST_ID_CHARS = 256
 MAX_MODEL_CHARS = 256
 HEALTH_PATH = b"/health"
-_OWS = b" \t"
 
 # Visible ASCII only: ids end up in logs, metrics labels and engine request ids.
 _VISIBLE_ASCII = re.compile(rb"[\x21-\x7e]+")
@@ -156,9 +152,9 @@ def _parse_tunnel(
 def _collect_contract_headers(headers: Headers) -> dict[bytes, list[bytes]]:
     values: dict[bytes, list[bytes]] = {}
     for raw_name, raw_value in headers:
-        name = raw_name.strip(_OWS).lower()
+        name = raw_name.strip(OWS).lower()
         if name in _CONTRACT_HEADERS:
-            values.setdefault(name, []).append(raw_value.strip(_OWS))
+            values.setdefault(name, []).append(raw_value.strip(OWS))
     return values
 
 
@@ -257,9 +253,9 @@ def _parse_trace(headers: Headers, values: dict[bytes, list[bytes]]) -> TraceCon
     if match.group(2) == b"0" * 32 or match.group(3) == b"0" * 16:
         return None
     states = [
-        value.strip(_OWS)
+        value.strip(OWS)
         for name, value in headers
-        if name.strip(_OWS).lower() == TRACESTATE and value.strip(_OWS)
+        if name.strip(OWS).lower() == TRACESTATE and value.strip(OWS)
     ]
     # Repeated tracestate headers are one list, joined with commas (W3C 3.3.1.1). tracestate is
     # printable ASCII; anything else is not propagated at all (pylon re-sends it as a header).

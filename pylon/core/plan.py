@@ -11,9 +11,10 @@ from typing import Any
 
 import orjson
 
-from pylon.adapters import PriorityAdapter, PriorityWrite
-from pylon.core.contract import Header, HealthRequest, TunnelRequest
+from pylon.core.contract import HealthRequest, TunnelRequest
 from pylon.core.errors import BodyError, ErrorCode
+from pylon.core.http import Header
+from pylon.core.priority import PriorityAdapter, PriorityWrite
 from pylon.core.sanitize import sanitize_body, sanitize_request_headers
 
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})

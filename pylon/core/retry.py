@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 
-from pylon.core.contract import Header, parse_uint
+from pylon.core.contract import parse_uint
+from pylon.core.http import Header
 
 RETRYABLE = b"x-stargate-retryable"
 RETRY_REASON = b"x-stargate-retry-reason"

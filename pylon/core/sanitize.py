@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pylon.core.contract import Header
+from pylon.core.http import Header
 
 _OWS = b" \t"
 

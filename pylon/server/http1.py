@@ -24,8 +24,9 @@ from typing import Any, cast
 
 import httptools
 
-from pylon.core.contract import Header, HealthRequest, TunnelRequest
+from pylon.core.contract import HealthRequest, TunnelRequest
 from pylon.core.errors import ClientError, ContractError, ErrorCode, LimitError, PylonError
+from pylon.core.http import Header
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
 from pylon.timers import Deadline

@@ -41,9 +41,10 @@ from h2.exceptions import InvalidBodyLengthError, ProtocolError, StreamClosedErr
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
-from pylon.core.contract import Header, HealthRequest, TunnelRequest, check_header_block
+from pylon.core.contract import HealthRequest, TunnelRequest, check_header_block
 from pylon.core.errors import ClientError, ErrorCode, LimitError, PylonError
 from pylon.core.flood import RateGuard
+from pylon.core.http import Header
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
 from pylon.timers import Deadline

@@ -48,10 +48,11 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
-from pylon.core.contract import Header, HealthRequest, TunnelRequest, check_header_block
+from pylon.core.contract import HealthRequest, TunnelRequest, check_header_block
 from pylon.core.errors import ClientError, ContractError, LimitError, PylonError
 from pylon.core.errors import ErrorCode as PylonCode
 from pylon.core.flood import RateGuard
+from pylon.core.http import Header
 from pylon.logs import get_logger
 from pylon.proxy import Proxy
 from pylon.settings import Settings

@@ -15,7 +15,7 @@ from typing import cast
 
 import httptools
 
-from pylon.core.contract import Header
+from pylon.core.http import Header
 
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _HIGH_WATER = 256 * 1024  # buffered, unconsumed response bytes before we stop reading

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pylon.core.contract import Header, TunnelRequest, parse_request
+from pylon.core.contract import TunnelRequest, parse_request
+from pylon.core.http import Header
 
 BASE_HEADERS: tuple[Header, ...] = ((b"x-request-id", b"req-1"), (b"x-model", b"m"))
 TRACEPARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
