@@ -98,9 +98,11 @@ def _endpoint(request: web.Request) -> str:
 
 
 async def _start_record(request: web.Request, state: MockState) -> RequestRecord:
-    body = _parse_json(await request.read())
+    raw_body = await request.read()
+    body = _parse_json(raw_body)
     request[BODY_KEY] = body
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers]
+    version = request.version
     record = state.recorder.start(
         RequestRecord(
             method=request.method,
@@ -109,6 +111,9 @@ async def _start_record(request: web.Request, state: MockState) -> RequestRecord
             headers=headers,
             body=body,
             received_at=time.time(),
+            raw_path=request.raw_path,
+            raw_body=raw_body,
+            http_version=f"HTTP/{version.major}.{version.minor}",
         )
     )
     model = body.get("model") if isinstance(body, dict) else None
@@ -444,7 +449,8 @@ async def control_clear_faults(request: web.Request) -> web.StreamResponse:
 def build_app(config: MockConfig) -> web.Application:
     """The mock as an aiohttp app. Run it with `handler_cancellation=True`
     (as `start_mock` does): otherwise a disconnect is only noticed on the
-    next write, so `cancelled_at` comes late and stalls never end."""
+    next write, so `cancelled_at` comes late and stalls never end. And with
+    `auto_decompress=False`, or recorded bodies are the decompressed bytes."""
     app = web.Application(middlewares=[record_requests], client_max_size=MAX_BODY_BYTES)
     app[STATE_KEY] = MockState.from_config(config)
     app.router.add_post(

@@ -5,6 +5,7 @@ Kept free of aiohttp so the bookkeeping rules can be tested in isolation.
 
 from __future__ import annotations
 
+import base64
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -32,6 +33,24 @@ class RequestRecord:
     # Set when the mock itself aborted the connection (drop fault), so the
     # resulting handler cancellation is not mistaken for a client disconnect.
     server_aborted: bool = False
+    # The request target exactly as on the request line (path and query, not
+    # percent-decoded) and the body bytes exactly as they arrived (after
+    # de-chunking; the mock does not decompress). `path` above is decoded.
+    raw_path: str = ""
+    raw_body: bytes = b""
+    http_version: str = "HTTP/1.1"
+
+    @property
+    def query_string(self) -> str:
+        """The raw query of the request target, without `?`; "" when none."""
+        _, _, query = self.raw_path.partition("?")
+        return query
+
+    def has_request_id(self, request_id: str) -> bool:
+        """Whether any `x-request-id` header (name case-insensitive) equals `request_id`."""
+        return any(
+            name.lower() == "x-request-id" and value == request_id for name, value in self.headers
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -44,6 +63,11 @@ class RequestRecord:
             "cancelled_at": self.cancelled_at,
             "completed_at": self.completed_at,
             "status": self.status,
+            "raw_path": self.raw_path,
+            "query_string": self.query_string,
+            "body_b64": base64.b64encode(self.raw_body).decode("ascii"),
+            "body_bytes": len(self.raw_body),
+            "http_version": self.http_version,
         }
 
 

@@ -67,3 +67,22 @@ def test_knobs_reject_bool_counts() -> None:
         knobs.update({"num_tokens": False})
     knobs.update({"num_tokens": 0})
     assert knobs.num_tokens == 0
+
+
+def test_record_query_string_and_request_id() -> None:
+    record = RequestRecord(
+        method="GET",
+        path="/a b",
+        endpoint="/a b",
+        headers=[("X-Request-ID", "r1"), ("x-request-id", "r2")],
+        body=None,
+        received_at=0.0,
+        raw_path="/a%20b?x=1?y#z",
+        raw_body=b"\x00\xff",
+    )
+    assert record.query_string == "x=1?y#z"
+    assert record.has_request_id("r1") and record.has_request_id("r2")
+    assert not record.has_request_id("R1")
+    as_json = record.to_json()
+    assert as_json["body_b64"] == "AP8=" and as_json["body_bytes"] == 2
+    assert _record().to_json()["query_string"] == ""
