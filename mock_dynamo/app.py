@@ -20,7 +20,9 @@ Fault semantics (`PUT /test-control/faults`, first matching fault wins):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NoReturn
@@ -31,17 +33,44 @@ from aiohttp import web
 from mock_dynamo import replies
 from mock_dynamo.config import MockConfig
 from mock_dynamo.contract import contract_violation
-from mock_dynamo.state import Fault, MockState, RequestRecord
+from mock_dynamo.state import WAIT_EVENTS, Fault, MockState, RequestRecord
 
 # stdlib logging stays silent when embedded unless the host opts in; the
 # CLI configures it. Only metadata is logged, never prompt text.
 log = logging.getLogger("mock_dynamo")
 
+
+class ChangeSignal:
+    """Wakes every coroutine waiting for "something was recorded".
+
+    Fired by the recorder's listener hook; must be fired from the loop's thread.
+    The Event is created on demand, so firing costs nothing while nobody waits.
+    """
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+        self.closing = False
+
+    def next_change(self) -> asyncio.Event:
+        """An Event set at the next fire(); take it before checking the condition."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
+    def fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+
 STATE_KEY = web.AppKey("mock_state", MockState)
+SIGNAL_KEY = web.AppKey("mock_signal", ChangeSignal)
 RECORD_KEY = web.RequestKey("mock_record", RequestRecord)
 BODY_KEY = web.RequestKey("mock_body", object)
 
 CONTROL_PREFIX = "/test-control"
+WAIT_DEFAULT_TIMEOUT_S = 5.0
+WAIT_MAX_TIMEOUT_S = 30.0
 # Status recorded when the mock aborted the connection before any response.
 NO_RESPONSE_STATUS = 0
 # Requests whose body is larger are refused by aiohttp; prompts can be big.
@@ -51,6 +80,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    408: "RequestTimeoutError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -446,13 +476,88 @@ async def control_clear_faults(request: web.Request) -> web.StreamResponse:
     return json_ok([])
 
 
+def _wait_params(request: web.Request) -> tuple[str, str, float]:
+    """(request_id, event, timeout_s) of a `/test-control/wait` query, or ValueError."""
+    query = request.query
+    unknown = set(query) - {"request_id", "event", "timeout"}
+    if unknown:
+        raise ValueError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
+    for name in query:
+        if len(query.getall(name)) > 1:
+            raise ValueError(f"{name} given more than once")
+    request_id = query.get("request_id", "")
+    if not request_id:
+        raise ValueError("request_id is required")
+    event = query.get("event", "")
+    if event not in WAIT_EVENTS:
+        raise ValueError(f"event must be one of {', '.join(WAIT_EVENTS)}")
+    raw_timeout = query.get("timeout")
+    if raw_timeout is None:
+        return request_id, event, WAIT_DEFAULT_TIMEOUT_S
+    try:
+        timeout = float(raw_timeout)
+    except ValueError:
+        raise ValueError("timeout must be a number of seconds") from None
+    if not (math.isfinite(timeout) and 0 <= timeout <= WAIT_MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be between 0 and {WAIT_MAX_TIMEOUT_S:g} seconds")
+    return request_id, event, timeout
+
+
+async def control_wait(request: web.Request) -> web.StreamResponse:
+    """Long poll: the latest record with that x-request-id once `event` happened to it."""
+    try:
+        request_id, event, timeout = _wait_params(request)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    recorder = request.app[STATE_KEY].recorder
+    signal = request.app[SIGNAL_KEY]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        # Taken before the check: a change after the check still wakes us.
+        changed = signal.next_change()
+        record = recorder.latest_with_request_id(request_id)
+        if record is not None and record.has_happened(event):
+            return json_ok(record.to_json())
+        if signal.closing:
+            return error_response(503, "mock engine is shutting down")
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return _wait_timeout(request_id, event, timeout, record)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), remaining)
+
+
+def _wait_timeout(
+    request_id: str, event: str, timeout: float, record: RequestRecord | None
+) -> web.Response:
+    seen = "no request with that id" if record is None else "a request with that id, but not that"
+    message = f"{event} not seen for x-request-id {request_id!r} within {timeout:g} s ({seen})"
+    error = {"message": message, "type": _ERROR_TYPES[408], "code": 408}
+    # The latest record with that id (or null) tells the test how far the request got.
+    payload = {"error": error, "record": None if record is None else record.to_json()}
+    return web.Response(status=408, body=orjson.dumps(payload), content_type="application/json")
+
+
+async def _wake_waiters_on_shutdown(app: web.Application) -> None:
+    # Pending long polls answer 503 at once instead of holding up the shutdown.
+    signal = app[SIGNAL_KEY]
+    signal.closing = True
+    signal.fire()
+
+
 def build_app(config: MockConfig) -> web.Application:
     """The mock as an aiohttp app. Run it with `handler_cancellation=True`
     (as `start_mock` does): otherwise a disconnect is only noticed on the
     next write, so `cancelled_at` comes late and stalls never end. And with
     `auto_decompress=False`, or recorded bodies are the decompressed bytes."""
     app = web.Application(middlewares=[record_requests], client_max_size=MAX_BODY_BYTES)
-    app[STATE_KEY] = MockState.from_config(config)
+    state = MockState.from_config(config)
+    signal = ChangeSignal()
+    state.recorder.add_listener(signal.fire)
+    app[STATE_KEY] = state
+    app[SIGNAL_KEY] = signal
+    app.on_shutdown.append(_wake_waiters_on_shutdown)
     app.router.add_post(
         "/v1/chat/completions", _generation_route(replies.chat_body, replies.chat_stream)
     )
@@ -466,6 +571,7 @@ def build_app(config: MockConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get(CONTROL_PREFIX, control_snapshot)
+    app.router.add_get(f"{CONTROL_PREFIX}/wait", control_wait)
     app.router.add_post(f"{CONTROL_PREFIX}/reset", control_reset)
     app.router.add_put(f"{CONTROL_PREFIX}/knobs", control_knobs)
     app.router.add_put(f"{CONTROL_PREFIX}/faults", control_set_faults)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -16,6 +17,8 @@ from mock_dynamo.config import MockConfig
 # Status recorded when the client went away before response headers were sent
 # (nginx's convention; no real HTTP status exists for it).
 CLIENT_CLOSED_STATUS = 499
+# What `/test-control/wait` can wait for; "finished" is completed or cancelled.
+WAIT_EVENTS = ("received", "completed", "cancelled", "finished")
 
 
 @dataclass(slots=True)
@@ -52,6 +55,18 @@ class RequestRecord:
             name.lower() == "x-request-id" and value == request_id for name, value in self.headers
         )
 
+    def has_happened(self, event: str) -> bool:
+        """Whether `event` (one of WAIT_EVENTS) has happened to this request."""
+        if event == "received":
+            return True
+        if event == "completed":
+            return self.completed_at is not None
+        if event == "cancelled":
+            return self.cancelled_at is not None
+        if event == "finished":
+            return self.completed_at is not None or self.cancelled_at is not None
+        raise ValueError(f"unknown event {event!r}")
+
     def to_json(self) -> dict[str, Any]:
         return {
             "method": self.method,
@@ -72,11 +87,17 @@ class RequestRecord:
 
 
 class Recorder:
-    """Bounded log of requests plus counters that survive deque eviction."""
+    """Bounded log of requests plus counters that survive deque eviction.
+
+    Listeners are called (synchronously, with no arguments) after every change:
+    a record started, got its model, finished or was cancelled, or a reset. The
+    app turns that into an asyncio wake-up for `/test-control/wait`.
+    """
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._records: deque[RequestRecord] = deque(maxlen=capacity)
+        self._listeners: list[Callable[[], None]] = []
         # Insertion-ordered dict used as an LRU so arbitrary client-chosen
         # model names cannot grow it without bound.
         self._last: dict[str, RequestRecord] = {}
@@ -84,20 +105,33 @@ class Recorder:
         self.cancelled = 0
         self.by_endpoint: dict[str, int] = {}
 
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.remove(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
     def start(self, record: RequestRecord) -> RequestRecord:
         self._records.append(record)
         self.total += 1
         self.by_endpoint[record.endpoint] = self.by_endpoint.get(record.endpoint, 0) + 1
+        self._changed()
         return record
 
     def set_model(self, record: RequestRecord, model: str) -> None:
         record.model = model
         self._remember_last(record)
+        self._changed()
 
     def finish(self, record: RequestRecord, status: int) -> None:
         record.status = status
         record.completed_at = time.time()
         self._remember_last(record)
+        self._changed()
 
     def cancel(self, record: RequestRecord) -> None:
         if record.cancelled_at is not None or record.completed_at is not None:
@@ -107,6 +141,7 @@ class Recorder:
             record.status = CLIENT_CLOSED_STATUS
         self.cancelled += 1
         self._remember_last(record)
+        self._changed()
 
     def reset(self) -> None:
         self._records.clear()
@@ -114,6 +149,14 @@ class Recorder:
         self.by_endpoint.clear()
         self.total = 0
         self.cancelled = 0
+        self._changed()
+
+    def latest_with_request_id(self, request_id: str) -> RequestRecord | None:
+        """The newest kept record carrying `x-request-id: request_id`, if any."""
+        for record in reversed(self._records):
+            if record.has_request_id(request_id):
+                return record
+        return None
 
     def _remember_last(self, record: RequestRecord) -> None:
         key = f"{record.path}|{record.model or ''}"
