@@ -33,7 +33,7 @@ from aiohttp import web
 from mock_dynamo import replies
 from mock_dynamo.config import MockConfig
 from mock_dynamo.contract import contract_violation
-from mock_dynamo.state import WAIT_EVENTS, Fault, MockState, RequestRecord
+from mock_dynamo.state import WAIT_EVENTS, Fault, MockState, RequestRecord, parse_models
 
 # stdlib logging stays silent when embedded unless the host opts in; the
 # CLI configures it. Only metadata is logged, never prompt text.
@@ -367,7 +367,7 @@ def _validate(request: web.Request) -> tuple[dict[str, Any], str] | web.Response
     model = body.get("model")
     if not isinstance(model, str):
         return error_response(400, "model is required")
-    if model not in state.config.models:
+    if model not in state.models:
         return error_response(404, f"The model `{model}` does not exist.")
     return body, model
 
@@ -417,7 +417,7 @@ async def handle_models(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     data = [
         {"id": m, "object": "model", "created": created, "owned_by": state.config.flavor}
-        for m in state.config.models
+        for m in state.models
     ]
     fault = state.faults.take(request.path, None, inference=False)
     return await json_reply(request, {"object": "list", "data": data}, fault)
@@ -425,10 +425,16 @@ async def handle_models(request: web.Request) -> web.StreamResponse:
 
 async def handle_health(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
+    status, delay_ms = state.health.status, state.health.delay_ms
+    if delay_ms > 0:
+        await asyncio.sleep(delay_ms / 1000)
+    if status != 200:
+        # Answered before faults are consulted, so none is used up.
+        return error_response(status, "engine unhealthy (set by PUT /test-control/health)")
     payload = {
         "status": "healthy",
         "flavor": state.config.flavor,
-        "models": list(state.config.models),
+        "models": list(state.models),
     }
     fault = state.faults.take(request.path, None, inference=False)
     return await json_reply(request, payload, fault)
@@ -474,6 +480,24 @@ async def control_set_faults(request: web.Request) -> web.StreamResponse:
 async def control_clear_faults(request: web.Request) -> web.StreamResponse:
     request.app[STATE_KEY].faults.clear()
     return json_ok([])
+
+
+async def control_models(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    try:
+        state.models = parse_models(await _control_json(request))
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return json_ok({"models": list(state.models)})
+
+
+async def control_health(request: web.Request) -> web.StreamResponse:
+    health = request.app[STATE_KEY].health
+    try:
+        health.update(await _control_json(request))
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return json_ok(health.to_json())
 
 
 def _wait_params(request: web.Request) -> tuple[str, str, float]:
@@ -576,4 +600,6 @@ def build_app(config: MockConfig) -> web.Application:
     app.router.add_put(f"{CONTROL_PREFIX}/knobs", control_knobs)
     app.router.add_put(f"{CONTROL_PREFIX}/faults", control_set_faults)
     app.router.add_delete(f"{CONTROL_PREFIX}/faults", control_clear_faults)
+    app.router.add_put(f"{CONTROL_PREFIX}/models", control_models)
+    app.router.add_put(f"{CONTROL_PREFIX}/health", control_health)
     return app

@@ -324,12 +324,66 @@ class FaultTable:
         return [{**a.fault.to_json(), "remaining": a.remaining} for a in self._armed]
 
 
+def parse_models(raw: object) -> tuple[str, ...]:
+    """The model list of a `PUT /test-control/models` body: `{"models": [names]}`.
+
+    An empty list is allowed (an engine up with nothing loaded); names must be
+    non-empty strings and distinct.
+    """
+    if not isinstance(raw, dict) or set(raw) != {"models"}:
+        raise ValueError('models must be a JSON object {"models": [names]}')
+    models = raw["models"]
+    if not isinstance(models, list) or any(not isinstance(m, str) or not m for m in models):
+        raise ValueError("models must be a list of non-empty strings")
+    if len(set(models)) != len(models):
+        raise ValueError("models must not repeat a name")
+    return tuple(models)
+
+
+# Longest /health delay accepted; bounded so no event loop is asked to sleep for ages.
+MAX_HEALTH_DELAY_MS = 3_600_000
+
+
+@dataclass(slots=True)
+class Health:
+    """What `/health` answers: 200 with the healthy payload, or `status` with an
+    error body; either after `delay_ms`."""
+
+    status: int = 200
+    delay_ms: float = 0
+
+    def update(self, patch: object) -> None:
+        """Apply a partial update atomically: validate everything first."""
+        if not isinstance(patch, dict):
+            raise ValueError("health must be a JSON object")
+        unknown = set(patch) - {"status", "delay_ms"}
+        if unknown:
+            raise ValueError(f"unknown health field(s): {', '.join(sorted(unknown))}")
+        status = patch.get("status", 200)
+        if not (_is_int(status) and (status == 200 or 400 <= status <= 599)):
+            raise ValueError("health.status must be 200 or an error status (400-599)")
+        delay = patch.get("delay_ms", 0)
+        if not (_is_number(delay) and 0 <= delay <= MAX_HEALTH_DELAY_MS):
+            raise ValueError(f"health.delay_ms must be a number in [0, {MAX_HEALTH_DELAY_MS}]")
+        for name, value in patch.items():
+            setattr(self, name, value)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "delay_ms": self.delay_ms}
+
+
 @dataclass(slots=True)
 class MockState:
     config: MockConfig
     recorder: Recorder
     knobs: Knobs
     faults: FaultTable = field(default_factory=FaultTable)
+    health: Health = field(default_factory=Health)
+    # Served models; starts as (and a reset restores) config.models.
+    models: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.models = self.config.models
 
     @classmethod
     def from_config(cls, config: MockConfig) -> MockState:
@@ -340,13 +394,18 @@ class MockState:
         )
 
     def reset(self) -> None:
-        """Forget records and faults; knobs deliberately survive a reset."""
+        """Forget records and faults, restore the configured models and a healthy
+        `/health`; knobs deliberately survive a reset."""
         self.recorder.reset()
         self.faults.clear()
+        self.models = self.config.models
+        self.health = Health()
 
     def snapshot(self) -> dict[str, Any]:
         return {
             **self.recorder.snapshot(),
             "knobs": self.knobs.to_json(),
             "faults": self.faults.to_json(),
+            "models": list(self.models),
+            "health": self.health.to_json(),
         }
