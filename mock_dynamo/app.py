@@ -1,5 +1,37 @@
 """aiohttp routes of the mock engine.
 
+Test-control API (not recorded itself; errors are OpenAI-style JSON bodies):
+- `GET /test-control`: snapshot `{"requests": [record...], "last_by_endpoint_model":
+  {"<path>|<model>": record}, "counters": {"total", "by_endpoint", "cancelled"},
+  "knobs", "faults", "models": [names], "health": {"status", "delay_ms"}}`. The
+  newest `capacity` records are kept.
+- A record: `method`, `path` (percent-decoded), `model`, `headers` ([name, value]
+  pairs exactly as on the wire), `body` (parsed JSON or null), `received_at`,
+  `completed_at`, `cancelled_at` (epoch seconds or null), `status` (499: client
+  left before headers; 0: the mock dropped the connection first), and as
+  received: `raw_path` (request target, path and query, not decoded), `query_string`
+  (raw, without `?`, "" when none), `body_b64` (base64 of the body bytes after
+  de-chunking; never decompressed), `body_bytes` (their length), `http_version`
+  ("HTTP/1.1").
+- `GET /test-control/wait?request_id=ID&event=E&timeout=S`: long poll. 200 with
+  the record of the latest request whose `x-request-id` (any of them, name
+  case-insensitive, value exact) is ID, as soon as E happened to it (at once if
+  it has): `received`, `completed`, `cancelled`, or `finished` (either of the
+  last two). A newer request with the same id replaces the one waited for.
+  `timeout` defaults to 5 s, at most 30. 408 `{"error": {...}, "record": latest
+  record with that id or null}` on timeout; 400 on a missing, unknown, repeated
+  or out-of-range parameter; 503 while the server shuts down.
+- `POST /test-control/reset`: forget records, counters and faults; restore the
+  configured models and a healthy `/health`. Knobs survive.
+- `PUT /test-control/knobs`: partial update of `ttft_ms`, `token_delay_ms`,
+  `num_tokens`.
+- `PUT /test-control/models` `{"models": [names]}`: the served models (what
+  `/v1/models` and `/health` list; other names get 404). Empty list allowed.
+- `PUT /test-control/health` `{"status": 200|400-599, "delay_ms": 0}` (partial
+  update): `/health` waits `delay_ms` then answers 200 with its usual payload or
+  `status` with an error body (before faults are consulted).
+- `PUT /test-control/faults` [fault...] / `DELETE /test-control/faults`.
+
 Fault semantics (`PUT /test-control/faults`, first matching fault wins):
 - `path`/`model`: match filters. A fault without `path` only matches the four
   inference routes; name `/health` or `/v1/models` explicitly to hit those.
