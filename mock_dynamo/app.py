@@ -1,5 +1,37 @@
 """aiohttp routes of the mock engine.
 
+Test-control API (not recorded itself; errors are OpenAI-style JSON bodies):
+- `GET /test-control`: snapshot `{"requests": [record...], "last_by_endpoint_model":
+  {"<path>|<model>": record}, "counters": {"total", "by_endpoint", "cancelled"},
+  "knobs", "faults", "models": [names], "health": {"status", "delay_ms"}}`. The
+  newest `capacity` records are kept.
+- A record: `method`, `path` (percent-decoded), `model`, `headers` ([name, value]
+  pairs exactly as on the wire), `body` (parsed JSON or null), `received_at`,
+  `completed_at`, `cancelled_at` (epoch seconds or null), `status` (499: client
+  left before headers; 0: the mock dropped the connection first), and as
+  received: `raw_path` (request target, path and query, not decoded), `query_string`
+  (raw, without `?`, "" when none), `body_b64` (base64 of the body bytes after
+  de-chunking; never decompressed), `body_bytes` (their length), `http_version`
+  ("HTTP/1.1").
+- `GET /test-control/wait?request_id=ID&event=E&timeout=S`: long poll. 200 with
+  the record of the latest request whose `x-request-id` (any of them, name
+  case-insensitive, value exact) is ID, as soon as E happened to it (at once if
+  it has): `received`, `completed`, `cancelled`, or `finished` (either of the
+  last two). A newer request with the same id replaces the one waited for.
+  `timeout` defaults to 5 s, at most 30. 408 `{"error": {...}, "record": latest
+  record with that id or null}` on timeout; 400 on a missing, unknown, repeated
+  or out-of-range parameter; 503 while the server shuts down.
+- `POST /test-control/reset`: forget records, counters and faults; restore the
+  configured models and a healthy `/health`. Knobs survive.
+- `PUT /test-control/knobs`: partial update of `ttft_ms`, `token_delay_ms`,
+  `num_tokens`.
+- `PUT /test-control/models` `{"models": [names]}`: the served models (what
+  `/v1/models` and `/health` list; other names get 404). Empty list allowed.
+- `PUT /test-control/health` `{"status": 200|400-599, "delay_ms": 0}` (partial
+  update): `/health` waits `delay_ms` then answers 200 with its usual payload or
+  `status` with an error body (before faults are consulted).
+- `PUT /test-control/faults` [fault...] / `DELETE /test-control/faults`.
+
 Fault semantics (`PUT /test-control/faults`, first matching fault wins):
 - `path`/`model`: match filters. A fault without `path` only matches the four
   inference routes; name `/health` or `/v1/models` explicitly to hit those.
@@ -20,7 +52,9 @@ Fault semantics (`PUT /test-control/faults`, first matching fault wins):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NoReturn
@@ -31,17 +65,44 @@ from aiohttp import web
 from mock_dynamo import replies
 from mock_dynamo.config import MockConfig
 from mock_dynamo.contract import contract_violation
-from mock_dynamo.state import Fault, MockState, RequestRecord
+from mock_dynamo.state import WAIT_EVENTS, Fault, MockState, RequestRecord, parse_models
 
 # stdlib logging stays silent when embedded unless the host opts in; the
 # CLI configures it. Only metadata is logged, never prompt text.
 log = logging.getLogger("mock_dynamo")
 
+
+class ChangeSignal:
+    """Wakes every coroutine waiting for "something was recorded".
+
+    Fired by the recorder's listener hook; must be fired from the loop's thread.
+    The Event is created on demand, so firing costs nothing while nobody waits.
+    """
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+        self.closing = False
+
+    def next_change(self) -> asyncio.Event:
+        """An Event set at the next fire(); take it before checking the condition."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
+    def fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+
 STATE_KEY = web.AppKey("mock_state", MockState)
+SIGNAL_KEY = web.AppKey("mock_signal", ChangeSignal)
 RECORD_KEY = web.RequestKey("mock_record", RequestRecord)
 BODY_KEY = web.RequestKey("mock_body", object)
 
 CONTROL_PREFIX = "/test-control"
+WAIT_DEFAULT_TIMEOUT_S = 5.0
+WAIT_MAX_TIMEOUT_S = 30.0
 # Status recorded when the mock aborted the connection before any response.
 NO_RESPONSE_STATUS = 0
 # Requests whose body is larger are refused by aiohttp; prompts can be big.
@@ -51,6 +112,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    408: "RequestTimeoutError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -98,9 +160,11 @@ def _endpoint(request: web.Request) -> str:
 
 
 async def _start_record(request: web.Request, state: MockState) -> RequestRecord:
-    body = _parse_json(await request.read())
+    raw_body = await request.read()
+    body = _parse_json(raw_body)
     request[BODY_KEY] = body
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers]
+    version = request.version
     record = state.recorder.start(
         RequestRecord(
             method=request.method,
@@ -109,6 +173,9 @@ async def _start_record(request: web.Request, state: MockState) -> RequestRecord
             headers=headers,
             body=body,
             received_at=time.time(),
+            raw_path=request.raw_path,
+            raw_body=raw_body,
+            http_version=f"HTTP/{version.major}.{version.minor}",
         )
     )
     model = body.get("model") if isinstance(body, dict) else None
@@ -332,7 +399,7 @@ def _validate(request: web.Request) -> tuple[dict[str, Any], str] | web.Response
     model = body.get("model")
     if not isinstance(model, str):
         return error_response(400, "model is required")
-    if model not in state.config.models:
+    if model not in state.models:
         return error_response(404, f"The model `{model}` does not exist.")
     return body, model
 
@@ -382,7 +449,7 @@ async def handle_models(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     data = [
         {"id": m, "object": "model", "created": created, "owned_by": state.config.flavor}
-        for m in state.config.models
+        for m in state.models
     ]
     fault = state.faults.take(request.path, None, inference=False)
     return await json_reply(request, {"object": "list", "data": data}, fault)
@@ -390,10 +457,16 @@ async def handle_models(request: web.Request) -> web.StreamResponse:
 
 async def handle_health(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
+    status, delay_ms = state.health.status, state.health.delay_ms
+    if delay_ms > 0:
+        await asyncio.sleep(delay_ms / 1000)
+    if status != 200:
+        # Answered before faults are consulted, so none is used up.
+        return error_response(status, "engine unhealthy (set by PUT /test-control/health)")
     payload = {
         "status": "healthy",
         "flavor": state.config.flavor,
-        "models": list(state.config.models),
+        "models": list(state.models),
     }
     fault = state.faults.take(request.path, None, inference=False)
     return await json_reply(request, payload, fault)
@@ -441,12 +514,106 @@ async def control_clear_faults(request: web.Request) -> web.StreamResponse:
     return json_ok([])
 
 
+async def control_models(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    try:
+        state.models = parse_models(await _control_json(request))
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return json_ok({"models": list(state.models)})
+
+
+async def control_health(request: web.Request) -> web.StreamResponse:
+    health = request.app[STATE_KEY].health
+    try:
+        health.update(await _control_json(request))
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return json_ok(health.to_json())
+
+
+def _wait_params(request: web.Request) -> tuple[str, str, float]:
+    """(request_id, event, timeout_s) of a `/test-control/wait` query, or ValueError."""
+    query = request.query
+    unknown = set(query) - {"request_id", "event", "timeout"}
+    if unknown:
+        raise ValueError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
+    for name in query:
+        if len(query.getall(name)) > 1:
+            raise ValueError(f"{name} given more than once")
+    request_id = query.get("request_id", "")
+    if not request_id:
+        raise ValueError("request_id is required")
+    event = query.get("event", "")
+    if event not in WAIT_EVENTS:
+        raise ValueError(f"event must be one of {', '.join(WAIT_EVENTS)}")
+    raw_timeout = query.get("timeout")
+    if raw_timeout is None:
+        return request_id, event, WAIT_DEFAULT_TIMEOUT_S
+    try:
+        timeout = float(raw_timeout)
+    except ValueError:
+        raise ValueError("timeout must be a number of seconds") from None
+    if not (math.isfinite(timeout) and 0 <= timeout <= WAIT_MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be between 0 and {WAIT_MAX_TIMEOUT_S:g} seconds")
+    return request_id, event, timeout
+
+
+async def control_wait(request: web.Request) -> web.StreamResponse:
+    """Long poll: the latest record with that x-request-id once `event` happened to it."""
+    try:
+        request_id, event, timeout = _wait_params(request)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    recorder = request.app[STATE_KEY].recorder
+    signal = request.app[SIGNAL_KEY]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        # Taken before the check: a change after the check still wakes us.
+        changed = signal.next_change()
+        record = recorder.latest_with_request_id(request_id)
+        if record is not None and record.has_happened(event):
+            return json_ok(record.to_json())
+        if signal.closing:
+            return error_response(503, "mock engine is shutting down")
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return _wait_timeout(request_id, event, timeout, record)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), remaining)
+
+
+def _wait_timeout(
+    request_id: str, event: str, timeout: float, record: RequestRecord | None
+) -> web.Response:
+    seen = "no request with that id" if record is None else "a request with that id, but not that"
+    message = f"{event} not seen for x-request-id {request_id!r} within {timeout:g} s ({seen})"
+    error = {"message": message, "type": _ERROR_TYPES[408], "code": 408}
+    # The latest record with that id (or null) tells the test how far the request got.
+    payload = {"error": error, "record": None if record is None else record.to_json()}
+    return web.Response(status=408, body=orjson.dumps(payload), content_type="application/json")
+
+
+async def _wake_waiters_on_shutdown(app: web.Application) -> None:
+    # Pending long polls answer 503 at once instead of holding up the shutdown.
+    signal = app[SIGNAL_KEY]
+    signal.closing = True
+    signal.fire()
+
+
 def build_app(config: MockConfig) -> web.Application:
     """The mock as an aiohttp app. Run it with `handler_cancellation=True`
     (as `start_mock` does): otherwise a disconnect is only noticed on the
-    next write, so `cancelled_at` comes late and stalls never end."""
+    next write, so `cancelled_at` comes late and stalls never end. And with
+    `auto_decompress=False`, or recorded bodies are the decompressed bytes."""
     app = web.Application(middlewares=[record_requests], client_max_size=MAX_BODY_BYTES)
-    app[STATE_KEY] = MockState.from_config(config)
+    state = MockState.from_config(config)
+    signal = ChangeSignal()
+    state.recorder.add_listener(signal.fire)
+    app[STATE_KEY] = state
+    app[SIGNAL_KEY] = signal
+    app.on_shutdown.append(_wake_waiters_on_shutdown)
     app.router.add_post(
         "/v1/chat/completions", _generation_route(replies.chat_body, replies.chat_stream)
     )
@@ -460,8 +627,11 @@ def build_app(config: MockConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get(CONTROL_PREFIX, control_snapshot)
+    app.router.add_get(f"{CONTROL_PREFIX}/wait", control_wait)
     app.router.add_post(f"{CONTROL_PREFIX}/reset", control_reset)
     app.router.add_put(f"{CONTROL_PREFIX}/knobs", control_knobs)
     app.router.add_put(f"{CONTROL_PREFIX}/faults", control_set_faults)
     app.router.add_delete(f"{CONTROL_PREFIX}/faults", control_clear_faults)
+    app.router.add_put(f"{CONTROL_PREFIX}/models", control_models)
+    app.router.add_put(f"{CONTROL_PREFIX}/health", control_health)
     return app

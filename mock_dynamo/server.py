@@ -63,6 +63,9 @@ async def start_mock(
         # Cancel the handler when the client disconnects: that is how
         # `cancelled_at` is detected, even while a handler sleeps.
         handler_cancellation=True,
+        # Keep request bodies as they arrived (recorded byte for byte); like
+        # vLLM/SGLang's servers, the mock does not undo a Content-Encoding.
+        auto_decompress=False,
         access_log=None,
         shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
     )

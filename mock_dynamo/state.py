@@ -5,8 +5,10 @@ Kept free of aiohttp so the bookkeeping rules can be tested in isolation.
 
 from __future__ import annotations
 
+import base64
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -15,6 +17,8 @@ from mock_dynamo.config import MockConfig
 # Status recorded when the client went away before response headers were sent
 # (nginx's convention; no real HTTP status exists for it).
 CLIENT_CLOSED_STATUS = 499
+# What `/test-control/wait` can wait for; "finished" is completed or cancelled.
+WAIT_EVENTS = ("received", "completed", "cancelled", "finished")
 
 
 @dataclass(slots=True)
@@ -32,6 +36,36 @@ class RequestRecord:
     # Set when the mock itself aborted the connection (drop fault), so the
     # resulting handler cancellation is not mistaken for a client disconnect.
     server_aborted: bool = False
+    # The request target exactly as on the request line (path and query, not
+    # percent-decoded) and the body bytes exactly as they arrived (after
+    # de-chunking; the mock does not decompress). `path` above is decoded.
+    raw_path: str = ""
+    raw_body: bytes = b""
+    http_version: str = "HTTP/1.1"
+
+    @property
+    def query_string(self) -> str:
+        """The raw query of the request target, without `?`; "" when none."""
+        _, _, query = self.raw_path.partition("?")
+        return query
+
+    def has_request_id(self, request_id: str) -> bool:
+        """Whether any `x-request-id` header (name case-insensitive) equals `request_id`."""
+        return any(
+            name.lower() == "x-request-id" and value == request_id for name, value in self.headers
+        )
+
+    def has_happened(self, event: str) -> bool:
+        """Whether `event` (one of WAIT_EVENTS) has happened to this request."""
+        if event == "received":
+            return True
+        if event == "completed":
+            return self.completed_at is not None
+        if event == "cancelled":
+            return self.cancelled_at is not None
+        if event == "finished":
+            return self.completed_at is not None or self.cancelled_at is not None
+        raise ValueError(f"unknown event {event!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -44,15 +78,26 @@ class RequestRecord:
             "cancelled_at": self.cancelled_at,
             "completed_at": self.completed_at,
             "status": self.status,
+            "raw_path": self.raw_path,
+            "query_string": self.query_string,
+            "body_b64": base64.b64encode(self.raw_body).decode("ascii"),
+            "body_bytes": len(self.raw_body),
+            "http_version": self.http_version,
         }
 
 
 class Recorder:
-    """Bounded log of requests plus counters that survive deque eviction."""
+    """Bounded log of requests plus counters that survive deque eviction.
+
+    Listeners are called (synchronously, with no arguments) after every change:
+    a record started, got its model, finished or was cancelled, or a reset. The
+    app turns that into an asyncio wake-up for `/test-control/wait`.
+    """
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._records: deque[RequestRecord] = deque(maxlen=capacity)
+        self._listeners: list[Callable[[], None]] = []
         # Insertion-ordered dict used as an LRU so arbitrary client-chosen
         # model names cannot grow it without bound.
         self._last: dict[str, RequestRecord] = {}
@@ -60,20 +105,33 @@ class Recorder:
         self.cancelled = 0
         self.by_endpoint: dict[str, int] = {}
 
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.remove(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
     def start(self, record: RequestRecord) -> RequestRecord:
         self._records.append(record)
         self.total += 1
         self.by_endpoint[record.endpoint] = self.by_endpoint.get(record.endpoint, 0) + 1
+        self._changed()
         return record
 
     def set_model(self, record: RequestRecord, model: str) -> None:
         record.model = model
         self._remember_last(record)
+        self._changed()
 
     def finish(self, record: RequestRecord, status: int) -> None:
         record.status = status
         record.completed_at = time.time()
         self._remember_last(record)
+        self._changed()
 
     def cancel(self, record: RequestRecord) -> None:
         if record.cancelled_at is not None or record.completed_at is not None:
@@ -83,6 +141,7 @@ class Recorder:
             record.status = CLIENT_CLOSED_STATUS
         self.cancelled += 1
         self._remember_last(record)
+        self._changed()
 
     def reset(self) -> None:
         self._records.clear()
@@ -90,6 +149,14 @@ class Recorder:
         self.by_endpoint.clear()
         self.total = 0
         self.cancelled = 0
+        self._changed()
+
+    def latest_with_request_id(self, request_id: str) -> RequestRecord | None:
+        """The newest kept record carrying `x-request-id: request_id`, if any."""
+        for record in reversed(self._records):
+            if record.has_request_id(request_id):
+                return record
+        return None
 
     def _remember_last(self, record: RequestRecord) -> None:
         key = f"{record.path}|{record.model or ''}"
@@ -257,12 +324,66 @@ class FaultTable:
         return [{**a.fault.to_json(), "remaining": a.remaining} for a in self._armed]
 
 
+def parse_models(raw: object) -> tuple[str, ...]:
+    """The model list of a `PUT /test-control/models` body: `{"models": [names]}`.
+
+    An empty list is allowed (an engine up with nothing loaded); names must be
+    non-empty strings and distinct.
+    """
+    if not isinstance(raw, dict) or set(raw) != {"models"}:
+        raise ValueError('models must be a JSON object {"models": [names]}')
+    models = raw["models"]
+    if not isinstance(models, list) or any(not isinstance(m, str) or not m for m in models):
+        raise ValueError("models must be a list of non-empty strings")
+    if len(set(models)) != len(models):
+        raise ValueError("models must not repeat a name")
+    return tuple(models)
+
+
+# Longest /health delay accepted; bounded so no event loop is asked to sleep for ages.
+MAX_HEALTH_DELAY_MS = 3_600_000
+
+
+@dataclass(slots=True)
+class Health:
+    """What `/health` answers: 200 with the healthy payload, or `status` with an
+    error body; either after `delay_ms`."""
+
+    status: int = 200
+    delay_ms: float = 0
+
+    def update(self, patch: object) -> None:
+        """Apply a partial update atomically: validate everything first."""
+        if not isinstance(patch, dict):
+            raise ValueError("health must be a JSON object")
+        unknown = set(patch) - {"status", "delay_ms"}
+        if unknown:
+            raise ValueError(f"unknown health field(s): {', '.join(sorted(unknown))}")
+        status = patch.get("status", 200)
+        if not (_is_int(status) and (status == 200 or 400 <= status <= 599)):
+            raise ValueError("health.status must be 200 or an error status (400-599)")
+        delay = patch.get("delay_ms", 0)
+        if not (_is_number(delay) and 0 <= delay <= MAX_HEALTH_DELAY_MS):
+            raise ValueError(f"health.delay_ms must be a number in [0, {MAX_HEALTH_DELAY_MS}]")
+        for name, value in patch.items():
+            setattr(self, name, value)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "delay_ms": self.delay_ms}
+
+
 @dataclass(slots=True)
 class MockState:
     config: MockConfig
     recorder: Recorder
     knobs: Knobs
     faults: FaultTable = field(default_factory=FaultTable)
+    health: Health = field(default_factory=Health)
+    # Served models; starts as (and a reset restores) config.models.
+    models: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.models = self.config.models
 
     @classmethod
     def from_config(cls, config: MockConfig) -> MockState:
@@ -273,13 +394,18 @@ class MockState:
         )
 
     def reset(self) -> None:
-        """Forget records and faults; knobs deliberately survive a reset."""
+        """Forget records and faults, restore the configured models and a healthy
+        `/health`; knobs deliberately survive a reset."""
         self.recorder.reset()
         self.faults.clear()
+        self.models = self.config.models
+        self.health = Health()
 
     def snapshot(self) -> dict[str, Any]:
         return {
             **self.recorder.snapshot(),
             "knobs": self.knobs.to_json(),
             "faults": self.faults.to_json(),
+            "models": list(self.models),
+            "health": self.health.to_json(),
         }

@@ -75,20 +75,6 @@ async def snapshot(client: httpx.AsyncClient) -> dict[str, Any]:
     return result
 
 
-async def wait_for_record(
-    client: httpx.AsyncClient, predicate: Callable[[dict[str, Any]], bool], timeout_s: float = 2.0
-) -> dict[str, Any]:
-    """Poll /test-control until the last record satisfies `predicate` (bounded)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        records = (await snapshot(client))["requests"]
-        if records and predicate(records[-1]):
-            return records[-1]
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"record condition not met; last: {records[-1:]}")
-        await asyncio.sleep(0.005)
-
-
 async def raw_exchange(port: int, request: bytes, timeout_s: float = 5.0) -> bytes:
     """Send raw bytes and read until the server closes (use `Connection: close`)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

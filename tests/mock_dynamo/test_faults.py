@@ -10,10 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.mock_dynamo.conftest import MakeMock, sse_data, wait_for_record
+from tests.cancellation import wait_for_record
+from tests.mock_dynamo.conftest import MakeMock, sse_data
 
 CHAT = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}]}
 STREAM = {**CHAT, "stream": True}
+STALL, DROP = {"x-request-id": "stall"}, {"x-request-id": "drop"}
 
 
 async def _set_faults(client: httpx.AsyncClient, faults: list[dict[str, Any]]) -> None:
@@ -95,13 +97,14 @@ async def test_delay_fault(client: httpx.AsyncClient) -> None:
 
 async def test_stall_after_events_hangs_without_closing(client: httpx.AsyncClient) -> None:
     await _set_faults(client, [{"stall_after_events": 2}])
-    async with client.stream("POST", "/v1/chat/completions", json=STREAM) as resp:
+    async with client.stream("POST", "/v1/chat/completions", json=STREAM, headers=STALL) as resp:
         chunks = resp.aiter_bytes()
         buf = await _read_events(chunks, b"", 2)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(anext(chunks), 0.3)
     assert buf.count(b"\n\n") == 2
-    record = await wait_for_record(client, lambda r: r["cancelled_at"] is not None)
+    record = await wait_for_record(client, str(client.base_url), "stall", "finished")
+    assert record["cancelled_at"] is not None
     assert record["status"] == 200 and record["completed_at"] is None
 
 
@@ -109,11 +112,11 @@ async def test_drop_after_events_aborts_connection(client: httpx.AsyncClient) ->
     await _set_faults(client, [{"drop_after_events": 3}])
     buf = b""
     with pytest.raises(httpx.TransportError):
-        async with client.stream("POST", "/v1/chat/completions", json=STREAM) as resp:
+        async with client.stream("POST", "/v1/chat/completions", json=STREAM, headers=DROP) as resp:
             async for chunk in resp.aiter_bytes():
                 buf += chunk
     assert buf.count(b"\n\n") == 3 and b"[DONE]" not in buf
-    record = await wait_for_record(client, lambda r: r["completed_at"] is not None)
+    record = await wait_for_record(client, str(client.base_url), "drop", "finished")
     # The mock hung up, not the client: not counted as a cancellation.
     assert record["cancelled_at"] is None and record["status"] == 200
 
@@ -121,9 +124,9 @@ async def test_drop_after_events_aborts_connection(client: httpx.AsyncClient) ->
 async def test_drop_before_response_on_non_streaming(client: httpx.AsyncClient) -> None:
     await _set_faults(client, [{"drop_after_events": 0}])
     with pytest.raises(httpx.TransportError):
-        await client.post("/v1/chat/completions", json=CHAT)
-    record = await wait_for_record(client, lambda r: r["completed_at"] is not None)
-    assert record["status"] == 0
+        await client.post("/v1/chat/completions", json=CHAT, headers=DROP)
+    record = await wait_for_record(client, str(client.base_url), "drop", "finished")
+    assert record["status"] == 0 and record["cancelled_at"] is None
 
 
 async def test_stall_mid_body_on_non_streaming(client: httpx.AsyncClient) -> None:
