@@ -178,8 +178,12 @@ class MessageRejected(H3Event):
 
 @dataclass(frozen=True, slots=True)
 class StreamAborted(H3Event):
-    """The peer reset its side of a request stream (`by_reset`) or sent STOP_SENDING, which makes
-    QUIC reset ours: no response can be delivered after it."""
+    """The peer aborted a request stream the application knows about.
+
+    `by_reset`: RESET_STREAM, the request will not be completed (not reported when the layer was
+    already ignoring the stream's input, e.g. after `MessageRejected`). Otherwise STOP_SENDING,
+    which makes QUIC reset our side: no response can be delivered any more.
+    """
 
     stream_id: int
     error_code: int
@@ -590,14 +594,16 @@ class H3Layer:
         stream = self._requests.get(stream_id)
         if stream is None:
             return []
-        was_announced = stream.phase != _AWAIT_HEADERS and not stream.forgotten
+        phase = stream.phase
+        stream.receiving_ended = True
+        if phase == _AWAIT_HEADERS or stream.forgotten:
+            del self._requests[stream_id]  # the application never saw it, or is done with it
+            return []
         # RFC 9000 3.2: after RESET_STREAM no more data arrives; drop what is buffered.
         stream.phase = _DROPPING
         stream.drop_buffers()
-        stream.receiving_ended = True
-        if not was_announced:
-            del self._requests[stream_id]  # the application never saw this request
-            return []
+        if phase == _DROPPING:
+            return []  # input was already ignored (often the answer to our STOP_SENDING)
         return [StreamAborted(stream_id, error_code, True)]
 
     def _receive_stop_sending(self, stream_id: int, error_code: int) -> list[H3Event]:
