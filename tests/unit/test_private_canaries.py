@@ -4,6 +4,8 @@ attribute that changed; fix quic_private.py, nothing else."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from aioquic.quic.events import StreamDataReceived
 
@@ -18,7 +20,7 @@ from pylon.server.quic_private import (
 from tests.unit.quic_pair import QuicPair, certificate
 
 
-def streams_with_data(events: list[object]) -> set[int]:
+def streams_with_data(events: Sequence[object]) -> set[int]:
     return {e.stream_id for e in events if isinstance(e, StreamDataReceived)}
 
 
