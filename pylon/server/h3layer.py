@@ -897,6 +897,13 @@ def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int] | None:
 
 def _frame_header(data: bytes | bytearray, pos: int) -> tuple[int, int, int] | None:
     """RFC 9114 7.1: (type, length, payload start), or None when `data` ends inside the header."""
+    if pos + 2 < len(data) and data[pos] < 0x40:
+        # The usual case, inline: a one-byte type and a length of one or two bytes.
+        first = data[pos + 1]
+        if first < 0x40:
+            return data[pos], first, pos + 2
+        if first < 0x80:
+            return data[pos], ((first & 0x3F) << 8) | data[pos + 2], pos + 3
     parsed = _varint(data, pos)
     if parsed is None:
         return None
@@ -918,6 +925,10 @@ def _varint_bytes(value: int) -> bytes:
 
 
 def _frame_head(frame_type: int, length: int) -> bytes:
+    if frame_type < 0x40 and length < 0x40:
+        return bytes((frame_type, length))
+    if frame_type < 0x40 and length < 0x4000:  # a two-byte length (RFC 9000 16)
+        return bytes((frame_type, 0x40 | length >> 8, length & 0xFF))
     return _varint_bytes(frame_type) + _varint_bytes(length)
 
 

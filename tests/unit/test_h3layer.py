@@ -35,6 +35,8 @@ from pylon.server.h3layer import (
     StreamAborted,
     StreamGone,
     TrailersReceived,
+    _frame_head,
+    _frame_header,
 )
 from tests.unit.quic_pair import QuicPair, Side, server_configuration
 
@@ -922,3 +924,35 @@ def test_bidirectional_streams_of_our_own_role_are_not_requests() -> None:
     layer = bare_layer()  # a QUIC server: stream 1 would be one it opened itself
     assert feed(layer, 1, [request_bytes(b"x")]) == []
     assert layer.open_streams == 0
+
+
+# === wire helpers ===
+
+VARINTS = st.one_of(
+    st.integers(0, 0x3F),
+    st.integers(0, 0x3FFF),
+    st.integers(0, 2**30 - 1),
+    st.integers(0, 2**62 - 1),
+)
+
+
+@given(frame_type=VARINTS, length=VARINTS, tail=st.binary(max_size=3))
+def test_frame_header_round_trips_every_integer_size(
+    frame_type: int, length: int, tail: bytes
+) -> None:
+    wire = encode_uint_var(frame_type) + encode_uint_var(length)
+    assert _frame_head(frame_type, length) == wire
+    assert _frame_header(wire + tail, 0) == (frame_type, length, len(wire))
+    assert _frame_header(b"\xff" + wire + tail, 1) == (frame_type, length, len(wire) + 1)
+    for cut in range(len(wire)):
+        assert _frame_header(wire[:cut], 0) is None
+
+
+def test_non_minimal_integer_encodings_are_accepted() -> None:
+    # RFC 9000 16 does not require the shortest encoding.
+    assert _frame_header(b"\x00\x80\x00\x00\x05", 0) == (0, 5, 5)
+    assert _frame_header(b"\x40\x01\x05", 0) == (1, 5, 3)
+    layer = bare_layer()
+    wire = b"\x40\x01" + b"\x80\x00\x00" + bytes([len(block(REQUEST))]) + block(REQUEST)
+    wire += b"\x00\xc0" + b"\x00" * 6 + b"\x02" + b"ok"
+    assert summary(feed(layer, 0, [wire])) == (REQUEST, b"ok", None, True)
