@@ -440,13 +440,12 @@ class H3Layer:
             raise _ConnectionError(
                 ErrorCode.H3_FRAME_UNEXPECTED, f"frame type 0x{frame_type:x} on a request stream"
             )
-        stream.frame_type = frame_type
-        stream.frame_left = length
-        if length == 0 and frame_type == _HEADERS:
+        if length:
+            stream.frame_type = frame_type
+            stream.frame_left = length
+        elif frame_type == _HEADERS:
+            # No payload means no field section prefix: a decoding error (RFC 9204 4.5.1).
             self._field_section(stream, b"", at_end, events)
-            stream.frame_type = _NO_FRAME
-        elif length == 0:
-            stream.frame_type = _NO_FRAME
 
     def _read_payload(
         self, stream: _RequestStream, data: bytes, pos: int, fin: bool, events: list[H3Event]

@@ -956,3 +956,12 @@ def test_non_minimal_integer_encodings_are_accepted() -> None:
     wire = b"\x40\x01" + b"\x80\x00\x00" + bytes([len(block(REQUEST))]) + block(REQUEST)
     wire += b"\x00\xc0" + b"\x00" * 6 + b"\x02" + b"ok"
     assert summary(feed(layer, 0, [wire])) == (REQUEST, b"ok", None, True)
+
+
+def test_empty_frames() -> None:
+    layer = bare_layer()
+    wire = headers_frame(REQUEST) + data_frame(b"") + frame(GREASE, b"") + data_frame(b"a")
+    assert summary(feed(layer, 0, [wire])) == (REQUEST, b"a", None, True)
+    h = Harness()
+    h.send(h.next_request_stream(), frame(0x1, b""), fin=True)
+    assert h.closed_with() == ErrorCode.QPACK_DECOMPRESSION_FAILED
