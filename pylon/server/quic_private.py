@@ -1,0 +1,116 @@
+"""Every aioquic private attribute pylon touches, in one place.
+
+aioquic (pinned to 1.7 in pyproject.toml) has no public API for these four needs. Each function
+names the private attribute it uses and why; `check_private_surface` runs at import and fails
+loudly if an aioquic upgrade removed any of them, and tests/unit/test_private_canaries.py checks
+that each still behaves as relied on. Nothing else in pylon may read aioquic private names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aioquic import tls
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.stream import QuicStreamSender
+from cryptography import x509
+
+
+def send_backlog(quic: QuicConnection, stream_id: int) -> int:
+    """Bytes written to a stream that the peer has not acknowledged yet (sent or not): what "the
+    peer is not keeping up" means for backpressure. 0 for an unknown, finished or reset stream.
+
+    Touches `quic._streams` (the stream table) and the sender's `_buffer`, which holds every byte
+    from the first unacknowledged offset to the last written one (`QuicStreamSender.write` appends,
+    `on_data_delivery` trims the acknowledged prefix), and `_reset_error_code`: after a reset the
+    buffer is never trimmed again, yet none of it will be sent. aioquic exposes no size.
+    """
+    stream = quic._streams.get(stream_id)
+    if stream is None or stream.sender._reset_error_code is not None:
+        return 0
+    return len(stream.sender._buffer)
+
+
+def limit_peer_bidi_streams(quic: QuicConnection, count: int) -> None:
+    """Let the peer open at most `count` bidirectional streams at a time (aioquic hard-codes 128).
+
+    Touches `quic._local_max_streams_bidi`, the `Limit` whose `value` becomes the
+    initial_max_streams_bidi transport parameter and which aioquic raises by one as each peer
+    stream is discarded (RFC 9000 4.6). `sent` is set too, so no MAX_STREAMS frame repeats it.
+    The transport parameters are serialised when the TLS context is created (the client's
+    `connect()`, the server's first Initial packet), so call this before either; it works for
+    either QUIC role.
+    """
+    if hasattr(quic, "tls"):
+        raise RuntimeError("limit_peer_bidi_streams must be called before the handshake starts")
+    limit = quic._local_max_streams_bidi
+    limit.value = limit.sent = count
+
+
+def request_client_certificate(quic: QuicConnection) -> None:
+    """Make a QUIC server send a TLS CertificateRequest, so that clients present a certificate.
+
+    aioquic's TLS server has only a private, "test purposes" flag for it:
+    `tls.Context._request_client_certificate`. The context is created in the private
+    `QuicConnection._initialize` (at the first Initial packet), so that method is wrapped to set
+    the flag right after. Call before the first datagram. aioquic does not verify the client's
+    chain; check `peer_certificate` on `HandshakeCompleted`.
+    """
+    if quic.configuration.is_client:
+        raise ValueError("only a QUIC server requests client certificates")
+    if hasattr(quic, "tls"):
+        raise RuntimeError("request_client_certificate must be called before the first packet")
+    initialize: Callable[[bytes], None] = quic._initialize
+
+    def initialize_and_request(peer_cid: bytes) -> None:
+        initialize(peer_cid)
+        quic.tls._request_client_certificate = True
+
+    quic._initialize = initialize_and_request  # type: ignore[method-assign]
+
+
+def peer_certificate(
+    quic: QuicConnection,
+) -> tuple[x509.Certificate | None, list[x509.Certificate]]:
+    """The peer's leaf certificate and the rest of the chain it sent ((None, []) before the
+    handshake or when it sent none).
+
+    Touches `tls.Context._peer_certificate` and `_peer_certificate_chain`, which aioquic fills when
+    it parses the peer's Certificate message and never exposes publicly.
+    """
+    context = getattr(quic, "tls", None)
+    if context is None:
+        return None, []
+    return context._peer_certificate, list(context._peer_certificate_chain)
+
+
+def check_private_surface() -> None:
+    """Raise ImportError naming the first private aioquic attribute that is gone."""
+    quic = QuicConnection(configuration=QuicConfiguration(is_client=True))
+    sender = QuicStreamSender(stream_id=0, writable=True)
+    context = tls.Context(is_client=False)
+    limit = getattr(quic, "_local_max_streams_bidi", None)
+    probes = (
+        ("QuicConnection._streams", isinstance(getattr(quic, "_streams", None), dict)),
+        ("QuicConnection._initialize", callable(getattr(quic, "_initialize", None))),
+        ("QuicConnection._local_max_streams_bidi.value", hasattr(limit, "value")),
+        ("QuicConnection._local_max_streams_bidi.sent", hasattr(limit, "sent")),
+        ("QuicStreamSender._buffer", isinstance(getattr(sender, "_buffer", None), bytearray)),
+        ("QuicStreamSender._reset_error_code", hasattr(sender, "_reset_error_code")),
+        (
+            "tls.Context._request_client_certificate",
+            hasattr(context, "_request_client_certificate"),
+        ),
+        ("tls.Context._peer_certificate", hasattr(context, "_peer_certificate")),
+        ("tls.Context._peer_certificate_chain", hasattr(context, "_peer_certificate_chain")),
+    )
+    for name, present in probes:
+        if not present:
+            raise ImportError(
+                f"aioquic {name} is gone: pylon/server/quic_private.py needs review "
+                "(pylon is tested with aioquic 1.7)"
+            )
+
+
+check_private_surface()
