@@ -1,4 +1,9 @@
-"""Process wiring: build the pool, the proxy and the listener from Settings, run until stopped."""
+"""Process wiring, the one place parts are built: Settings in, listeners running, until stopped.
+
+`build_core` assembles the transport-neutral parts (lifecycle, observer, admission, pool, router,
+proxy) from Settings; the listeners get them injected. Nothing below this module reads Settings
+for itself, except through the frozen values built here.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +11,28 @@ import asyncio
 import signal
 import ssl
 import weakref
-from collections.abc import Callable
-from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
-from pylon.logs import get_logger
-from pylon.proxy import Proxy
+from pylon.adapters import build_adapter
+from pylon.auth import TokenAuth
+from pylon.core.intake import IngressLimits
+from pylon.core.plan import Planner
+from pylon.core.target import UpstreamTarget
+from pylon.lifecycle import Lifecycle
+from pylon.observe import LogObserver, Observer
+from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
+from pylon.routing import SingleUpstream
 from pylon.server.http1 import Http1Connection
-from pylon.server.http2 import H2Limits, Http2Connection, ProtocolSwitch
+from pylon.server.http2 import Http2Connection, ProtocolSwitch
 from pylon.settings import Settings, split_host_port
-from pylon.upstream.pool import UpstreamPool, UpstreamTarget
+from pylon.upstream.pool import UpstreamPool
 
 if TYPE_CHECKING:
-    from pylon.server.http3 import Http3Server
+    from pylon.server.http3 import Http3Server, QuicOptions
     from pylon.tls import TlsIdentity
-
-_Conn = TypeVar("_Conn", Http1Connection, Http2Connection, ProtocolSwitch)
 
 # Which mock_dynamo flavour stands in for each backend when no --upstream is given.
 _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
@@ -33,18 +44,74 @@ _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
 EMBEDDED_MOCK_MODEL = "mock-model"
 
 
-def upstream_target(url: str) -> UpstreamTarget:
-    _, _, rest = url.partition("://")
-    authority, _, path = rest.partition("/")
-    host, port = (
-        split_host_port(authority)
-        if authority.rpartition(":")[2].isdigit()
-        else (authority.strip("[]"), 80)
+@dataclass(frozen=True, slots=True)
+class Core:
+    """The transport-neutral parts every listener shares."""
+
+    lifecycle: Lifecycle
+    observer: Observer
+    admission: ProxyAdmission
+    proxy: Proxy
+    pool: UpstreamPool
+    limits: IngressLimits
+
+
+def ingress_limits(settings: Settings) -> IngressLimits:
+    return IngressLimits(
+        max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
+        max_body_bytes=settings.max_body_bytes,
+        stall_timeout=settings.header_timeout,
+        idle_timeout=settings.client_idle_timeout,
+        max_streams=settings.h2_max_concurrent_streams,
+        max_quic_streams=settings.quic_max_concurrent_streams,
+        h2_stream_window=settings.h2_stream_window,
+        max_stream_resets=settings.max_stream_resets,
+        max_control_frames=settings.max_control_frames,
+        flood_window=settings.flood_window,
     )
-    return UpstreamTarget(host=host, port=port, base_path=("/" + path).rstrip("/"))
 
 
-async def _embedded_mock(settings: Settings, stack: AsyncExitStack) -> str:
+def build_core(
+    settings: Settings,
+    upstream: str,
+    *,
+    observer: Observer | None = None,
+    lifecycle: Lifecycle | None = None,
+) -> Core:
+    """Assemble the proxy and its parts. Must run inside the event loop (the pool binds it)."""
+    observer = observer or LogObserver()
+    lifecycle = lifecycle or Lifecycle()
+    path = settings.tunnel_token_file
+    auth = TokenAuth(path) if path is not None else None
+    pool = UpstreamPool(
+        connect_timeout=settings.upstream_connect_timeout,
+        idle_timeout=settings.upstream_idle_timeout,
+        max_idle=settings.upstream_max_idle,
+        max_connections=settings.upstream_max_connections,
+        queue_timeout=settings.upstream_queue_timeout,
+    )
+    planner = Planner(
+        build_adapter(settings.backend, settings.adapter_options, derive=settings.derive_priority),
+        consumed=auth.consumed if auth is not None else frozenset(),
+    )
+    proxy = Proxy(
+        planner=planner,
+        router=SingleUpstream(UpstreamTarget.from_url(upstream)),
+        pool=pool,
+        observer=observer,
+        relay=RelayLimits(
+            first_output_timeout=settings.first_output_timeout,
+            output_gap_timeout=settings.output_gap_timeout,
+            max_sse_event_bytes=settings.max_sse_event_bytes,
+        ),
+        retry=settings.retry_policy,
+    )
+    admission = ProxyAdmission(lifecycle, auth)
+    return Core(lifecycle, observer, admission, proxy, pool, ingress_limits(settings))
+
+
+async def _embedded_mock(settings: Settings, stack: AsyncExitStack, observer: Observer) -> str:
     from mock_dynamo.server import MockConfig, start_mock
 
     mock = await start_mock(
@@ -59,7 +126,7 @@ async def _embedded_mock(settings: Settings, stack: AsyncExitStack) -> str:
         port=0,
     )
     stack.push_async_callback(mock.stop)
-    get_logger().info(
+    observer.process_event(
         "embedded_mock_started",
         detail="no --upstream given: serving an embedded mock_dynamo engine",
         upstream=mock.base_url,
@@ -101,120 +168,114 @@ def tcp_ssl_context(identity: TlsIdentity) -> ssl.SSLContext:
 
 
 async def _start_quic(
-    settings: Settings, proxy: Proxy, stack: AsyncExitStack, identity: TlsIdentity
+    settings: Settings, core: Core, stack: AsyncExitStack, identity: TlsIdentity
 ) -> tuple[Http3Server, str]:
     """The HTTP/3 listener (direct tunnel mode), with its hot-reloaded TLS identity."""
     from pylon.server.http3 import Http3Server
 
     assert settings.quic_listen is not None
-    h3 = Http3Server(settings, proxy, identity)
+    h3 = Http3Server(
+        core.proxy, core.admission, core.limits, core.lifecycle, identity, quic_options(settings)
+    )
     host, port = await h3.start(*split_host_port(settings.quic_listen))
     stack.callback(h3.close)
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-    get_logger().info("listening_quic", address=address, alpn="h3", retry=settings.quic_retry)
+    core.observer.process_event(
+        "listening_quic", address=address, alpn="h3", retry=settings.quic_retry
+    )
     return h3, address
 
 
+def quic_options(settings: Settings) -> QuicOptions:
+    from pylon.server.http3 import QuicOptions
+
+    return QuicOptions(
+        idle_timeout=settings.quic_idle_timeout,
+        max_data=settings.quic_max_data,
+        max_stream_data=settings.quic_max_stream_data,
+        retry=settings.quic_retry,
+    )
+
+
 class LiveConnections:
-    """The TCP listener's open connections, so shutdown can drain them (weakly held)."""
+    """The TCP listener's open connections, so shutdown can wait for them (weakly held)."""
 
     def __init__(self) -> None:
-        self._connections: weakref.WeakSet[Http1Connection | Http2Connection | ProtocolSwitch] = (
-            weakref.WeakSet()
-        )
+        self._connections: weakref.WeakSet[Http1Connection | Http2Connection] = weakref.WeakSet()
 
-    def add(self, connection: _Conn) -> _Conn:
+    def add(self, connection: Http1Connection | Http2Connection) -> asyncio.Protocol:
         self._connections.add(connection)
         return connection
-
-    def drain(self) -> None:
-        for connection in list(self._connections):
-            connection.graceful_close()
 
     @property
     def busy(self) -> int:
         return sum(1 for connection in list(self._connections) if connection.busy)
 
 
-async def drain_and_wait(live: LiveConnections, h3: Http3Server | None, grace: float) -> None:
+async def drain_and_wait(
+    core: Core, live: LiveConnections, h3: Http3Server | None, grace: float
+) -> None:
     """Stop admitting work everywhere, then let requests in flight finish for up to `grace` s."""
     loop = asyncio.get_running_loop()
-    live.drain()
-    if h3 is not None:
-        h3.drain()
+    core.lifecycle.drain()
     deadline = loop.time() + grace
     while loop.time() < deadline and (live.busy or (h3 is not None and h3.connections)):
         await asyncio.sleep(0.02)
-    get_logger().info(
+    core.observer.process_event(
         "drained", unfinished_tcp=live.busy, unfinished_quic=h3.connections if h3 else 0
     )
 
 
-def tcp_protocol_factory(
-    settings: Settings, proxy: Proxy, live: LiveConnections | None = None
-) -> Callable[[], asyncio.Protocol]:
+def tcp_protocol_factory(core: Core, live: LiveConnections) -> Callable[[], asyncio.Protocol]:
     """HTTP/1.1 and HTTP/2 share the TCP port: `ProtocolSwitch` picks one per connection."""
-    live = live or LiveConnections()
-    limits = H2Limits(
-        max_header_bytes=settings.max_header_bytes,
-        max_headers=settings.max_headers,
-        max_body=settings.max_body_bytes,
-        max_streams=settings.h2_max_concurrent_streams,
-        stream_window=settings.h2_stream_window,
-        header_timeout=settings.header_timeout,
-        idle_timeout=settings.client_idle_timeout,
-        max_stream_resets=settings.max_stream_resets,
-        max_control_frames=settings.max_control_frames,
-        flood_window=settings.flood_window,
-    )
 
     def http1() -> asyncio.Protocol:
-        return live.add(
-            Http1Connection(
-                proxy,
-                settings.max_header_bytes,
-                settings.max_headers,
-                settings.max_body_bytes,
-                header_timeout=settings.header_timeout,
-                idle_timeout=settings.client_idle_timeout,
-            )
-        )
+        return live.add(Http1Connection(core.proxy, core.admission, core.limits, core.lifecycle))
 
     def http2() -> asyncio.Protocol:
-        return live.add(Http2Connection(proxy, limits))
+        return live.add(Http2Connection(core.proxy, core.admission, core.limits, core.lifecycle))
 
-    return lambda: live.add(ProtocolSwitch(http1, http2, settings.header_timeout))
+    return lambda: ProtocolSwitch(http1, http2, core.limits.stall_timeout, core.lifecycle)
 
 
-async def serve(
-    settings: Settings,
-    on_ready: Callable[[str], Any] | None = None,
-    stop: asyncio.Event | None = None,
-    handle_signals: bool = True,
-    on_quic_ready: Callable[[str], Any] | None = None,
-) -> None:
-    """Run pylon until `stop` is set or SIGINT/SIGTERM arrives."""
+@dataclass
+class Running:
+    """A started pylon: its listeners' addresses and parts, until its context exits."""
+
+    core: Core
+    address: str  # the TCP listener, host:port
+    url: str
+    upstream: str
+    live: LiveConnections
+    tcp_server: asyncio.AbstractServer
+    h3: Http3Server | None = None
+    quic_address: str | None = None
+
+    async def shutdown(self, grace: float) -> None:
+        """Graceful stop: no new connections or requests, in-flight ones get `grace` s."""
+        self.tcp_server.close()
+        await drain_and_wait(self.core, self.live, self.h3, grace)
+
+
+@asynccontextmanager
+async def start(settings: Settings, observer: Observer | None = None) -> AsyncIterator[Running]:
+    """Start every listener of `settings`; exiting the context closes everything at once."""
     loop = asyncio.get_running_loop()
-    log = get_logger()
-    stop = stop or asyncio.Event()
+    observer = observer or LogObserver()
     async with AsyncExitStack() as stack:
         upstream = (
-            str(settings.upstream) if settings.upstream else await _embedded_mock(settings, stack)
+            str(settings.upstream)
+            if settings.upstream
+            else await _embedded_mock(settings, stack, observer)
         )
-        pool = UpstreamPool(
-            upstream_target(upstream),
-            connect_timeout=settings.upstream_connect_timeout,
-            idle_timeout=settings.upstream_idle_timeout,
-            max_idle=settings.upstream_max_idle,
-        )
-        stack.callback(pool.close)
-        proxy = Proxy(settings, pool)
+        core = build_core(settings, upstream, observer=observer)
+        stack.callback(core.pool.close)
         host, port = settings.listen_host_port
         identity = _tls_identity(settings, stack)
         tls = settings.tls_cert is not None and identity is not None
         live = LiveConnections()
         server = await loop.create_server(
-            tcp_protocol_factory(settings, proxy, live),
+            tcp_protocol_factory(core, live),
             host,
             port,
             reuse_address=True,
@@ -224,29 +285,53 @@ async def serve(
         stack.callback(server.close)
         bound = server.sockets[0].getsockname()
         address = f"{bound[0]}:{bound[1]}" if ":" not in bound[0] else f"[{bound[0]}]:{bound[1]}"
-        h3: Http3Server | None = None
+        running = Running(
+            core, address, f"{'https' if tls else 'http'}://{address}", upstream, live, server
+        )
         if settings.quic_listen is not None:
             assert identity is not None
-            h3, quic_address = await _start_quic(settings, proxy, stack, identity)
-            if on_quic_ready is not None:
-                on_quic_ready(quic_address)
-        if handle_signals:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-                stack.callback(loop.remove_signal_handler, sig)
-        log.info(
+            running.h3, running.quic_address = await _start_quic(settings, core, stack, identity)
+        # No engine health gate yet: ready as soon as the listeners are.
+        core.lifecycle.mark_ready()
+        observer.process_event(
             "listening",
             address=address,
-            url=f"{'https' if tls else 'http'}://{address}",
+            url=running.url,
             upstream=upstream,
             backend=settings.backend,
             derive_priority=settings.derive_priority,
         )
-        if on_ready is not None:
-            on_ready(address)
-        await stop.wait()
-        # Graceful stop: no new connections, no new requests (GOAWAY on HTTP/2 and HTTP/3, idle
-        # HTTP/1.1 keep-alives closed), and requests in flight get the grace period to finish.
-        log.info("stopping", address=address, grace_s=settings.shutdown_grace)
-        server.close()
-        await drain_and_wait(live, h3, settings.shutdown_grace)
+        yield running
+
+
+async def serve(
+    settings: Settings,
+    on_ready: Callable[[str], Any] | None = None,
+    stop: asyncio.Event | None = None,
+    handle_signals: bool = True,
+    on_quic_ready: Callable[[str], Any] | None = None,
+    observer: Observer | None = None,
+) -> None:
+    """Run pylon until `stop` is set or SIGINT/SIGTERM arrives, then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    async with start(settings, observer) as running:
+        if handle_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+        try:
+            if on_quic_ready is not None and running.quic_address is not None:
+                on_quic_ready(running.quic_address)
+            if on_ready is not None:
+                on_ready(running.address)
+            await stop.wait()
+            # Graceful stop: no new connections, no new requests (GOAWAY on HTTP/2 and HTTP/3,
+            # idle HTTP/1.1 keep-alives closed), and requests in flight get the grace period.
+            running.core.observer.process_event(
+                "stopping", address=running.address, grace_s=settings.shutdown_grace
+            )
+            await running.shutdown(settings.shutdown_grace)
+        finally:
+            if handle_signals:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)

@@ -57,6 +57,11 @@ class TokenAuth:
     def path(self) -> Path:
         return self._path
 
+    @property
+    def consumed(self) -> frozenset[bytes]:
+        """Headers this check uses up: the tunnel credential is pylon's, never the engine's."""
+        return frozenset({AUTHORIZATION})
+
     def allows(self, headers: Sequence[Header]) -> bool:
         """True when exactly one `authorization` header carries the current token."""
         self._refresh()
@@ -107,12 +112,3 @@ def _file_state(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def strip_authorization(headers: tuple[Header, ...]) -> tuple[Header, ...]:
-    """The tunnel credential is pylon's, not the engine's: never forward it."""
-    return tuple(
-        (name, value)
-        for name, value in headers
-        if not (len(name) == 13 and name.lower() == AUTHORIZATION)
-    )

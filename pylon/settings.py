@@ -66,7 +66,18 @@ class Settings(BaseSettings):
     upstream_idle_timeout: float = Field(
         4.0, gt=0, description="idle pooled connections are closed after this many seconds"
     )
-    upstream_max_idle: int = Field(256, ge=0, description="idle upstream connections kept")
+    upstream_max_idle: int = Field(256, ge=0, description="idle connections kept per engine target")
+    upstream_max_connections: int = Field(
+        1024,
+        ge=1,
+        description="open connections per engine target; requests above it wait their turn",
+    )
+    upstream_queue_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="seconds a request waits for a free engine connection before a "
+        "retryable 503 (upstream_busy)",
+    )
     retryable_status_codes: Annotated[tuple[int, ...], NoDecode] = Field(
         (429, 503), description="upstream statuses the gateway may retry"
     )

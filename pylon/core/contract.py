@@ -167,6 +167,12 @@ def _single(values: dict[bytes, list[bytes]], name: bytes, code: ErrorCode) -> b
     return found[0]
 
 
+def request_id_of(headers: Headers) -> str | None:
+    """The request's valid `x-request-id`, if it has one: for answering a head that failed
+    before the contract ran (malformed framing), so the problem and the log still name it."""
+    return _optional_request_id(_collect_contract_headers(headers))
+
+
 def _optional_request_id(values: dict[bytes, list[bytes]]) -> str | None:
     try:
         return _parse_request_id(values)

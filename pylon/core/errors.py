@@ -37,6 +37,9 @@ class ErrorCode(StrEnum):
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_PROTOCOL_ERROR = "upstream_protocol_error"
     SHUTTING_DOWN = "shutting_down"
+    NOT_READY = "not_ready"
+    UPSTREAM_BUSY = "upstream_busy"
+    NO_WORKER = "no_worker"
 
     @property
     def status(self) -> int:
@@ -45,6 +48,12 @@ class ErrorCode(StrEnum):
     @property
     def title(self) -> str:  # type: ignore[override]  # an error's title, not str.title()
         return _TITLES[self]
+
+    @property
+    def retryable(self) -> bool:
+        """May the gateway retry elsewhere? Only for answers given before any engine saw the
+        request (an engine's own statuses are classified by `pylon.core.retry`)."""
+        return self in _RETRYABLE
 
 
 _STATUS: dict[ErrorCode, int] = {
@@ -64,6 +73,9 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.UPSTREAM_PROTOCOL_ERROR: 502,
     ErrorCode.UPSTREAM_UNAVAILABLE: 503,
     ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.NOT_READY: 503,
+    ErrorCode.UPSTREAM_BUSY: 503,
+    ErrorCode.NO_WORKER: 503,
     ErrorCode.UPSTREAM_TIMEOUT: 504,
 }
 
@@ -84,8 +96,15 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.UPSTREAM_PROTOCOL_ERROR: "Bad response from the engine",
     ErrorCode.UPSTREAM_UNAVAILABLE: "Engine unavailable",
     ErrorCode.SHUTTING_DOWN: "Shutting down",
+    ErrorCode.NOT_READY: "Not ready",
+    ErrorCode.UPSTREAM_BUSY: "Engine connections busy",
+    ErrorCode.NO_WORKER: "No engine worker available",
     ErrorCode.UPSTREAM_TIMEOUT: "Engine timed out",
 }
+
+_RETRYABLE = frozenset(
+    {ErrorCode.SHUTTING_DOWN, ErrorCode.NOT_READY, ErrorCode.UPSTREAM_BUSY, ErrorCode.NO_WORKER}
+)
 
 PROBLEM_TYPE_BASE = "https://pylon.dev/problems/"
 PROBLEM_CONTENT_TYPE = b"application/problem+json"

@@ -16,6 +16,7 @@ from pylon.core.errors import BodyError, ErrorCode
 from pylon.core.http import Header
 from pylon.core.priority import PriorityAdapter, PriorityWrite
 from pylon.core.sanitize import sanitize_body, sanitize_request_headers
+from pylon.core.target import UpstreamTarget
 
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 # Routes whose engines read a body `priority`; elsewhere a body field would be an unknown key.
@@ -33,10 +34,14 @@ BODY_PRIORITY_PATHS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class ForwardPlan:
-    """Exactly what goes to the engine. `host` and `content-length` are added by the transport."""
+    """Exactly what goes to the engine: where, the request line, every header, the body bytes.
+
+    Only `host` (from `upstream`) and `content-length` (from `body`) are framed by the upstream
+    client. `upstream` is None until the router has booked the request (`routed`).
+    """
 
     method: str
-    target: str
+    target: str  # origin-form path and query, as the client sent it
     headers: tuple[Header, ...]
     body: bytes
     request_id: str | None
@@ -44,14 +49,37 @@ class ForwardPlan:
     stream_requested: bool
     stripped: tuple[str, ...]  # header names and body paths removed (names only, never values)
     priority: PriorityWrite
+    upstream: UpstreamTarget | None = None
+
+    def routed(self, upstream: UpstreamTarget, headers: tuple[Header, ...] = ()) -> ForwardPlan:
+        """This plan bound for `upstream`, with the router's trusted headers (worker pins)."""
+        return ForwardPlan(
+            self.method,
+            self.target,
+            self.headers + headers if headers else self.headers,
+            self.body,
+            self.request_id,
+            self.model,
+            self.stream_requested,
+            self.stripped,
+            self.priority,
+            upstream,
+        )
 
 
 class Planner:
-    def __init__(self, adapter: PriorityAdapter) -> None:
+    """Contract, strip and adapter: a request and its body in, a `ForwardPlan` out.
+
+    `consumed`: request headers pylon itself used up and never forwards (the tunnel credential
+    when tunnel authentication is on); dropped silently, as they are not client controls.
+    """
+
+    def __init__(self, adapter: PriorityAdapter, consumed: frozenset[bytes] = frozenset()) -> None:
         self._adapter = adapter
+        self._consumed = consumed
 
     def plan(self, request: TunnelRequest, body: bytes) -> ForwardPlan:
-        sanitized = sanitize_request_headers(request.headers)
+        sanitized = sanitize_request_headers(request.headers, self._consumed)
         write = self._adapter.derive(request.priority)
         new_body, body_stripped, stream = self._rewrite_body(request, body, write)
         headers: list[Header] = [(b"x-request-id", request.request_id.encode("ascii"))]
@@ -74,7 +102,7 @@ class Planner:
         )
 
     def plan_health(self, request: HealthRequest) -> ForwardPlan:
-        sanitized = sanitize_request_headers(request.headers)
+        sanitized = sanitize_request_headers(request.headers, self._consumed)
         headers: tuple[Header, ...] = sanitized.headers
         if request.request_id is not None:
             headers = ((b"x-request-id", request.request_id.encode("ascii")), *headers)

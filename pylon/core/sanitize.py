@@ -173,14 +173,19 @@ class SanitizedHeaders:
     stripped: tuple[str, ...]  # lower-case names removed by policy (pylon-owned ones excluded)
 
 
-def sanitize_request_headers(headers: Sequence[Header]) -> SanitizedHeaders:
-    """Drop every denied, hop-by-hop and pylon-owned header; keep the rest in order, unchanged."""
+def sanitize_request_headers(
+    headers: Sequence[Header], consumed: frozenset[bytes] = frozenset()
+) -> SanitizedHeaders:
+    """Drop every denied, hop-by-hop and pylon-owned header; keep the rest in order, unchanged.
+
+    `consumed` names (lower-case) are dropped silently too: pylon used them itself.
+    """
     listed = _connection_tokens(headers)
     kept: list[Header] = []
     stripped: list[str] = []
     for raw_name, value in headers:
         name = raw_name.strip(_OWS).lower()
-        if name in PYLON_OWNED_REQUEST_HEADERS:
+        if name in PYLON_OWNED_REQUEST_HEADERS or name in consumed:
             continue
         if name in listed or header_denied_reason(name) is not None:
             stripped.append(name.decode("latin-1"))

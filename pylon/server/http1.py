@@ -1,34 +1,35 @@
-"""HTTP/1.1 ingress: asyncio.Protocol + httptools (llhttp). Parsing is llhttp's, never ours.
+"""HTTP/1.1 framing: asyncio.Protocol + httptools (llhttp). Parsing is llhttp's, never ours.
 
-Per connection: parse a request head, check limits, run the tunnel contract at once (so a bad
-request is answered before its body is read), buffer the body up to the limit, then hand the
-request to the transport-neutral `Proxy` as one task. Pipelined requests queue in order.
-Client disconnect cancels the task, which closes the engine connection at once.
+llhttp turns bytes into a request head and body pieces; this module counts the head against the
+limits as it arrives (so a huge head is refused before it is buffered), maps it to a
+`RequestHead`, and feeds the connection's `StreamTable`, which runs the shared intake and the
+proxy tasks. Responses go out in order, one at a time (RFC 9112 9.3.2); pipelined requests wait
+their turn with reading paused. Writes are corked: one send per loop iteration.
 
-Framing hardening (RFC 9112): llhttp already rejects Content-Length with Transfer-Encoding,
-invalid or repeated Content-Length, invalid Transfer-Encoding, obs-fold, whitespace before the
-colon, bare CR/LF and NUL; we add what it lets through: a missing or repeated Host, and
-Transfer-Encoding on HTTP/1.0. Each answer is 400 and a close. Two timers bound idle clients: a
-head must arrive within `header_timeout` (slowloris), and a kept-alive connection with nothing
-in flight is closed after `idle_timeout`.
+Framing hardening (RFC 9112): llhttp refuses Content-Length with Transfer-Encoding, invalid or
+repeated Content-Length, invalid Transfer-Encoding, obs-fold, whitespace before the colon, bare
+CR/LF and NUL; `pylon.core.head.http1_head` adds the rest. A request pylon refuses before reading
+it whole gets its problem response and a close, since the rest of its bytes cannot be framed.
+Two timers bound idle clients: a head must arrive within the stall timeout (slowloris), and a
+kept-alive connection with nothing in flight is closed after the idle timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import time
 from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Any, cast
+from typing import NoReturn, cast
 
 import httptools
 
-from pylon.core.contract import HealthRequest, TunnelRequest
 from pylon.core.errors import ClientError, ContractError, ErrorCode, LimitError, PylonError
+from pylon.core.head import http1_head
 from pylon.core.http import Header
-from pylon.logs import get_logger
-from pylon.proxy import Proxy
+from pylon.core.intake import Admission, AdmittedRequest, IngressLimits, State
+from pylon.lifecycle import Lifecycle
+from pylon.proxy import Proxy, ResponseSink
+from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Stream, StreamTable
 from pylon.timers import Deadline
 
 _REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
@@ -41,72 +42,56 @@ class _StopParsing(Exception):
 
 class Http1Connection(asyncio.Protocol):
     def __init__(
-        self,
-        proxy: Proxy,
-        max_header_bytes: int,
-        max_headers: int,
-        max_body: int,
-        header_timeout: float = 30.0,
-        idle_timeout: float = 300.0,
+        self, proxy: Proxy, admission: Admission, limits: IngressLimits, lifecycle: Lifecycle
     ) -> None:
-        self._proxy = proxy
-        self._header_timeout = header_timeout
-        self._idle_timeout = idle_timeout
-        self._max_header_bytes = max_header_bytes
-        self._max_headers = max_headers
-        self._max_body = max_body
+        self._limits = limits
+        self._lifecycle = lifecycle
+        self._loop = asyncio.get_running_loop()
+        self._table = StreamTable("http1", self, proxy, admission, limits, self._loop, serial=True)
+        self._observer = proxy.observer
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
-        self._loop = asyncio.get_running_loop()
-        # current request being parsed
+        # the request being parsed
+        self._stream: Stream | None = None
+        self._next_id = 0
         self._url = b""
         self._headers: list[Header] = []
         self._head_bytes = 0
-        self._body: list[bytes] = []
-        self._body_bytes = 0
-        self._request: TunnelRequest | HealthRequest | None = None
-        self._keep_alive = True
-        self._http10 = False
-        # requests parsed and waiting to run, and the one running
-        self._queue: collections.deque[tuple[Any, bytes, bool]] = collections.deque()
-        self._task: asyncio.Task[None] | None = None
-        self._error: tuple[PylonError, str | None] | None = None
+        self._continue_owed = False
+        # per admitted request, until its response starts: (keep-alive, HEAD)
+        self._framing: dict[int, tuple[bool, bool]] = {}
         self._closing = False
+        self._refused = False  # parsing stopped: the answer is out or waits its turn
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._out: list[bytes] = []
         self._timer = Deadline(self._loop, self._timed_out)
-        self._in_head = False
-        self._in_body = False
-        self._draining = False
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
         # A new connection owes us a request head: the slowloris clock starts now.
-        self._timer.arm(self._header_timeout)
+        self._timer.arm(self._limits.stall_timeout)
+        self._lifecycle.on_drain(self.graceful_close)
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
+        if self._closing or self._refused:
             return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError:
-            pass  # one of our callbacks stopped parsing; self._error says why
+            pass  # one of our callbacks stopped parsing; the table has answered
         except httptools.HttpParserUpgrade:
-            self._error = (ContractError("protocol upgrade is not supported"), None)
+            self._refuse(ContractError("protocol upgrade is not supported"))
         except httptools.HttpParserError as exc:
-            self._error = (ContractError(f"malformed HTTP/1.1 request: {exc}"), None)
-        if self._error is not None:
-            self._fail_connection(*self._error)
+            self._refuse(ContractError(f"malformed HTTP/1.1 request: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._timer.cancel()
-        self._queue.clear()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        self._lifecycle.forget(self.graceful_close)
+        self._table.cancel_all(CLIENT_GONE)
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("client went away"))
             self._drain_waiter.exception()
@@ -121,14 +106,12 @@ class Http1Connection(asyncio.Protocol):
 
     # --- httptools callbacks ---
     def on_message_begin(self) -> None:
+        self._stream = self._table.open(self._next_id)
+        self._next_id += 1
         self._url = b""
         self._headers = []
         self._head_bytes = 0
-        self._body = []
-        self._body_bytes = 0
-        self._request = None
-        self._in_head = True
-        self._timer.arm(self._header_timeout)
+        self._timer.arm(self._limits.stall_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -137,147 +120,152 @@ class Http1Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
         self._count_head(len(name) + len(value) + 4)
-        if len(self._headers) > self._max_headers:
+        if len(self._headers) > self._limits.max_headers:
             self._stop(
                 LimitError(
-                    f"more than {self._max_headers} header fields", code=ErrorCode.HEADERS_TOO_LARGE
-                )
-            )
-
-    def on_headers_complete(self) -> None:
-        parser = self._parser
-        self._in_head = False
-        # The body owes us bytes too: a client that stops mid-body is timed out like one that
-        # stops mid-head (each body chunk moves the deadline; the message end disarms it).
-        self._in_body = True
-        self._timer.arm(self._header_timeout)
-        self._keep_alive = parser.should_keep_alive()
-        self._http10 = parser.get_http_version() == "1.0"
-        framing = _framing_error(self._headers, self._http10)
-        if framing is not None:
-            self._stop(ContractError(framing))
-        try:
-            self._request = self._proxy.admit(parser.get_method(), self._url, self._headers)
-        except PylonError as error:
-            self._stop(error, error.request_id)
-        declared = _declared_length(self._headers)
-        if declared is not None and declared > self._max_body:
-            self._stop(self._too_large(), self._request_id())
-        if _expects_continue(self._headers) and self._transport is not None:
-            self._transport.write(_CONTINUE)
-
-    def on_body(self, body: bytes) -> None:
-        self._body_bytes += len(body)
-        if self._body_bytes > self._max_body:
-            self._stop(self._too_large(), self._request_id())
-        self._body.append(body)
-        self._timer.arm(self._header_timeout)
-
-    def on_message_complete(self) -> None:
-        self._in_body = False
-        self._timer.disarm()
-        body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
-        self._body = []
-        assert self._request is not None
-        # HTTP/1.0 has no chunked framing: its streamed responses end by closing.
-        self._queue.append((self._request, body, self._keep_alive and not self._http10))
-        if self._task is None:
-            self._run_next()
-        elif self._transport is not None:
-            # Pipelined request: stop reading until the queue drains.
-            self._transport.pause_reading()
-
-    # --- running requests ---
-    def _run_next(self) -> None:
-        request, body, keep_alive = self._queue.popleft()
-        responder = Http1Responder(self, keep_alive, request.method == "HEAD")
-        self._task = self._loop.create_task(self._proxy.handle(request, body, responder))
-        self._task.add_done_callback(self._request_done)
-
-    def _request_done(self, task: asyncio.Task[None]) -> None:
-        self._task = None
-        if not task.cancelled() and task.exception() is not None:
-            # A bug, not a client error: log it, and close rather than leave the client hanging.
-            self._proxy.log_crash(task.exception())
-            self.close()
-            return
-        if self._closing:
-            return
-        if self._draining:
-            # Shutting down: the response in flight is done; pipelined requests behind it were
-            # never started, so the client may retry them on another connection.
-            self.close()
-            return
-        if self._queue:
-            self._run_next()
-        elif self._transport is not None:
-            self._transport.resume_reading()
-            self._timer.arm(self._header_timeout if self._in_head else self._idle_timeout)
-
-    # --- shutdown ---
-    def graceful_close(self) -> None:
-        """Finish the request in flight, start no other, then close (idle: close now)."""
-        self._draining = True
-        if self._task is None and not self._in_head and not self._in_body:
-            self.close()
-
-    @property
-    def busy(self) -> bool:
-        return self._task is not None and not self._closing
-
-    # --- helpers ---
-    def _timed_out(self) -> None:
-        if self._task is not None or self._closing:
-            return  # a request is running: its own timeouts apply, not the connection's
-        if self._in_head or self._in_body:
-            # A request was started and not finished: tell the client why (408), then close,
-            # since the rest of its bytes can no longer be framed.
-            timer = "header" if self._in_head else "body"
-            get_logger().info("client_timeout", timer=timer, request_id=self._request_id())
-            error = ClientError(
-                f"the request {'head' if self._in_head else 'body'} did not arrive within "
-                f"{self._header_timeout} s",
-                code=ErrorCode.REQUEST_TIMEOUT,
-            )
-            self._closing = True
-            responder = Http1Responder(self, keep_alive=False, is_head=False)
-            self._proxy.reject(responder, error, self._request_id(), time.monotonic())
-            return
-        get_logger().info("client_timeout", timer="idle")
-        self.abort()
-
-    def _count_head(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > self._max_header_bytes:
-            self._stop(
-                LimitError(
-                    f"request head exceeds {self._max_header_bytes} bytes",
+                    f"more than {self._limits.max_headers} header fields",
                     code=ErrorCode.HEADERS_TOO_LARGE,
                 )
             )
 
-    def _too_large(self) -> LimitError:
-        return LimitError(
-            f"request body exceeds {self._max_body} bytes", code=ErrorCode.BODY_TOO_LARGE
-        )
+    def on_headers_complete(self) -> None:
+        stream = self._current()
+        parser = self._parser
+        http10 = parser.get_http_version() == "1.0"
+        try:
+            head = http1_head(parser.get_method(), self._url, self._headers, http10)
+        except PylonError as error:
+            self._stop(error)
+        # HTTP/1.0 has no chunked framing: its streamed responses end by closing.
+        keep_alive = parser.should_keep_alive() and not http10
+        self._framing[stream.id] = (keep_alive, head.method == b"HEAD")
+        self._table.head(stream, head, ended=False)
+        if stream.intake.state is State.REJECTED:
+            self._stop_reading()
+            raise _StopParsing
+        if stream.intake.state is State.RECEIVING and _expects_continue(head.headers):
+            # RFC 9110 15.2: an interim response belongs to its own request, after every
+            # response before it; a pipelined request gets its 100 when its turn comes.
+            self._continue_owed = True
+            self._send_owed_continue()
 
-    def _request_id(self) -> str | None:
-        return self._request.request_id if self._request is not None else None
+    def on_body(self, body: bytes) -> None:
+        stream = self._current()
+        self._table.data(stream.id, body, ended=False)
+        if stream.intake.state is State.REJECTED:
+            self._stop_reading()
+            raise _StopParsing
 
-    def _stop(self, error: PylonError, request_id: str | None = None) -> None:
-        self._error = (error, request_id)
+    def on_message_complete(self) -> None:
+        stream = self._current()
+        self._stream = None
+        self._continue_owed = False
+        self._timer.disarm()
+        self._table.end(stream.id)
+        if self._table.queued and self._transport is not None and not self._closing:
+            # Pipelined: this request waits for the response before it. Read no further until
+            # it runs, so pipelined requests cannot pile up in memory. (Reading is not paused
+            # for the request that runs: a paused socket would not notice the client leave.)
+            self._transport.pause_reading()
+
+    # --- Framing (used by the table) ---
+    def response_sink(self, stream: Stream, request: AdmittedRequest) -> ResponseSink:
+        keep_alive, is_head = self._framing.pop(stream.id, (False, False))
+        # Draining: this response is the connection's last (it says `connection: close`).
+        return Http1Responder(self, keep_alive and not self._lifecycle.draining, is_head)
+
+    def reject_sink(self, stream: Stream) -> ResponseSink:
+        # The rest of this request cannot be framed any more: answer, then close.
+        self._framing.pop(stream.id, None)
+        self._closing = True
+        return Http1Responder(self, keep_alive=False, is_head=False)
+
+    def stream_done(self, stream: Stream, crashed: bool) -> None:
+        if crashed:
+            self.close()  # rather than leave the client waiting for a response that will not come
+            return
+        if self._closing:
+            return
+        if self._lifecycle.draining:
+            # Shutting down: pipelined requests behind this response were never started, so
+            # the client may send them again on another connection.
+            self._table.cancel_all(SHUTDOWN)
+            self.close()
+            return
+        if self._table.busy or self._transport is None:
+            return
+        self._transport.resume_reading()
+        self._send_owed_continue()
+        in_request = self._stream is not None
+        self._timer.arm(self._limits.stall_timeout if in_request else self._limits.idle_timeout)
+
+    # --- shutdown ---
+    def graceful_close(self) -> None:
+        """Finish the response in flight, start no other, then close (idle: close now)."""
+        if not self._table.busy and self._stream is None:
+            self.close()
+
+    @property
+    def busy(self) -> bool:
+        return self._table.busy and not self._closing
+
+    # --- helpers ---
+    def _current(self) -> Stream:
+        assert self._stream is not None, "llhttp calls on_message_begin first"
+        return self._stream
+
+    def _send_owed_continue(self) -> None:
+        if self._continue_owed and not self._table.busy and self._transport is not None:
+            self._continue_owed = False
+            self._transport.write(_CONTINUE)
+
+    def _timed_out(self) -> None:
+        if self._table.busy or self._closing:
+            return  # a request is running: its own timeouts apply, not the connection's
+        stream = self._stream
+        if stream is not None and stream.intake.state is State.AWAITING_HEAD:
+            # A head was started and not finished: tell the client why (408), then close.
+            self._observer.transport_event("client_timeout", "http1", timer="header")
+            self._table.malformed(
+                stream.id,
+                ClientError(
+                    f"the request head did not arrive within {self._limits.stall_timeout} s",
+                    code=ErrorCode.REQUEST_TIMEOUT,
+                ),
+            )
+            return
+        if stream is None:
+            self._observer.transport_event("client_timeout", "http1", timer="idle")
+            self.abort()
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self._limits.max_header_bytes:
+            self._stop(
+                LimitError(
+                    f"request head exceeds {self._limits.max_header_bytes} bytes",
+                    code=ErrorCode.HEADERS_TOO_LARGE,
+                )
+            )
+
+    def _stop(self, error: PylonError) -> NoReturn:
+        self._table.malformed(self._current().id, error, self._headers)
+        self._stop_reading()
         raise _StopParsing
 
-    def _fail_connection(self, error: PylonError, request_id: str | None) -> None:
-        """Answer a request we will not read to its end, then close the connection."""
-        self._closing = True
-        self._queue.clear()
-        if self._task is not None:
-            # An earlier pipelined request is still running; it finishes, this one is dropped.
-            self._task.add_done_callback(lambda _: self.close())
+    def _stop_reading(self) -> None:
+        """The request being parsed was refused: its remaining bytes cannot be framed."""
+        self._refused = True
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
+
+    def _refuse(self, error: PylonError) -> None:
+        """llhttp gave up on the input: answer the request it was parsing (or a new one)."""
+        if self._closing or self._refused:
             return
-        responder = Http1Responder(self, keep_alive=False, is_head=False)
-        self._proxy.reject(responder, error, request_id, time.monotonic())
+        stream = self._stream or self._table.open(self._next_id)
+        self._table.malformed(stream.id, error, self._headers if self._stream else None)
+        self._stop_reading()
 
     # --- used by the responder ---
     def write(self, data: bytes) -> None:
@@ -377,28 +365,6 @@ class Http1Responder:
 
     def abort(self) -> None:
         self._conn.abort()
-
-
-def _framing_error(headers: list[Header], http10: bool) -> str | None:
-    """What llhttp lets through but RFC 9112 forbids; None when the head is fine."""
-    hosts = 0
-    for name, _ in headers:
-        if len(name) == 4 and name.lower() == b"host":
-            hosts += 1
-        elif http10 and len(name) == 17 and name.lower() == b"transfer-encoding":
-            # RFC 9112 6.1: HTTP/1.0 framing with Transfer-Encoding is faulty by definition.
-            return "Transfer-Encoding is not allowed in an HTTP/1.0 request"
-    # RFC 9112 3.2: exactly one Host on HTTP/1.1; HTTP/1.0 clients may omit it.
-    if hosts > 1 or (hosts == 0 and not http10):
-        return "an HTTP/1.1 request needs exactly one Host header"
-    return None
-
-
-def _declared_length(headers: list[Header]) -> int | None:
-    for name, value in headers:
-        if len(name) == 14 and name.lower() == b"content-length":
-            return int(value) if value.isdigit() else None
-    return None
 
 
 def _expects_continue(headers: list[Header]) -> bool:

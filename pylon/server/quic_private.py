@@ -32,6 +32,13 @@ def send_backlog(quic: QuicConnection, stream_id: int) -> int:
     return len(stream.sender._buffer)
 
 
+def any_unacked(quic: QuicConnection) -> bool:
+    """True while any stream holds bytes the peer has not acknowledged (see `send_backlog`):
+    a draining connection waits for this before CONNECTION_CLOSE, which ends retransmission.
+    Touches the same `quic._streams` table."""
+    return any(send_backlog(quic, stream_id) for stream_id in list(quic._streams))
+
+
 def limit_peer_bidi_streams(quic: QuicConnection, count: int) -> None:
     """Let the peer open at most `count` bidirectional streams at a time (aioquic hard-codes 128).
 

@@ -1,8 +1,14 @@
-"""HTTP/1.1 client for the engine: a keep-alive connection pool on asyncio.Protocol + httptools.
+"""HTTP/1.1 client for the engines: keep-alive connections per target, capped, on httptools.
 
 Why not aiohttp or httpx: measured side by side (docs/benchmarks.md), their per-request CPU cost
 dominated pylon's. Parsing stays in llhttp (httptools); this module only frames requests, pools
 connections and hands body chunks to one consumer with back-pressure.
+
+Per target (an engine or a worker URL) the pool keeps at most `max_connections` sockets open.
+A request above the cap waits, first come first served, for a connection to come free, for at
+most `queue_timeout` seconds; then it fails with `UpstreamBusy` (pylon answers 503, retryable:
+the engine never saw the request). Waiting rather than refusing at once: engines queue anyway,
+and a short burst above the cap should cost latency, not errors.
 """
 
 from __future__ import annotations
@@ -10,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import httptools
 
 from pylon.core.http import Header
+from pylon.core.target import UpstreamTarget
+
+if TYPE_CHECKING:
+    from pylon.core.plan import ForwardPlan
 
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _HIGH_WATER = 256 * 1024  # buffered, unconsumed response bytes before we stop reading
@@ -25,24 +34,16 @@ class UpstreamConnectError(Exception):
     """The engine could not be reached at all (refused, unreachable, connect timeout)."""
 
 
+class UpstreamBusy(UpstreamConnectError):
+    """Every connection to the target stayed busy for the whole queue timeout."""
+
+
 class UpstreamBroken(Exception):
     """The engine broke the exchange after the request was sent."""
 
 
 class UpstreamTimeout(Exception):
     """Pylon gave up waiting on the engine (set by the caller's watchdog)."""
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamTarget:
-    host: str
-    port: int
-    base_path: str  # "" or "/prefix" without a trailing slash
-
-    @property
-    def host_header(self) -> bytes:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}".encode("ascii")
 
 
 class Exchange:
@@ -58,7 +59,6 @@ class Exchange:
         "_waiter",
         "headers",
         "is_head",
-        "reason",
         "status",
     )
 
@@ -111,6 +111,13 @@ class Exchange:
             self._head_waiter.exception()  # retrieved: the waiter may already be gone
         self._wake()
 
+    @property
+    def stale_connection(self) -> bool:
+        """The request went into a kept-alive connection that the engine closed before a single
+        response byte: the engine never read it, so sending it again is safe."""
+        conn = self._conn
+        return conn.reused and not conn.received and self.status == 0
+
     # --- called by the connection protocol ---
     def _head_complete(self) -> None:
         if not self._head_waiter.done():
@@ -130,15 +137,32 @@ class Exchange:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: UpstreamPool) -> None:
-        self.loop = pool.loop
-        self._pool = pool
+    __slots__ = (
+        "_parser",
+        "_paused",
+        "_until_close",
+        "closed",
+        "exchange",
+        "idle_since",
+        "keep_alive",
+        "loop",
+        "received",
+        "reused",
+        "target",
+        "transport",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, target: UpstreamTarget) -> None:
+        self.loop = loop
+        self.target = target
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.exchange: Exchange | None = None
         self.closed = False
         self.keep_alive = False
         self.idle_since = 0.0
+        self.reused = False  # the current exchange runs on a connection taken from the idle set
+        self.received = False  # any byte arrived for the current exchange
         self._paused = False
         self._until_close = False
 
@@ -148,6 +172,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self.received = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -241,95 +266,223 @@ def _delimited_by_close(status: int, headers: list[Header]) -> bool:
     return True
 
 
+class _TargetPool:
+    """One target's connections: the idle ones, how many are open, who waits for one."""
+
+    __slots__ = ("idle", "open", "target", "waiters")
+
+    def __init__(self, target: UpstreamTarget) -> None:
+        self.target = target
+        self.idle: list[_Connection] = []  # oldest first; reuse takes the newest
+        self.open = 0  # connections open or being opened (idle ones included)
+        self.waiters: collections.deque[asyncio.Future[_Connection | None]] = collections.deque()
+
+
 class UpstreamPool:
     def __init__(
         self,
-        target: UpstreamTarget,
         *,
         connect_timeout: float,
         idle_timeout: float,
         max_idle: int,
+        max_connections: int = 1024,
+        queue_timeout: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        self.target = target
         self.loop = loop or asyncio.get_running_loop()
         self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout
         self._max_idle = max_idle
-        self._idle: list[_Connection] = []
-        self._host_header = target.host_header
+        self._max_connections = max_connections
+        self._queue_timeout = connect_timeout if queue_timeout is None else queue_timeout
+        self._targets: dict[UpstreamTarget, _TargetPool] = {}
+        self._reaper: asyncio.TimerHandle | None = None
 
-    async def send(
-        self, method: str, target: str, headers: tuple[Header, ...], body: bytes
-    ) -> Exchange:
-        """Send one request; returns once it is written. Raises UpstreamConnectError."""
-        conn = self._take_idle() or await self._connect()
-        exchange = Exchange(conn, is_head=method == "HEAD")
+    async def send(self, plan: ForwardPlan, *, fresh: bool = False) -> Exchange:
+        """Write `plan` to its target; returns once written. Raises `UpstreamConnectError`.
+
+        `fresh`: use a new connection, never an idle one (the retry of a stale-connection race).
+        """
+        assert plan.upstream is not None, "a plan is routed before it is sent"
+        target = plan.upstream
+        pool = self._targets.get(target)
+        if pool is None:
+            pool = self._targets[target] = _TargetPool(target)
+        conn = None if fresh else self._take_idle(pool)
+        if conn is None:
+            conn = await self._open(pool)
+        exchange = Exchange(conn, is_head=plan.method == "HEAD")
         conn.exchange = exchange
+        conn.received = False
         assert conn.transport is not None
-        conn.transport.write(self._frame(method, target, headers, body))
+        conn.transport.write(_frame(plan, target))
         return exchange
 
     def finish(self, exchange: Exchange) -> None:
-        """Return the connection to the pool if the exchange ended cleanly, else close it."""
+        """Return the connection to its pool if the exchange ended cleanly, else close it."""
         conn = exchange._conn
         conn.exchange = None
         conn.resume_reading()
-        if (
-            exchange.complete
-            and conn.keep_alive
-            and not conn.closed
-            and len(self._idle) < self._max_idle
-        ):
-            conn.idle_since = time.monotonic()
-            self._idle.append(conn)
-        else:
-            conn.abort()
+        pool = self._targets[conn.target]
+        if exchange.complete and conn.keep_alive and not conn.closed:
+            self._hand_over(pool, conn)
+            return
+        conn.abort()
+        self._closed(pool)
 
     def close(self) -> None:
-        for conn in self._idle:
-            conn.abort()
-        self._idle.clear()
+        for pool in self._targets.values():
+            for conn in pool.idle:
+                conn.abort()
+            pool.open -= len(pool.idle)
+            pool.idle.clear()
+            while pool.waiters:
+                waiter = pool.waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
 
-    def _take_idle(self) -> _Connection | None:
+    def open_connections(self, target: UpstreamTarget) -> int:
+        pool = self._targets.get(target)
+        return pool.open if pool is not None else 0
+
+    def idle_connections(self, target: UpstreamTarget) -> int:
+        pool = self._targets.get(target)
+        return len(pool.idle) if pool is not None else 0
+
+    # --- connections ---
+    def _take_idle(self, pool: _TargetPool) -> _Connection | None:
         # Engines behind uvicorn close idle connections after 5 s; never reuse one near that age,
-        # so a request is never written into a connection the engine is closing.
+        # so a request is rarely written into a connection the engine is closing (and the
+        # stale-connection retry covers the rest).
         now = time.monotonic()
-        while self._idle:
-            conn = self._idle.pop()
+        idle = pool.idle
+        while idle:
+            conn = idle.pop()
             if not conn.closed and now - conn.idle_since < self._idle_timeout:
                 return conn
             conn.abort()
+            pool.open -= 1
         return None
 
-    async def _connect(self) -> _Connection:
+    async def _open(self, pool: _TargetPool) -> _Connection:
+        if pool.open >= self._max_connections:
+            handed = await self._wait_for_connection(pool)
+            if handed is not None:
+                return handed
+        pool.open += 1
+        target = pool.target
         try:
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(
-                    lambda: _Connection(self), self.target.host, self.target.port
+                    lambda: _Connection(self.loop, target), target.host, target.port
                 ),
                 self._connect_timeout,
             )
         except (TimeoutError, OSError) as exc:
+            self._closed(pool)
             raise UpstreamConnectError(
-                f"cannot connect to engine at {self.target.host}:{self.target.port}: "
-                f"{exc.__class__.__name__}"
+                f"cannot connect to engine at {target.label}: {exc.__class__.__name__}"
             ) from exc
+        except BaseException:
+            self._closed(pool)
+            raise
         return conn
 
-    def _frame(self, method: str, target: str, headers: tuple[Header, ...], body: bytes) -> bytes:
-        parts = [
-            method.encode("ascii"),
-            b" ",
-            self.target.base_path.encode("ascii"),
-            target.encode("ascii"),
-            b" HTTP/1.1\r\nhost: ",
-            self._host_header,
-            b"\r\n",
-        ]
-        for name, value in headers:
-            parts += (name, b": ", value, b"\r\n")
-        if body or method not in _BODYLESS:
-            parts += (b"content-length: ", str(len(body)).encode("ascii"), b"\r\n")
-        parts += (b"\r\n", body)
-        return b"".join(parts)
+    async def _wait_for_connection(self, pool: _TargetPool) -> _Connection | None:
+        """Queue for a connection: a kept-alive one handed over, or None = room to open one."""
+        waiter: asyncio.Future[_Connection | None] = self.loop.create_future()
+        pool.waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self._queue_timeout):
+                handed = await waiter
+        except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                # Served in the same instant the clock ran out: pass what we got on.
+                late = waiter.result()
+                if late is not None:
+                    self._hand_over(pool, late)
+                else:
+                    self._closed(pool)
+            raise UpstreamBusy(
+                f"all {self._max_connections} connections to {pool.target.label} stayed busy "
+                f"for {self._queue_timeout} s"
+            ) from None
+        finally:
+            if waiter in pool.waiters:
+                pool.waiters.remove(waiter)
+        if handed is None:
+            # A connection closed, so there is room: this waiter opens its own.
+            pool.open -= 1  # `_closed` kept the slot for us; `_open` takes it again
+        return handed
+
+    def _hand_over(self, pool: _TargetPool, conn: _Connection) -> None:
+        """A kept-alive connection goes to the first waiter, else back to the idle set."""
+        while pool.waiters:
+            waiter = pool.waiters.popleft()
+            if not waiter.done():
+                conn.reused = True
+                waiter.set_result(conn)
+                return
+        if len(pool.idle) < self._max_idle:
+            conn.idle_since = time.monotonic()
+            conn.reused = True
+            pool.idle.append(conn)
+            self._arm_reaper()
+            return
+        conn.abort()
+        self._closed(pool)
+
+    def _closed(self, pool: _TargetPool) -> None:
+        """A connection is gone: its slot goes to the first waiter, if any, else is freed."""
+        while pool.waiters:
+            waiter = pool.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the waiter keeps the slot and opens a connection
+                return
+        pool.open -= 1
+
+    # --- idle reaping ---
+    def _arm_reaper(self) -> None:
+        if self._reaper is None:
+            self._reaper = self.loop.call_later(self._idle_timeout, self._reap)
+
+    def _reap(self) -> None:
+        """Close connections idle for the idle timeout, so a burst's leftovers do not linger."""
+        self._reaper = None
+        cutoff = time.monotonic() - self._idle_timeout
+        remaining = False
+        for pool in self._targets.values():
+            idle = pool.idle
+            stale = 0
+            while stale < len(idle) and (idle[stale].idle_since <= cutoff or idle[stale].closed):
+                idle[stale].abort()
+                stale += 1
+            if stale:
+                del idle[:stale]
+                pool.open -= stale
+            remaining = remaining or bool(idle)
+        if remaining:
+            self._arm_reaper()
+
+
+def _frame(plan: ForwardPlan, target: UpstreamTarget) -> bytes:
+    method = plan.method
+    parts = [
+        method.encode("ascii"),
+        b" ",
+        target.base_path.encode("ascii"),
+        plan.target.encode("ascii"),
+        b" HTTP/1.1\r\nhost: ",
+        target.host_header,
+        b"\r\n",
+    ]
+    for name, value in plan.headers:
+        parts += (name, b": ", value, b"\r\n")
+    body = plan.body
+    if body or method not in _BODYLESS:
+        parts += (b"content-length: ", str(len(body)).encode("ascii"), b"\r\n")
+    parts += (b"\r\n", body)
+    return b"".join(parts)

@@ -6,143 +6,23 @@ below runs once per protocol and asserts on what reached mock_dynamo's /test-con
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
-from aioquic.asyncio.client import connect
 
-from mock_dynamo.config import MockConfig
-from mock_dynamo.server import MockServer, start_mock
-from pylon.app import serve
 from pylon.core.sanitize import DENIED_BODY_FIELDS, DENIED_REQUEST_HEADERS
-from pylon.logs import configure_logging
-from pylon.settings import load_settings
-from tests.integration.conftest import FLAVOR, MODEL
 from tests.integration.test_forwarding import spoofed_body, spoofed_headers
-from tests.transport.conftest_h3 import H3Client, client_configuration, request_headers
+from tests.stack import MODEL, StackFactory
 
 CHAT = "/v1/chat/completions"
 PROTOCOLS = ["http1", "h2", "h3"]
 
 
-@dataclass
-class Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-@dataclass
-class Pylon:
-    tcp: str
-    quic: tuple[str, int]
-    mock: MockServer
-    http: httpx.AsyncClient
-
-    async def send(
-        self,
-        protocol: str,
-        path: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        method: str = "POST",
-    ) -> Reply:
-        if protocol == "h3":
-            return await self._send_h3(path, headers, body, method)
-        async with httpx.AsyncClient(
-            http1=protocol == "http1", http2=protocol == "h2", timeout=10
-        ) as client:
-            reply = await client.request(
-                method, f"http://{self.tcp}{path}", headers=headers, content=body
-            )
-            assert reply.http_version == {"http1": "HTTP/1.1", "h2": "HTTP/2"}[protocol]
-            return Reply(reply.status_code, dict(reply.headers), reply.content)
-
-    async def _send_h3(
-        self, path: str, headers: list[tuple[str, str]], body: bytes, method: str
-    ) -> Reply:
-        async with (
-            asyncio.timeout(10),
-            connect(
-                *self.quic,
-                configuration=client_configuration(),
-                create_protocol=H3Client,
-                wait_connected=True,
-            ) as client,
-        ):
-            assert isinstance(client, H3Client)
-            wire = request_headers(method, path, [(n.lower(), v) for n, v in headers], body)
-            response = await client.send(wire, body).wait(10)
-            names = {
-                name.decode(): value.decode()
-                for name, value in response.headers
-                if not name.startswith(b":")
-            }
-            return Reply(response.status, names, response.body)
-
-    async def records(self) -> list[dict[str, Any]]:
-        reply = await self.http.get(f"{self.mock.base_url}/test-control")
-        requests: list[dict[str, Any]] = reply.json()["requests"]
-        return requests
-
-
-PylonFactory = Callable[..., Any]
-
-
 @pytest.fixture
-async def pylon() -> AsyncIterator[PylonFactory]:
-    configure_logging("json", "warning")
-    cleanups: list[Any] = []
-
-    async def factory(backend: str = "dynamo", **settings: Any) -> Pylon:
-        engine = await start_mock(MockConfig(flavor=FLAVOR[backend], models=(MODEL,)))  # type: ignore[arg-type]
-        cleanups.append(engine.stop)
-        config = load_settings(
-            {
-                "listen": "127.0.0.1:0",
-                "quic_listen": "127.0.0.1:0",
-                "upstream": engine.base_url,
-                "backend": backend,
-                "log_level": "warning",
-                **settings,
-            }
-        )
-        loop = asyncio.get_running_loop()
-        tcp: asyncio.Future[str] = loop.create_future()
-        quic: asyncio.Future[str] = loop.create_future()
-        stop = asyncio.Event()
-        task = asyncio.create_task(
-            serve(
-                config,
-                on_ready=tcp.set_result,
-                on_quic_ready=quic.set_result,
-                stop=stop,
-                handle_signals=False,
-            )
-        )
-
-        async def stop_pylon() -> None:
-            stop.set()
-            await asyncio.wait_for(task, 10)
-
-        cleanups.append(stop_pylon)
-        tcp_address = await asyncio.wait_for(tcp, 10)
-        quic_host, quic_port = (await asyncio.wait_for(quic, 10)).rsplit(":", 1)
-        http = httpx.AsyncClient(timeout=5)
-        cleanups.append(http.aclose)
-        return Pylon(tcp_address, (quic_host, int(quic_port)), engine, http)
-
-    yield factory
-    for cleanup in reversed(cleanups):
-        await cleanup()
+def pylon(make_stack: StackFactory) -> StackFactory:
+    """One pylon serving TCP (HTTP/1.1, h2c) and QUIC (HTTP/3), in front of mock_dynamo."""
+    return make_stack
 
 
 def chat(**extra: Any) -> bytes:
@@ -157,7 +37,7 @@ def tunnel(**extra: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("backend", ["dynamo", "vllm", "sglang", "passthrough"])
 async def test_spoofed_controls_never_reach_the_engine(
-    pylon: PylonFactory, protocol: str, backend: str
+    pylon: StackFactory, protocol: str, backend: str
 ) -> None:
     stack = await pylon(backend)
     # HTTP/2 and HTTP/3 forbid upper-case names on the wire; case variety is HTTP/1.1's.
@@ -197,7 +77,7 @@ async def test_spoofed_controls_never_reach_the_engine(
     ],
 )
 async def test_bad_input_gets_a_problem_and_never_reaches_the_engine(
-    pylon: PylonFactory,
+    pylon: StackFactory,
     protocol: str,
     headers: list[tuple[str, str]],
     body: bytes,
@@ -214,7 +94,7 @@ async def test_bad_input_gets_a_problem_and_never_reaches_the_engine(
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_body_limit_is_413(pylon: PylonFactory, protocol: str) -> None:
+async def test_body_limit_is_413(pylon: StackFactory, protocol: str) -> None:
     stack = await pylon(max_body_bytes=1000)
     reply = await stack.send(protocol, CHAT, tunnel(), chat(pad="x" * 2000))
     assert reply.status == 413
@@ -223,7 +103,7 @@ async def test_body_limit_is_413(pylon: PylonFactory, protocol: str) -> None:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_sse_reaches_the_client_whole(pylon: PylonFactory, protocol: str) -> None:
+async def test_sse_reaches_the_client_whole(pylon: StackFactory, protocol: str) -> None:
     stack = await pylon()
     reply = await stack.send(protocol, CHAT, tunnel(), chat(stream=True, max_tokens=6))
     assert reply.status == 200
@@ -234,7 +114,7 @@ async def test_sse_reaches_the_client_whole(pylon: PylonFactory, protocol: str) 
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_health_bypasses_the_contract(pylon: PylonFactory, protocol: str) -> None:
+async def test_health_bypasses_the_contract(pylon: StackFactory, protocol: str) -> None:
     stack = await pylon()
     reply = await stack.send(protocol, "/health", [], b"", method="GET")
     assert reply.status == 200

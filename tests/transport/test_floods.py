@@ -9,12 +9,11 @@ import json
 from h2.errors import ErrorCodes
 
 from pylon.core.flood import RateGuard
-from tests.integration.conftest import StackFactory
-from tests.transport.conftest_h3 import H3StackFactory, h3_stack, request_headers
+from tests.h3client import request_headers
+from tests.stack import StackFactory
 from tests.transport.h2client import H2Client
 from tests.transport.h2client import request_headers as h2_request_headers
 
-__all__ = ["h3_stack"]
 BODY = json.dumps({"model": "mock-model", "messages": [], "max_tokens": 2}).encode()
 
 
@@ -79,8 +78,8 @@ async def test_h2_ping_flood_gets_enhance_your_calm(make_stack: StackFactory) ->
         await h2.close()
 
 
-async def test_h3_rapid_reset_closes_the_connection(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", mock={"ttft_ms": 500}, max_stream_resets=20)
+async def test_h3_rapid_reset_closes_the_connection(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", mock={"ttft_ms": 500}, max_stream_resets=20)
     async with stack.connect() as client:
         for i in range(40):
             extra = [("x-request-id", f"rr-{i}"), ("x-model", "mock-model")]

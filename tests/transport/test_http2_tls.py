@@ -11,8 +11,8 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from tests.certs import fingerprint, make_ca, make_leaf, write_pair
 from tests.integration.conftest import MODEL, StackFactory
-from tests.transport.conftest_h3 import fingerprint, make_ca, make_leaf, write_pair
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

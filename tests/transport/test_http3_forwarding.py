@@ -11,18 +11,9 @@ import pytest
 
 from pylon.core.sanitize import DENIED_BODY_FIELDS, DENIED_REQUEST_HEADERS
 from tests.cancellation import cancellation_lag
+from tests.h3client import CHAT, MODEL, chat, request_headers, sse_payloads
 from tests.integration.test_forwarding import spoofed_body, spoofed_headers
-from tests.transport.conftest_h3 import (
-    CHAT,
-    MODEL,
-    H3StackFactory,
-    chat,
-    h3_stack,
-    request_headers,
-    sse_payloads,
-)
-
-__all__ = ["h3_stack"]  # the fixture, imported for pytest
+from tests.stack import StackFactory
 
 
 def _values(record: dict[str, object], name: str) -> list[str]:
@@ -32,8 +23,8 @@ def _values(record: dict[str, object], name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("backend", ["dynamo", "vllm", "sglang", "passthrough"])
-async def test_strip_and_derive_over_h3(h3_stack: H3StackFactory, backend: str) -> None:
-    stack = await h3_stack(backend)
+async def test_strip_and_derive_over_h3(make_stack: StackFactory, backend: str) -> None:
+    stack = await make_stack(backend)
     # HTTP/3 field names are lowercase on the wire (uppercase would be a malformed message).
     headers = [(name.lower(), value) for name, value in spoofed_headers()]
     async with stack.connect() as client:
@@ -63,9 +54,9 @@ async def test_strip_and_derive_over_h3(h3_stack: H3StackFactory, backend: str) 
 
 
 async def test_authority_becomes_host_and_pseudo_headers_do_not_leak(
-    h3_stack: H3StackFactory,
+    make_stack: StackFactory,
 ) -> None:
-    stack = await h3_stack("dynamo")
+    stack = await make_stack("dynamo")
     async with stack.connect() as client:
         reply = await client.request(CHAT, chat())
     assert reply.status == 200
@@ -77,8 +68,8 @@ async def test_authority_becomes_host_and_pseudo_headers_do_not_leak(
     assert not [name for name, _ in record["headers"] if name.startswith(":")]
 
 
-async def test_sse_is_relayed_event_by_event(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", mock={"token_delay_ms": 60, "num_tokens": 5})
+async def test_sse_is_relayed_event_by_event(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 60, "num_tokens": 5})
     async with stack.connect() as client:
         reply = await client.request(CHAT, chat(stream=True, max_tokens=5), timeout=10)
     assert reply.status == 200
@@ -97,8 +88,8 @@ async def test_sse_is_relayed_event_by_event(h3_stack: H3StackFactory) -> None:
     assert sum(gap > 0.03 for gap in gaps) >= 3, gaps
 
 
-async def test_contract_error_is_answered_before_the_body(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo")
+async def test_contract_error_is_answered_before_the_body(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo")
     async with stack.connect() as client:
         headers = request_headers(extra=[("x-model", MODEL)])  # no x-request-id
         # Headers only, the body never comes: the answer must not wait for it.
@@ -109,15 +100,15 @@ async def test_contract_error_is_answered_before_the_body(h3_stack: H3StackFacto
     assert (await stack.control())["requests"] == []
 
 
-async def test_health_bypasses_the_contract(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo")
+async def test_health_bypasses_the_contract(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo")
     async with stack.connect() as client:
         reply = await client.request("/health", method="GET", headers=[])
     assert reply.status == 200
 
 
-async def test_many_concurrent_streams_on_one_connection(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", mock={"token_delay_ms": 5, "num_tokens": 4})
+async def test_many_concurrent_streams_on_one_connection(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 5, "num_tokens": 4})
     async with stack.connect() as client:
         replies = await asyncio.gather(
             *(
@@ -133,9 +124,9 @@ async def test_many_concurrent_streams_on_one_connection(h3_stack: H3StackFactor
 
 
 async def test_client_reset_cancels_the_engine_request_promptly(
-    h3_stack: H3StackFactory,
+    make_stack: StackFactory,
 ) -> None:
-    stack = await h3_stack("dynamo", mock={"token_delay_ms": 50, "num_tokens": 400})
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 50, "num_tokens": 400})
     async with stack.connect() as client:
         body = b'{"model": "mock-model", "stream": true, "max_tokens": 400, "messages": []}'
         reply = client.send(request_headers(body=body), body)
@@ -150,8 +141,8 @@ async def test_client_reset_cancels_the_engine_request_promptly(
     assert lag < 0.1, f"engine request cancelled {lag * 1000:.0f} ms after the reset"
 
 
-async def test_connection_loss_cancels_the_engine_request(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", mock={"token_delay_ms": 50, "num_tokens": 400})
+async def test_connection_loss_cancels_the_engine_request(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 50, "num_tokens": 400})
     async with stack.connect() as client:
         body = b'{"model": "mock-model", "stream": true, "max_tokens": 400, "messages": []}'
         reply = client.send(request_headers(body=body), body)

@@ -21,7 +21,7 @@ from mock_dynamo.server import MockConfig, start_mock
 from pylon.app import serve
 from pylon.logs import configure_logging
 from pylon.settings import load_settings
-from tests.transport.conftest_h3 import MODEL
+from tests.h3client import MODEL
 
 GTLSCLIENT = shutil.which("gtlsclient")
 pytestmark = pytest.mark.skipif(

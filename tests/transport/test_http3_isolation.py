@@ -8,19 +8,8 @@ import asyncio
 import pytest
 from aioquic.h3.connection import ErrorCode
 
-from tests.transport.conftest_h3 import (
-    CHAT,
-    MODEL,
-    H3Client,
-    H3Response,
-    H3StackFactory,
-    chat,
-    h3_stack,
-    request_headers,
-    sse_payloads,
-)
-
-__all__ = ["h3_stack"]
+from tests.h3client import CHAT, MODEL, H3Client, H3Response, chat, request_headers, sse_payloads
+from tests.stack import StackFactory
 
 BASE = request_headers(extra=[("x-request-id", "bad-1"), ("x-model", MODEL)])
 PSEUDO, REGULAR = BASE[:4], BASE[4:]
@@ -50,8 +39,8 @@ async def _streaming(client: H3Client, request_id: str = "long-1") -> H3Response
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
-async def test_malformed_request_costs_only_its_stream(h3_stack: H3StackFactory, case: str) -> None:
-    stack = await h3_stack("dynamo", mock={"token_delay_ms": 20, "num_tokens": 20})
+async def test_malformed_request_costs_only_its_stream(make_stack: StackFactory, case: str) -> None:
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 20, "num_tokens": 20})
     async with stack.connect() as client:
         long = await _streaming(client)
         bad = await client.send(MALFORMED[case], b'{"a": 1}').wait(3)
@@ -68,9 +57,9 @@ async def test_malformed_request_costs_only_its_stream(h3_stack: H3StackFactory,
 
 
 async def test_content_length_disagreeing_with_data_is_a_stream_error(
-    h3_stack: H3StackFactory,
+    make_stack: StackFactory,
 ) -> None:
-    stack = await h3_stack("dynamo", mock={"token_delay_ms": 20, "num_tokens": 10})
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 20, "num_tokens": 10})
     async with stack.connect() as client:
         long = await _streaming(client)
         short = client.send([*BASE, (b"content-length", b"100")], b'{"a": 1}')
@@ -82,8 +71,8 @@ async def test_content_length_disagreeing_with_data_is_a_stream_error(
     assert len((await stack.control())["requests"]) == 1
 
 
-async def test_too_many_headers_is_431(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", max_headers=20)
+async def test_too_many_headers_is_431(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", max_headers=20)
     extra = [(f"x-h{i}".encode(), b"v") for i in range(30)]
     async with stack.connect() as client:
         reply = await client.send(BASE + extra, b"{}").wait(3)
@@ -92,8 +81,8 @@ async def test_too_many_headers_is_431(h3_stack: H3StackFactory) -> None:
         assert (await client.request(CHAT, chat())).status == 200
 
 
-async def test_header_bytes_over_the_limit_is_431(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", max_header_bytes=4096)
+async def test_header_bytes_over_the_limit_is_431(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", max_header_bytes=4096)
     async with stack.connect() as client:
         reply = await client.send([*BASE, (b"x-big", b"a" * 5000)], b"{}").wait(3)
         assert reply.status == 431
@@ -103,8 +92,8 @@ async def test_header_bytes_over_the_limit_is_431(h3_stack: H3StackFactory) -> N
         assert (await client.request(CHAT, chat())).status == 200
 
 
-async def test_declared_body_over_the_limit_is_413_at_once(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", max_body_bytes=1000)
+async def test_declared_body_over_the_limit_is_413_at_once(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", max_body_bytes=1000)
     async with stack.connect() as client:
         headers = [*BASE, (b"content-length", b"5000")]
         reply = await client.send(headers, body=None, end=False).wait(3)
@@ -112,8 +101,8 @@ async def test_declared_body_over_the_limit_is_413_at_once(h3_stack: H3StackFact
         assert reply.json()["code"] == "body_too_large"
 
 
-async def test_streamed_body_over_the_limit_is_413(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", max_body_bytes=1000)
+async def test_streamed_body_over_the_limit_is_413(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", max_body_bytes=1000)
     async with stack.connect() as client:
         reply = client.send(BASE, b"x" * 600, end=False)
         client.send_data(reply.stream_id, b"x" * 600, end=False)
@@ -124,17 +113,17 @@ async def test_streamed_body_over_the_limit_is_413(h3_stack: H3StackFactory) -> 
 
 
 async def test_concurrent_streams_are_capped_by_quic_max_streams(
-    h3_stack: H3StackFactory,
+    make_stack: StackFactory,
 ) -> None:
-    stack = await h3_stack("dynamo", quic_max_concurrent_streams=3)
+    stack = await make_stack("dynamo", quic_max_concurrent_streams=3)
     async with stack.connect() as client:
         assert client.peer_max_streams == 3
         replies = await asyncio.gather(*(client.request(CHAT, chat()) for _ in range(8)))
         assert [r.status for r in replies] == [200] * 8  # queued by flow control, not refused
 
 
-async def test_idle_connection_is_closed(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", quic_idle_timeout=0.3)
+async def test_idle_connection_is_closed(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", quic_idle_timeout=0.3)
     async with stack.connect() as client:
         async with asyncio.timeout(3):
             await client.wait_closed()
@@ -144,12 +133,12 @@ async def test_idle_connection_is_closed(h3_stack: H3StackFactory) -> None:
 
 
 async def test_drain_sends_goaway_and_lets_in_flight_streams_finish(
-    h3_stack: H3StackFactory,
+    make_stack: StackFactory,
 ) -> None:
-    stack = await h3_stack("dynamo", mock={"token_delay_ms": 30, "num_tokens": 10})
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 30, "num_tokens": 10})
     async with stack.connect() as client:
         long = await _streaming(client)
-        stack.server.drain()
+        stack.drain()
         async with asyncio.timeout(3):
             while not client.goaways:
                 await asyncio.sleep(0.01)
@@ -166,8 +155,8 @@ async def test_drain_sends_goaway_and_lets_in_flight_streams_finish(
     assert len((await stack.control())["requests"]) == 1
 
 
-async def test_stalled_request_body_is_408_on_that_stream_only(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo", header_timeout=0.3)
+async def test_stalled_request_body_is_408_on_that_stream_only(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", header_timeout=0.3)
     async with stack.connect() as client:
         extra = [("x-request-id", "slow-body"), ("x-model", MODEL)]
         stalled = client.send(
@@ -183,9 +172,9 @@ async def test_stalled_request_body_is_408_on_that_stream_only(h3_stack: H3Stack
 
 
 async def test_settings_advertise_the_header_limit_and_no_extended_connect(
-    h3_stack: H3StackFactory,
+    make_stack: StackFactory,
 ) -> None:
-    stack = await h3_stack("dynamo", max_header_bytes=8192, max_headers=50)
+    stack = await make_stack("dynamo", max_header_bytes=8192, max_headers=50)
     async with stack.connect() as client:
         assert (await client.request(body=chat())).status == 200
         received = client.http.received_settings

@@ -20,19 +20,9 @@ from pylon.tls import (
     parse_material,
     self_signed_material,
 )
-from tests.transport.conftest_h3 import (
-    CHAT,
-    H3StackFactory,
-    chat,
-    client_configuration,
-    fingerprint,
-    h3_stack,
-    make_ca,
-    make_leaf,
-    write_pair,
-)
-
-__all__ = ["h3_stack"]
+from tests.certs import fingerprint, make_ca, make_leaf, write_pair
+from tests.h3client import CHAT, chat, client_configuration
+from tests.stack import StackFactory
 
 
 def test_self_signed_identity_is_p256_for_localhost() -> None:
@@ -122,11 +112,11 @@ async def test_tcp_mutual_tls_handshake(tmp_path: Path) -> None:
 
 
 async def test_reload_serves_new_handshakes_and_keeps_old_connections(
-    h3_stack: H3StackFactory, tmp_path: Path
+    make_stack: StackFactory, tmp_path: Path
 ) -> None:
     first = make_leaf(None)
     cert, key = write_pair(tmp_path, first)
-    stack = await h3_stack("dynamo", tls_cert=str(cert), tls_key=str(key))
+    stack = await make_stack("dynamo", tls_cert=str(cert), tls_key=str(key))
     async with stack.connect() as old:
         assert old.peer_fingerprint == fingerprint(first[0])
         second = make_leaf(None)
@@ -167,11 +157,11 @@ async def test_reload_poller_picks_up_a_new_pair(tmp_path: Path) -> None:
     assert identity.current.fingerprint == fingerprint(fresh[0])
 
 
-async def test_quic_mutual_tls(h3_stack: H3StackFactory, tmp_path: Path) -> None:
+async def test_quic_mutual_tls(make_stack: StackFactory, tmp_path: Path) -> None:
     ca = make_ca()
     ca_file = tmp_path / "ca.pem"
     ca_file.write_bytes(ca[0].public_bytes(Encoding.PEM))
-    stack = await h3_stack("dynamo", tls_client_ca=str(ca_file))
+    stack = await make_stack("dynamo", tls_client_ca=str(ca_file))
     good_cert, good_key = write_pair(tmp_path, make_leaf(ca, name="gateway"), "good")
     async with stack.connect(client_configuration(good_cert, good_key)) as client:
         assert (await client.request(CHAT, chat())).status == 200

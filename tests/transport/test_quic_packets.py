@@ -12,9 +12,8 @@ import time
 import pytest
 from aioquic.quic.connection import QuicConnection
 
-from tests.transport.conftest_h3 import H3StackFactory, client_configuration, h3_stack
-
-__all__ = ["h3_stack"]
+from tests.h3client import client_configuration
+from tests.stack import StackFactory
 
 
 def client_initial(address: tuple[str, int]) -> bytes:
@@ -47,9 +46,9 @@ async def replies(address: tuple[str, int], datagram: bytes, wait: float = 0.5) 
 
 @pytest.mark.parametrize("retry", [True, False])
 async def test_unvalidated_source_gets_at_most_three_times_its_bytes(
-    h3_stack: H3StackFactory, retry: bool
+    make_stack: StackFactory, retry: bool
 ) -> None:
-    stack = await h3_stack("dynamo", quic_retry=retry)
+    stack = await make_stack("dynamo", quic_retry=retry)
     address = (stack.host, stack.port)
     initial = client_initial(address)
     answer = await replies(address, initial)
@@ -63,8 +62,8 @@ async def test_unvalidated_source_gets_at_most_three_times_its_bytes(
         assert len(answer[0]) < 300
 
 
-async def test_version_negotiation_packet_is_never_answered(h3_stack: H3StackFactory) -> None:
-    stack = await h3_stack("dynamo")
+async def test_version_negotiation_packet_is_never_answered(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo")
     dcid, scid = os.urandom(8), os.urandom(8)
     version_negotiation = (
         bytes([0x80 | 0x3F])

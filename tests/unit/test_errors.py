@@ -42,9 +42,26 @@ def test_problem_body_without_request_id() -> None:
     assert body["status"] == 400
 
 
-def test_client_codes_are_4xx_and_upstream_codes_5xx() -> None:
+# Written out, not derived from the enum: the server-side codes and the ones a gateway may retry.
+SERVER_SIDE = {
+    "upstream_unavailable",
+    "upstream_timeout",
+    "upstream_protocol_error",
+    "upstream_busy",
+    "shutting_down",
+    "not_ready",
+    "no_worker",
+}
+RETRYABLE = {"shutting_down", "not_ready", "upstream_busy", "no_worker"}
+
+
+def test_client_codes_are_4xx_and_server_side_codes_5xx() -> None:
     for code in ErrorCode:
-        assert (code.status < 500) == (not code.value.startswith(("upstream_", "shutting_")))
+        assert (code.status >= 500) == (code.value in SERVER_SIDE), code
+
+
+def test_only_answers_before_any_engine_are_retryable() -> None:
+    assert {code.value for code in ErrorCode if code.retryable} == RETRYABLE
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,34 @@
+"""Where an engine request goes: one engine (or worker) base URL, parsed once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTarget:
+    """An engine's HTTP/1.1 endpoint; the pool keeps connections per target."""
+
+    host: str
+    port: int
+    base_path: str  # "" or "/prefix" without a trailing slash
+
+    @classmethod
+    def from_url(cls, url: str) -> UpstreamTarget:
+        """`http://host[:port][/base]` (already validated by Settings) -> target."""
+        _, _, rest = url.partition("://")
+        authority, _, path = rest.partition("/")
+        host, sep, port = authority.rpartition(":")
+        if not sep or not port.isdigit() or (host.startswith("[") != host.endswith("]")):
+            host, port = authority, "80"
+        return cls(host=host.strip("[]"), port=int(port), base_path=("/" + path).rstrip("/"))
+
+    @property
+    def host_header(self) -> bytes:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}".encode("ascii")
+
+    @property
+    def label(self) -> str:
+        """How logs name this target."""
+        return self.host_header.decode("ascii") + self.base_path

@@ -1,0 +1,205 @@
+"""What happens to requests and connections, told to one `Observer`.
+
+The transports and the proxy never call a logger: they report lifecycle events here. `LogObserver`
+(structlog) writes the log lines; metrics and traces subscribe to the same events later through
+`Observers`. Each request carries one `RequestRecord` with its timestamps (loop time, seconds),
+so every observer sees the same clock readings.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pylon.logs import get_logger
+
+if TYPE_CHECKING:
+    from pylon.core.errors import PylonError
+    from pylon.core.plan import ForwardPlan
+    from pylon.core.retry import RetryMark
+
+
+class RequestRecord:
+    """One request as observed: who it is, where it went, and when each step happened."""
+
+    __slots__ = (
+        "dispatched_at",
+        "done_at",
+        "first_byte_at",
+        "head_at",
+        "method",
+        "model",
+        "outcome",
+        "path",
+        "request_id",
+        "status",
+        "stream_id",
+        "stripped",
+        "transport",
+        "worker",
+    )
+
+    def __init__(self, transport: str, stream_id: int, head_at: float) -> None:
+        self.transport = transport  # "http1", "h2" or "h3"
+        self.stream_id = stream_id
+        self.head_at = head_at  # the request head was received
+        self.dispatched_at: float | None = None  # the request was written to the engine
+        self.first_byte_at: float | None = None  # the first response byte went to the client
+        self.done_at: float | None = None
+        self.request_id: str | None = None
+        self.model: str | None = None
+        self.method = ""
+        self.path = ""
+        self.status = 0
+        self.outcome = ""
+        self.worker: str | None = None
+        self.stripped: tuple[str, ...] = ()
+
+    def duration_ms(self) -> float | None:
+        if self.done_at is None:
+            return None
+        return round((self.done_at - self.head_at) * 1000, 3)
+
+
+class Observer(Protocol):
+    """Lifecycle events of requests and connections. Implementations must be cheap and never
+    raise: they run on the hot path, inside the event loop."""
+
+    def admitted(self, record: RequestRecord) -> None: ...
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        """Pylon answered with its own problem; the engine never saw the request."""
+        ...
+
+    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None: ...
+
+    def first_output(self, record: RequestRecord) -> None: ...
+
+    def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
+        """The engine answered with an error status; `mark` is what the gateway is told."""
+        ...
+
+    def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
+        """The engine could not be reached, timed out, or broke the exchange."""
+        ...
+
+    def done(self, record: RequestRecord) -> None:
+        """The exchange is over (`record.outcome` says how)."""
+        ...
+
+    def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
+        """A bug: pylon failed to handle a request. The stream is reset or closed."""
+        ...
+
+    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+        """A connection-level event: flood guard, malformed frame, timeout, GOAWAY, ..."""
+        ...
+
+    def process_event(self, kind: str, /, **fields: Any) -> None:
+        """A process-level event: listening, draining, TLS reload, token rotation, ..."""
+        ...
+
+
+# Log levels of the connection- and process-level events; anything unlisted logs at info.
+_WARNING_EVENTS = frozenset(
+    {
+        "h2_flood",
+        "h3_flood",
+        "h2_send_failed",
+        "h2_response_head_refused",
+        "quic_client_rejected",
+        "tls_reload_rejected",
+        "tunnel_token_unusable",
+        "insecure_listener",
+    }
+)
+_DEBUG_EVENTS = frozenset({"h2_stream_reset_by_client", "stream_reset_by_client"})
+
+
+class LogObserver:
+    """The structlog implementation: one JSON line per event, the request id on every line."""
+
+    __slots__ = ("_log",)
+
+    def __init__(self) -> None:
+        self._log = get_logger()
+
+    def admitted(self, record: RequestRecord) -> None:
+        return None  # the `request_done` line says it all; no line per admission
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        self._log.warning(
+            "request_rejected",
+            request_id=record.request_id,
+            model=record.model,
+            transport=record.transport,
+            status=error.status,
+            code=error.code.value,
+            detail=error.detail,
+            duration_ms=record.duration_ms(),
+        )
+
+    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
+        return None
+
+    def first_output(self, record: RequestRecord) -> None:
+        return None
+
+    def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
+        if mark.retryable or record.status >= 500:
+            self._log.info(
+                "upstream_error_status",
+                request_id=record.request_id,
+                status=record.status,
+                retryable=mark.retryable,
+                reason=mark.reason,
+            )
+
+    def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
+        self._log.warning(
+            "stream_failed" if after_head else "upstream_failed",
+            request_id=record.request_id,
+            model=record.model,
+            code=error.code.value,
+            detail=error.detail,
+            worker=record.worker,
+        )
+
+    def done(self, record: RequestRecord) -> None:
+        self._log.info(
+            "request_done",
+            request_id=record.request_id,
+            model=record.model,
+            transport=record.transport,
+            method=record.method,
+            path=record.path,
+            status=record.status,
+            outcome=record.outcome,
+            worker=record.worker,
+            stripped=record.stripped or None,
+            duration_ms=record.duration_ms(),
+        )
+
+    def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
+        self._log.error(
+            "request_crashed",
+            request_id=record.request_id if record is not None else None,
+            transport=record.transport if record is not None else None,
+            exc_info=exc,
+        )
+
+    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+        if kind in _DEBUG_EVENTS:
+            self._log.debug(kind, protocol=protocol, **fields)
+        elif kind in _WARNING_EVENTS:
+            self._log.warning(kind, protocol=protocol, **fields)
+        else:
+            self._log.info(kind, protocol=protocol, **fields)
+
+    def process_event(self, kind: str, /, **fields: Any) -> None:
+        if kind in _WARNING_EVENTS:
+            self._log.warning(kind, **fields)
+        else:
+            self._log.info(kind, **fields)
+
+
+_: type[Observer] = LogObserver

@@ -1,0 +1,54 @@
+"""Admission: is this head a request pylon takes? Contract, tunnel auth, then the lifecycle.
+
+Runs at headers time on every transport (through `RequestIntake`), before any body byte is read,
+so a bad, unauthenticated or untimely request is answered at once and no transport can forget a
+check.
+"""
+
+from __future__ import annotations
+
+from pylon.auth import TokenAuth, unauthorized
+from pylon.core.contract import HealthRequest, TunnelRequest, parse_request
+from pylon.core.errors import ErrorCode, UpstreamError
+from pylon.core.head import RequestHead
+from pylon.core.intake import Admission
+from pylon.lifecycle import Lifecycle, Phase
+
+
+class ProxyAdmission:
+    __slots__ = ("_auth", "_lifecycle")
+
+    def __init__(self, lifecycle: Lifecycle, auth: TokenAuth | None) -> None:
+        self._lifecycle = lifecycle
+        self._auth = auth
+
+    def admit(self, head: RequestHead) -> TunnelRequest | HealthRequest:
+        request = parse_request(head.method, head.target, head.headers)
+        if isinstance(request, HealthRequest):
+            if self._lifecycle.draining:
+                raise _refusal(Phase.DRAINING, request.request_id)
+            return request  # the engine's health, even while pylon is starting
+        if self._auth is not None and not self._auth.allows(request.headers):
+            error = unauthorized()
+            error.request_id = request.request_id
+            raise error
+        if self._lifecycle.phase is not Phase.READY:
+            raise _refusal(self._lifecycle.phase, request.request_id)
+        return request
+
+
+def _refusal(phase: Phase, request_id: str | None) -> UpstreamError:
+    if phase is Phase.DRAINING:
+        return UpstreamError(
+            "pylon is shutting down and takes no new requests",
+            code=ErrorCode.SHUTTING_DOWN,
+            request_id=request_id,
+        )
+    return UpstreamError(
+        "pylon is starting and not ready for requests yet",
+        code=ErrorCode.NOT_READY,
+        request_id=request_id,
+    )
+
+
+_: type[Admission] = ProxyAdmission

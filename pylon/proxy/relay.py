@@ -1,0 +1,154 @@
+"""Engine response -> client: the SSE relay (event by event, with output timeouts) and the raw one.
+
+Each relay writes one block per wake-up (everything the engine sent since the last one), waits on
+the client's back-pressure, and turns engine failures into what the client can still be told: a
+problem response before the head, a terminal SSE error event after it, or a cut connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from pylon.core.errors import ErrorCode, PylonError, UpstreamError
+from pylon.core.http import Header
+from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event, iter_events
+from pylon.proxy.sink import ResponseSink
+from pylon.timers import Deadline
+from pylon.upstream.pool import Exchange, UpstreamBroken, UpstreamTimeout
+
+_SSE_ERROR_TYPES = {
+    ErrorCode.UPSTREAM_TIMEOUT: "upstream_timeout",
+    ErrorCode.UPSTREAM_PROTOCOL_ERROR: "upstream_error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RelayLimits:
+    first_output_timeout: float  # seconds from dispatch to the first output event
+    output_gap_timeout: float  # seconds allowed between events once output started
+    max_sse_event_bytes: int  # largest event that may arrive without ending
+
+
+class Watchdog(Deadline):
+    """The relay's timer: when it expires, the engine exchange fails with the armed reason.
+
+    Re-arming per event only stores a float (see `Deadline`), so the gap timeout is nearly free.
+    """
+
+    __slots__ = ("_exchange", "_reason")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self._exchange: Exchange | None = None
+        self._reason = ""
+
+    def attach(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+
+    def expired(self) -> None:
+        if self._exchange is not None:
+            self._exchange.fail(UpstreamTimeout(self._reason))
+
+    def arm_for(self, seconds: float, reason: str) -> None:
+        self._reason = reason
+        self.arm(seconds)
+
+
+class AlreadyAnswered(UpstreamBroken):
+    """The client already got a head; only the connection can tell it something went wrong."""
+
+
+async def relay_sse(
+    exchange: Exchange,
+    sink: ResponseSink,
+    watchdog: Watchdog,
+    limits: RelayLimits,
+    request_id: str | None,
+    on_first_output: Callable[[], None],
+) -> PylonError | None:
+    """Relay an event stream whose head was sent; returns the failure told to the client."""
+    splitter = SseSplitter(limits.max_sse_event_bytes)
+    watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
+    seen_output = False
+    failure: PylonError | None = None
+    try:
+        while (chunk := await exchange.next_chunk()) is not None:
+            block = splitter.feed_block(chunk)
+            if not block:
+                continue
+            sink.write(block)
+            if seen_output or any(map(is_output_event, iter_events(block))):
+                if not seen_output:
+                    seen_output = True
+                    on_first_output()
+                watchdog.arm_for(limits.output_gap_timeout, "gap between events too long")
+            if sink.paused:
+                await sink.drain()
+        if not seen_output:
+            failure = UpstreamError(
+                "the engine ended the stream before any output",
+                code=ErrorCode.UPSTREAM_PROTOCOL_ERROR,
+            )
+        elif splitter.pending.strip():
+            failure = UpstreamError(
+                "the engine ended the stream inside an event",
+                code=ErrorCode.UPSTREAM_PROTOCOL_ERROR,
+            )
+    except UpstreamTimeout as exc:
+        failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_TIMEOUT)
+    except UpstreamBroken as exc:
+        failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+    except SseEventTooLarge as exc:
+        failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+        exchange.fail(UpstreamBroken(str(exc)))  # the connection cannot be reused
+    if failure is not None:
+        failure.request_id = request_id
+        sink.write(error_event(sse_error_payload(failure)))
+    sink.end()
+    return failure
+
+
+async def relay_raw(exchange: Exchange, sink: ResponseSink, headers: list[Header]) -> None:
+    """Relay any other response as it comes; a break after the head cuts the stream."""
+    sink.start(exchange.status, headers, content_length(exchange.headers))
+    try:
+        while (chunk := await exchange.next_chunk()) is not None:
+            sink.write(chunk)
+            if sink.paused:
+                await sink.drain()
+    except (UpstreamBroken, UpstreamTimeout):
+        # The head is out; a half body cannot be signalled in HTTP/1.1 except by closing.
+        sink.abort()
+        raise AlreadyAnswered() from None
+    sink.end()
+
+
+def sse_error_payload(error: PylonError) -> bytes:
+    payload: dict[str, Any] = {
+        "error": {
+            "message": error.detail,
+            "type": _SSE_ERROR_TYPES.get(error.code, error.code.value),
+            "code": error.status,
+            "request_id": error.request_id,
+        }
+    }
+    return orjson.dumps(payload)
+
+
+def is_event_stream(headers: Sequence[Header]) -> bool:
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value.lower().startswith(b"text/event-stream")
+    return False
+
+
+def content_length(headers: Sequence[Header]) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            return int(value) if value.strip().isdigit() else None
+    return None

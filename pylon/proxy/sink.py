@@ -1,0 +1,47 @@
+"""What a transport offers the proxy for one response, and pylon's own problem responses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pylon.core.errors import PylonError, problem_body
+from pylon.core.http import Header
+from pylon.core.retry import RetryMark
+
+PROBLEM_HEADERS: tuple[Header, ...] = ((b"content-type", b"application/problem+json"),)
+
+
+class ResponseSink(Protocol):
+    """One response stream of a transport (HTTP/1.1 connection, HTTP/2 or HTTP/3 stream)."""
+
+    @property
+    def paused(self) -> bool:
+        """True while the client is not keeping up; the proxy then awaits `drain`."""
+        ...
+
+    def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
+        """Send the response head; `content_length` None means a streamed body."""
+        ...
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def end(self) -> None:
+        """The body is complete."""
+        ...
+
+    def abort(self) -> None:
+        """The body cannot be completed: reset the stream / close the connection."""
+        ...
+
+
+def send_problem(sink: ResponseSink, error: PylonError, mark: RetryMark | None = None) -> None:
+    """Answer with pylon's RFC 9457 problem and its retry marking, as one complete response."""
+    body = problem_body(error, error.request_id)
+    headers = list(PROBLEM_HEADERS)
+    headers += (mark or RetryMark(error.code.retryable, error.code.value)).headers()
+    sink.start(error.status, headers, len(body))
+    sink.write(body)
+    sink.end()

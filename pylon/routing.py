@@ -1,0 +1,86 @@
+"""Which engine worker gets a request, and the booking that lives exactly as long as the exchange.
+
+The proxy asks its `Router` for a `Booking` right before dispatch, tells the booking when the
+first output arrives, and releases it in the forwarding `finally`: success, engine error,
+timeout, client cancel and shutdown all free it. `SingleUpstream` (one `--upstream`, today's
+behaviour) is the default; the load-aware and KV-aware routers implement the same Protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pylon.core.http import Header
+from pylon.core.plan import ForwardPlan
+from pylon.core.target import UpstreamTarget
+
+
+class NoWorker(Exception):
+    """No worker can take the request now; pylon answers 503 (retryable) without an engine."""
+
+
+class Booking(Protocol):
+    """One request's claim on a worker."""
+
+    @property
+    def target(self) -> UpstreamTarget:
+        """Where the pool sends the request."""
+        ...
+
+    @property
+    def headers(self) -> tuple[Header, ...]:
+        """Trusted headers pylon writes for this worker (e.g. a Dynamo worker pin)."""
+        ...
+
+    def first_output(self) -> None:
+        """Prefill is done: the engine produced its first output (or its response head)."""
+        ...
+
+    def output_tokens(self, count: int) -> None:
+        """`count` more output tokens were relayed (for decode-load accounting)."""
+        ...
+
+    def release(self, outcome: str) -> None:
+        """The exchange is over. Called exactly once per booking; a second call is a no-op."""
+        ...
+
+
+class Router(Protocol):
+    async def book(self, plan: ForwardPlan) -> Booking:
+        """Choose a worker for `plan` and reserve it; raises `NoWorker`."""
+        ...
+
+
+class StaticBooking:
+    """A booking with nothing to account: one fixed target, shared by every request."""
+
+    __slots__ = ("headers", "target")
+
+    def __init__(self, target: UpstreamTarget, headers: tuple[Header, ...] = ()) -> None:
+        self.target = target
+        self.headers = headers
+
+    def first_output(self) -> None:
+        return None
+
+    def output_tokens(self, count: int) -> None:
+        return None
+
+    def release(self, outcome: str) -> None:
+        return None
+
+
+class SingleUpstream:
+    """Every request goes to the one configured engine (`--routing off`)."""
+
+    __slots__ = ("_booking",)
+
+    def __init__(self, target: UpstreamTarget) -> None:
+        self._booking = StaticBooking(target)
+
+    async def book(self, plan: ForwardPlan) -> Booking:
+        return self._booking
+
+
+_: type[Router] = SingleUpstream
+__: type[Booking] = StaticBooking

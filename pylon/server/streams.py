@@ -1,0 +1,341 @@
+"""A connection's request streams, the same for every transport: intake, task, cancel, crash,
+stall watcher and the rapid-reset guard.
+
+A transport's framing reports what its protocol delivered (`head`, `data`, `trailers`, `end`,
+`malformed`, `cancel`), and says how to answer (`Framing`). The table runs each request's
+`RequestIntake`, starts one proxy task per dispatched request (HTTP/1.1 one at a time, in order),
+answers rejections with pylon's problem response, cancels tasks with a reason the proxy logs,
+reports crashes, and times out bodies that stop arriving. It holds no protocol state itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from pylon.core.contract import request_id_of
+from pylon.core.errors import PylonError
+from pylon.core.flood import RateGuard
+from pylon.core.head import RequestHead
+from pylon.core.http import Header
+from pylon.core.intake import (
+    Admission,
+    AdmittedRequest,
+    Decision,
+    Dispatch,
+    IngressLimits,
+    IntakeError,
+    Reject,
+    RequestIntake,
+    State,
+)
+from pylon.observe import RequestRecord
+from pylon.timers import Deadline
+
+if TYPE_CHECKING:
+    from pylon.proxy import Proxy, ResponseSink
+
+# Why a request's task was cancelled; the proxy logs it as the request's outcome.
+CLIENT_RESET = "client_reset"
+CLIENT_GONE = "client_disconnected"
+SHUTDOWN = "shutdown"
+
+
+class Stream:
+    """One request on a connection, from its head to the end of its task."""
+
+    __slots__ = ("id", "intake", "record", "sink", "task")
+
+    def __init__(self, stream_id: int, intake: RequestIntake, record: RequestRecord) -> None:
+        self.id = stream_id
+        self.intake = intake
+        self.record = record
+        self.sink: ResponseSink | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def request(self) -> AdmittedRequest | None:
+        return self.intake.request
+
+
+class Framing(Protocol):
+    """What the table needs from a transport to answer a stream."""
+
+    def response_sink(self, stream: Stream, request: AdmittedRequest) -> ResponseSink:
+        """The sink for the proxy's response to an admitted request."""
+        ...
+
+    def reject_sink(self, stream: Stream) -> ResponseSink:
+        """The sink for pylon's own problem response; the rest of the request is not read."""
+        ...
+
+    def stream_done(self, stream: Stream, crashed: bool) -> None:
+        """The stream's task ended (`crashed`: with an exception, already reported)."""
+        ...
+
+
+class StreamTable:
+    def __init__(
+        self,
+        protocol: str,
+        framing: Framing,
+        proxy: Proxy,
+        admission: Admission,
+        limits: IngressLimits,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        serial: bool = False,
+    ) -> None:
+        self.protocol = protocol
+        self._framing = framing
+        self._proxy = proxy
+        self._observer = proxy.observer
+        self._admission = admission
+        self._limits = limits
+        self._loop = loop
+        self._streams: dict[int, Stream] = {}
+        self._tasks = 0
+        # HTTP/1.1 answers requests one at a time and in order (RFC 9112 9.3.2).
+        self._serial = serial
+        # Decisions waiting for the response before them (serial only): a rejection of a
+        # pipelined request is answered in its turn too, never into the middle of another.
+        self._ready: collections.deque[tuple[Stream, Dispatch | Reject]] = collections.deque()
+        self._stall_watch = Deadline(loop, self._check_stalls)
+        self._resets = RateGuard(limits.max_stream_resets, limits.flood_window)
+
+    # --- what the framing reports ---
+    def open(self, stream_id: int) -> Stream:
+        """A new request stream; its head follows (`head` or `malformed`)."""
+        now = self._loop.time()
+        intake = RequestIntake(self._admission, self._limits, now)
+        stream = Stream(stream_id, intake, RequestRecord(self.protocol, stream_id, now))
+        self._streams[stream_id] = stream
+        return stream
+
+    def head(self, stream: Stream, head: RequestHead, ended: bool) -> None:
+        try:
+            decision = stream.intake.receive_head(head, ended, self._loop.time())
+        except IntakeError as exc:
+            self._broken(stream, exc)
+            return
+        request = stream.intake.request
+        if request is not None:
+            record = stream.record
+            record.request_id = request.request_id
+            record.model = getattr(request, "model", None)
+            record.method = request.method
+            record.path = request.target.split("?", 1)[0]
+            self._observer.admitted(record)
+        if decision is None:
+            self._stall_watch.arm(self._limits.stall_timeout)
+        else:
+            self._decide(stream, decision)
+
+    def malformed(
+        self, stream_id: int, error: PylonError, fields: Sequence[Header] | None = None
+    ) -> None:
+        """The framing found the request malformed, or gave up on it (a head that never came).
+
+        `fields`: the raw header block, when there is one, so the answer and the log line still
+        carry the request's id although the contract never ran.
+        """
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        if error.request_id is None and fields is not None:
+            error.request_id = request_id_of(fields)
+        if stream.record.request_id is None:
+            stream.record.request_id = error.request_id
+        try:
+            decision = stream.intake.receive_malformed(error)
+        except IntakeError as exc:
+            self._broken(stream, exc)
+            return
+        self._decide(stream, decision)
+
+    def data(self, stream_id: int, data: bytes, ended: bool) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return  # answered already (or unknown): the rest of its body is dropped
+        try:
+            decision = stream.intake.receive_data(data, ended, self._loop.time())
+        except IntakeError as exc:
+            self._broken(stream, exc)
+            return
+        self._decide(stream, decision)
+
+    def trailers(self, stream_id: int, fields: Sequence[Header]) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        try:
+            decision = stream.intake.receive_trailers(fields, self._loop.time())
+        except IntakeError as exc:
+            self._broken(stream, exc)
+            return
+        self._decide(stream, decision)
+
+    def end(self, stream_id: int) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        try:
+            decision = stream.intake.receive_end(self._loop.time())
+        except IntakeError as exc:
+            self._broken(stream, exc)
+            return
+        self._decide(stream, decision)
+
+    def cancel(self, stream_id: int, reason: str) -> None:
+        """The stream is over for the client (reset, connection lost): stop its work."""
+        stream = self._streams.pop(stream_id, None)
+        if stream is None:
+            return
+        stream.intake.reset()
+        task = stream.task
+        if task is not None and not task.done():
+            task.cancel(reason)
+            self._observer.transport_event(
+                "stream_cancelled",
+                self.protocol,
+                stream_id=stream_id,
+                request_id=stream.record.request_id,
+                reason=reason,
+            )
+        self._ready = collections.deque(item for item in self._ready if item[0] is not stream)
+
+    def peer_reset(self, stream_id: int) -> bool:
+        """The client reset a stream. True when that trips the rapid-reset guard (CVE-2023-44487):
+        only resets of live requests count, so a peer cannot be punished for our own resets."""
+        live = stream_id in self._streams
+        self.cancel(stream_id, CLIENT_RESET)
+        return live and self._resets.hit(self._loop.time())
+
+    def cancel_all(self, reason: str) -> None:
+        for stream_id in list(self._streams):
+            self.cancel(stream_id, reason)
+        self._stall_watch.cancel()
+
+    def forget(self, stream_id: int) -> None:
+        """The framing is done with a stream whose answer is complete."""
+        stream = self._streams.get(stream_id)
+        if stream is not None and (stream.task is None or stream.task.done()):
+            del self._streams[stream_id]
+
+    # --- state, for the framing ---
+    def get(self, stream_id: int) -> Stream | None:
+        return self._streams.get(stream_id)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    @property
+    def queued(self) -> bool:
+        """A dispatched request waits for the response before it (serial only)."""
+        return bool(self._ready)
+
+    @property
+    def busy(self) -> bool:
+        """A response is being produced or waits its turn."""
+        return self._tasks > 0 or bool(self._ready)
+
+    # --- internals ---
+    def _broken(self, stream: Stream, exc: IntakeError) -> None:
+        # The framing delivered something impossible: a bug, or a peer breaking framing rules
+        # the framing did not catch. Drop the stream rather than guess.
+        self._observer.transport_event(
+            "stream_state_error",
+            self.protocol,
+            stream_id=stream.id,
+            request_id=stream.record.request_id,
+            detail=str(exc),
+        )
+        self.cancel(stream.id, "protocol_error")
+
+    def _decide(self, stream: Stream, decision: Decision) -> None:
+        if decision is None:
+            return
+        if self._serial and (self._tasks or self._ready):
+            self._ready.append((stream, decision))
+        elif isinstance(decision, Reject):
+            self._reject(stream, decision.error)
+        else:
+            self._start(stream, decision)
+
+    def _reject(self, stream: Stream, error: PylonError) -> None:
+        sink = self._framing.reject_sink(stream)
+        stream.record.done_at = self._loop.time()
+        self._proxy.reject(sink, error, stream.record)
+        self._streams.pop(stream.id, None)
+
+    def _start(self, stream: Stream, dispatch: Dispatch) -> None:
+        sink = stream.sink = self._framing.response_sink(stream, dispatch.request)
+        task = self._loop.create_task(
+            self._proxy.handle(dispatch.request, dispatch.body, sink, stream.record)
+        )
+        stream.task = task
+        self._tasks += 1
+        task.add_done_callback(self._make_done_callback(stream))
+
+    def _make_done_callback(self, stream: Stream) -> _DoneCallback:
+        # A small object, not a closure over `self`: no reference cycle per request.
+        return _TaskDone(self, stream)
+
+    def _task_done(self, stream: Stream, task: asyncio.Task[None]) -> None:
+        self._tasks -= 1
+        crashed = not task.cancelled() and task.exception() is not None
+        if crashed:
+            self._observer.crashed(stream.record, task.exception())
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+        self._framing.stream_done(stream, crashed)
+        self._run_ready()
+
+    def _run_ready(self) -> None:
+        while self._ready and not self._tasks:
+            stream, decision = self._ready.popleft()
+            if isinstance(decision, Reject):
+                self._reject(stream, decision.error)
+            else:
+                self._start(stream, decision)
+
+    def _check_stalls(self) -> None:
+        now = self._loop.time()
+        next_deadline: float | None = None
+        for stream in list(self._streams.values()):
+            intake = stream.intake
+            if intake.state is not State.RECEIVING:
+                continue
+            decision = intake.tick(now)
+            if decision is not None:
+                self._observer.transport_event(
+                    "client_timeout",
+                    self.protocol,
+                    timer="body",
+                    stream_id=stream.id,
+                    request_id=stream.record.request_id,
+                )
+                self._decide(stream, decision)
+                continue
+            deadline = intake.deadline()
+            if deadline is not None and (next_deadline is None or deadline < next_deadline):
+                next_deadline = deadline
+        if next_deadline is not None:
+            self._stall_watch.arm(max(0.0, next_deadline - now))
+
+
+class _DoneCallback(Protocol):
+    def __call__(self, task: asyncio.Task[None], /) -> None: ...
+
+
+class _TaskDone:
+    __slots__ = ("_stream", "_table")
+
+    def __init__(self, table: StreamTable, stream: Stream) -> None:
+        self._table = table
+        self._stream = stream
+
+    def __call__(self, task: asyncio.Task[None]) -> None:
+        self._table._task_done(self._stream, task)

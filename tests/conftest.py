@@ -1,0 +1,5 @@
+"""Fixtures every test directory shares: the one real stack (`tests/stack.py`)."""
+
+from tests.stack import make_stack
+
+__all__ = ["make_stack"]
