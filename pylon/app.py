@@ -24,7 +24,7 @@ from pylon.core.target import UpstreamTarget
 from pylon.lifecycle import Lifecycle
 from pylon.observe import LogObserver, Observer
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
-from pylon.routing import SingleUpstream
+from pylon.routing import Router, SingleUpstream
 from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import Http2Connection, ProtocolSwitch
 from pylon.settings import Settings, split_host_port
@@ -78,8 +78,12 @@ def build_core(
     *,
     observer: Observer | None = None,
     lifecycle: Lifecycle | None = None,
+    router: Router | None = None,
 ) -> Core:
-    """Assemble the proxy and its parts. Must run inside the event loop (the pool binds it)."""
+    """Assemble the proxy and its parts. Must run inside the event loop (the pool binds it).
+
+    `router`: who picks the engine worker; default, every request to `upstream`.
+    """
     observer = observer or LogObserver()
     lifecycle = lifecycle or Lifecycle()
     path = settings.tunnel_token_file
@@ -97,7 +101,7 @@ def build_core(
     )
     proxy = Proxy(
         planner=planner,
-        router=SingleUpstream(UpstreamTarget.from_url(upstream)),
+        router=router or SingleUpstream(UpstreamTarget.from_url(upstream)),
         pool=pool,
         observer=observer,
         relay=RelayLimits(
@@ -209,7 +213,13 @@ class LiveConnections:
 
     @property
     def busy(self) -> int:
+        """Connections with a response in progress."""
         return sum(1 for connection in list(self._connections) if connection.busy)
+
+    @property
+    def in_progress(self) -> int:
+        """Requests started on TCP connections and not answered yet (heads included)."""
+        return sum(connection.in_progress for connection in list(self._connections))
 
 
 async def drain_and_wait(
@@ -258,7 +268,9 @@ class Running:
 
 
 @asynccontextmanager
-async def start(settings: Settings, observer: Observer | None = None) -> AsyncIterator[Running]:
+async def start(
+    settings: Settings, observer: Observer | None = None, router: Router | None = None
+) -> AsyncIterator[Running]:
     """Start every listener of `settings`; exiting the context closes everything at once."""
     loop = asyncio.get_running_loop()
     observer = observer or LogObserver()
@@ -268,7 +280,7 @@ async def start(settings: Settings, observer: Observer | None = None) -> AsyncIt
             if settings.upstream
             else await _embedded_mock(settings, stack, observer)
         )
-        core = build_core(settings, upstream, observer=observer)
+        core = build_core(settings, upstream, observer=observer, router=router)
         stack.callback(core.pool.close)
         host, port = settings.listen_host_port
         identity = _tls_identity(settings, stack)

@@ -23,11 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.tls import verify_certificate
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.verification import (
+    ClientVerifier,
+    Criticality,
+    ExtensionPolicy,
+    PolicyBuilder,
+    Store,
+    VerificationError,
+)
 
 from pylon.logs import get_logger
 
@@ -169,7 +176,7 @@ class TlsIdentity:
         self.cert_path = cert_path
         self.key_path = key_path
         self.client_ca = client_ca
-        self._client_ca_pem = _read_client_ca(client_ca) if client_ca is not None else None
+        self._client_verifier = _client_verifier(client_ca) if client_ca is not None else None
         self._contexts: dict[tuple[str, ...], ssl.SSLContext] = {}
         self._listeners: list[Callable[[TlsMaterial], None]] = []
         self._seen = self._stat()
@@ -229,15 +236,21 @@ class TlsIdentity:
         configuration.certificate_chain = list(material.chain)
         configuration.private_key = material.private_key
 
-    def verify_client(self, certificate: x509.Certificate | None, chain: list[Any]) -> str | None:
-        """Check a QUIC client's certificate against --tls-client-ca; None = accepted."""
-        if self._client_ca_pem is None:
+    def verify_client(
+        self, certificate: x509.Certificate | None, chain: list[x509.Certificate]
+    ) -> str | None:
+        """Check a QUIC client's certificate against --tls-client-ca; None = accepted.
+
+        The TCP listeners leave this to OpenSSL (`ssl.CERT_REQUIRED`); aioquic's TLS does not
+        verify client chains, so QUIC connections are checked here, after the handshake.
+        """
+        if self._client_verifier is None:
             return None
         if certificate is None:
             return "no client certificate"
         try:
-            verify_certificate(certificate=certificate, chain=chain, cadata=self._client_ca_pem)
-        except Exception as exc:  # aioquic raises its TLS alert classes; all mean "rejected"
+            self._client_verifier.verify(certificate, chain)
+        except VerificationError as exc:
             return f"client certificate rejected: {exc}"
         return None
 
@@ -284,10 +297,38 @@ class TlsIdentity:
             self.check_reload()
 
 
-def _read_client_ca(path: Path) -> bytes:
+def _client_verifier(path: Path) -> ClientVerifier:
+    """`cryptography`'s public chain verifier for client certificates issued by `path`'s CAs.
+
+    CA certificates must be CAs (webpki rules: basic constraints, key usage); leaf extensions are
+    not held to the web PKI's (internal client certificates rarely carry an authority key id),
+    except that an extended key usage, when present, must allow client authentication, as
+    OpenSSL requires of TCP clients.
+    """
     try:
         data = path.read_bytes()
-        x509.load_pem_x509_certificates(data)
+        roots = x509.load_pem_x509_certificates(data)
     except (OSError, ValueError) as exc:
         raise TlsMaterialError(f"--tls-client-ca: {exc}") from None
-    return data
+    leaf_policy = ExtensionPolicy.permit_all().may_be_present(
+        x509.ExtendedKeyUsage, Criticality.AGNOSTIC, _allows_client_auth
+    )
+    return (
+        PolicyBuilder()
+        .store(Store(roots))
+        .extension_policies(ca_policy=ExtensionPolicy.webpki_defaults_ca(), ee_policy=leaf_policy)
+        .build_client_verifier()
+    )
+
+
+def _allows_client_auth(
+    _policy: object, _certificate: x509.Certificate, usage: x509.ExtendedKeyUsage | None
+) -> None:
+    if usage is None:
+        return
+    if (
+        ExtendedKeyUsageOID.CLIENT_AUTH in usage
+        or ExtendedKeyUsageOID.ANY_EXTENDED_KEY_USAGE in usage
+    ):
+        return
+    raise ValueError("the extended key usage does not allow client authentication")

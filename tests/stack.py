@@ -22,6 +22,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from mock_dynamo.server import MockConfig, MockServer, start_mock
 from pylon.app import Running, start
 from pylon.logs import configure_logging
+from pylon.observe import Observer
+from pylon.routing import Router
 from pylon.server.http3 import Http3Server
 from pylon.settings import Settings, load_settings
 from pylon.tls import TlsIdentity
@@ -188,7 +190,11 @@ async def make_stack() -> AsyncIterator[StackFactory]:
     async with contextlib.AsyncExitStack() as exits:
 
         async def factory(
-            backend: str = "dynamo", mock: dict[str, Any] | None = None, **settings: Any
+            backend: str = "dynamo",
+            mock: dict[str, Any] | None = None,
+            observer: Observer | None = None,
+            router: Router | None = None,
+            **settings: Any,
         ) -> Stack:
             engine = await start_mock(
                 MockConfig(flavor=FLAVOR[backend], models=(MODEL,), **(mock or {})),  # type: ignore[arg-type]
@@ -206,7 +212,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                     **{key: value for key, value in settings.items()},
                 }
             )
-            running = await exits.enter_async_context(start(config))
+            running = await exits.enter_async_context(start(config, observer, router))
             client = httpx.AsyncClient(timeout=10)
             exits.push_async_callback(client.aclose)
             return Stack(running, engine, client, config)

@@ -96,6 +96,8 @@ class Proxy:
         """Answer with pylon's own problem response; the engine never sees the request."""
         if error.request_id is None:
             error.request_id = record.request_id
+        elif record.request_id is None:
+            record.request_id = error.request_id
         send_problem(sink, error)
         record.status = error.status
         record.outcome = error.code.value

@@ -34,6 +34,11 @@ from pylon.timers import Deadline
 
 _REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# After refusing a request whose body is still arriving: how long, and how many bytes, pylon
+# keeps reading (and dropping) after its answer, so the client sees the answer instead of a
+# reset (closing a socket with unread input sends RST, which can destroy the answer in flight).
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 1024 * 1024
 
 
 class _StopParsing(Exception):
@@ -62,6 +67,7 @@ class Http1Connection(asyncio.Protocol):
         self._framing: dict[int, tuple[bool, bool]] = {}
         self._closing = False
         self._refused = False  # parsing stopped: the answer is out or waits its turn
+        self._lingering = -1  # bytes dropped since the lingering close began; -1 = not lingering
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self._out: list[bytes] = []
@@ -76,6 +82,11 @@ class Http1Connection(asyncio.Protocol):
         self._lifecycle.on_drain(self.graceful_close)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering >= 0:
+            self._lingering += len(data)
+            if self._lingering > LINGER_BYTES:
+                self.abort()
+            return
         if self._closing or self._refused:
             return
         try:
@@ -209,6 +220,11 @@ class Http1Connection(asyncio.Protocol):
     def busy(self) -> bool:
         return self._table.busy and not self._closing
 
+    @property
+    def in_progress(self) -> int:
+        """Requests on this connection that have started and are not answered yet."""
+        return 0 if self._closing else len(self._table)
+
     # --- helpers ---
     def _current(self) -> Stream:
         assert self._stream is not None, "llhttp calls on_message_begin first"
@@ -300,8 +316,18 @@ class Http1Connection(asyncio.Protocol):
     def close(self) -> None:
         self._closing = True
         self._flush()
-        if self._transport is not None:
-            self._transport.close()
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if self._refused and self._lingering < 0 and transport.can_write_eof():
+            # Lingering close: FIN after the answer, then drop what the client still sends
+            # for a bounded time, so the answer is not lost to a reset.
+            self._lingering = 0
+            transport.write_eof()
+            transport.resume_reading()
+            self._loop.call_later(LINGER_SECONDS, self.abort)
+            return
+        transport.close()
 
     def abort(self) -> None:
         self._closing = True

@@ -499,6 +499,11 @@ class Http2Connection(asyncio.Protocol):
     def busy(self) -> bool:
         return bool(self._streams) and not self._closed
 
+    @property
+    def in_progress(self) -> int:
+        """Requests on this connection that have started and are not answered yet."""
+        return 0 if self._closed else len(self._streams)
+
     def _enhance_your_calm(self, kind: str) -> None:
         """CVE-2023-44487 and kin: a peer abusing cheap frames loses the whole connection."""
         if self._closed:

@@ -169,3 +169,35 @@ async def test_long_response_outlives_the_idle_and_header_timeouts(
     reply = await raw_exchange(*stack.pylon_address, raw)
     assert reply.startswith(b"HTTP/1.1 200 ")
     assert b"data: [DONE]" in reply
+
+
+async def test_interim_100_continue_waits_for_the_response_before_it(
+    make_stack: StackFactory,
+) -> None:
+    """RFC 9110 15.2: a pipelined request's 100 Continue belongs after the previous response,
+    never in the middle of it."""
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 10, "num_tokens": 5})
+    first = json.dumps({"model": MODEL, "messages": [], "max_tokens": 5, "stream": True}).encode()
+    second = json.dumps({"model": MODEL, "messages": [], "max_tokens": 2}).encode()
+    host, port = stack.pylon_address
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: p-1\r\n"
+        b"x-model: mock-model\r\ncontent-length: %d\r\n\r\n%b"
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: p-2\r\n"
+        b"x-model: mock-model\r\nexpect: 100-continue\r\ncontent-length: %d\r\n\r\n"
+        % (len(first), first, len(second))
+    )
+    received = b""
+    async with asyncio.timeout(5):
+        while b"100 Continue" not in received:
+            received += await reader.read(65536)
+    before, _, _ = received.partition(b"HTTP/1.1 100 Continue")
+    assert before.endswith(b"0\r\n\r\n"), "100 Continue came before the first response ended"
+    assert b"data: [DONE]" in before
+    writer.write(second)
+    async with asyncio.timeout(5):
+        while received.count(b"HTTP/1.1 200 OK") < 2 or not received.endswith(b"}"):
+            received += await reader.read(65536)
+    writer.close()
+    assert [r["path"] for r in await stack.records()] == ["/v1/chat/completions"] * 2

@@ -4,12 +4,16 @@ mutual TLS on QUIC and on a TCP ssl context."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import ssl
 from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from pydantic import ValidationError
 
 from pylon.settings import load_settings
@@ -173,3 +177,41 @@ async def test_quic_mutual_tls(make_stack: StackFactory, tmp_path: Path) -> None
             assert client.terminated is not None
             assert client.terminated.error_code == 0x100 + 116  # certificate_required
     assert len((await stack.control())["requests"]) == 1
+
+
+def _signed_leaf(
+    issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
+    usages: list[x509.ObjectIdentifier] | None,
+) -> x509.Certificate:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gateway")]))
+        .issuer_name(issuer[0].subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+    )
+    if usages is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    return builder.sign(issuer[1], hashes.SHA256())
+
+
+def test_quic_client_verifier_rules(tmp_path: Path) -> None:
+    """QUIC clients are checked with cryptography's public verifier, as OpenSSL checks TCP ones:
+    chain to the CA, and an extended key usage (when present) that allows client auth."""
+    ca = make_ca()
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(ca[0].public_bytes(Encoding.PEM))
+    identity = TlsIdentity(self_signed_material(), client_ca=ca_file)
+    client_auth = ExtendedKeyUsageOID.CLIENT_AUTH
+    assert identity.verify_client(_signed_leaf(ca, None), []) is None
+    assert identity.verify_client(_signed_leaf(ca, [client_auth]), []) is None
+    refusals = [
+        identity.verify_client(None, []),
+        identity.verify_client(_signed_leaf(ca, [ExtendedKeyUsageOID.SERVER_AUTH]), []),
+        identity.verify_client(_signed_leaf(make_ca("rogue"), [client_auth]), []),
+    ]
+    assert all(refusal is not None for refusal in refusals), refusals

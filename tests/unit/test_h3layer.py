@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 from collections.abc import Iterable, Sequence
 
@@ -383,21 +382,23 @@ def test_any_split_of_a_valid_request_decodes_the_same(
     assert summary(events) == (headers, body, trailers, True)
 
 
-def test_byte_at_a_time_cost_grows_linearly() -> None:
-    def bytewise_seconds(body_size: int) -> float:
-        wire = request_bytes(b"y" * body_size)
-        pieces = [wire[i : i + 1] for i in range(len(wire))]
-        best = float("inf")
-        for _ in range(3):
-            layer = bare_layer()
-            started = time.perf_counter()
-            feed(layer, 0, pieces)
-            best = min(best, time.perf_counter() - started)
-        return best
-
-    small, large = bytewise_seconds(5_000), bytewise_seconds(20_000)
-    # Linear: about 4x. Quadratic re-buffering would be about 16x.
-    assert large / small < 8, (small, large)
+def test_byte_at_a_time_holds_no_more_than_a_frame_header() -> None:
+    """Cost follows bytes, not pieces: fed one byte per read, the layer hands each body byte on
+    at once and never holds more than a partial frame header (or the HEADERS block it must
+    decode), so nothing is re-copied as the stream grows. (A count, not a timing.)"""
+    body = b"y" * 5_000
+    wire = request_bytes(body)
+    layer = bare_layer()
+    emitted = 0
+    for i in range(len(wire)):
+        events = layer.handle_event(StreamDataReceived(wire[i : i + 1], i == len(wire) - 1, 0))
+        emitted += sum(len(e.data) for e in events if isinstance(e, DataReceived))
+        state = layer._requests.get(0)
+        if state is not None:
+            held = len(state.partial) + sum(len(piece) for piece in state.body)
+            assert held <= 16, f"{held} bytes held after byte {i}"
+            assert state.block is None or len(state.block) <= len(wire) - len(body)
+    assert emitted == len(body)
 
 
 def test_headers_split_bytewise_are_buffered_up_to_the_block_only() -> None:
@@ -499,18 +500,15 @@ def test_oversized_header_block_is_refused_unread_with_bounded_memory() -> None:
     tracemalloc.start()
     try:
         events = feed(layer, 0, [header], fin=False)
-        started = time.perf_counter()
         for _ in range(declared // len(chunk)):
             events += layer.handle_event(StreamDataReceived(chunk, False, 0))
-        elapsed = time.perf_counter() - started
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert events == [
         MessageRejected(0, 431, f"header block of {declared} bytes exceeds the limit")
     ]
-    assert peak < 256 * 1024, peak
-    assert elapsed < 1.0, elapsed  # ~150 ignored reads: no parsing, no decoding
+    assert peak < 256 * 1024, peak  # ~150 ignored reads: nothing buffered, nothing decoded
 
 
 def test_rejected_stream_state_goes_when_forgotten_after_the_fin() -> None:

@@ -1,6 +1,6 @@
-"""Canaries for pylon/server/quic_private.py: each function still does what pylon relies on, on
-real in-memory QUIC connections. A failure here after an aioquic upgrade names the private
-attribute that changed; fix quic_private.py, nothing else."""
+"""Canaries for every private library surface pylon touches: pylon/server/quic_private.py (aioquic)
+and the h2 content-length hook in pylon/server/http2.py. Each check runs the real thing on
+in-memory connections; a failure after an upgrade names the private attribute that changed."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import pytest
 from aioquic.quic.events import StreamDataReceived
+from h2.config import H2Configuration
+from h2.connection import H2Connection
 
 from pylon.server import quic_private
 from pylon.server.quic_private import (
@@ -120,3 +122,60 @@ def test_peer_certificate_before_the_handshake_is_empty() -> None:
 def test_request_client_certificate_is_for_servers_only() -> None:
     with pytest.raises(ValueError, match="server"):
         request_client_certificate(QuicPair().client.quic)
+
+
+def test_any_unacked_sees_every_stream_until_the_peer_acks() -> None:
+    pair = QuicPair().connect()
+    server = pair.server.quic
+    sid = pair.client.quic.get_next_available_stream_id()
+    pair.client.quic.send_stream_data(sid, b"request", end_stream=True)
+    pair.pump()
+    assert not quic_private.any_unacked(server)
+    server.send_stream_data(sid, b"x" * 2000, end_stream=True)
+    assert quic_private.any_unacked(server), "QuicConnection._streams no longer lists the stream"
+    pair.pump()
+    assert not quic_private.any_unacked(server)
+
+
+# --- h2: the one private method pylon overrides (pylon/server/http2.py `_H2Connection`) ---
+
+
+def _h2_pair() -> tuple[H2Connection, H2Connection]:
+    from pylon.server.http2 import _H2Connection
+
+    config = H2Configuration(client_side=False, header_encoding=None)
+    server = _H2Connection(config)
+    server.initiate_connection()
+    client = H2Connection(H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    return client, server
+
+
+REQUEST = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/"), (b":authority", b"a")]
+
+
+def test_h2_receive_frame_is_still_the_hook_for_content_length_errors() -> None:
+    assert callable(getattr(H2Connection, "_receive_frame", None)), (
+        "h2 H2Connection._receive_frame is gone: pylon/server/http2.py needs review"
+    )
+    from pylon.server.http2 import MalformedStream
+
+    client, server = _h2_pair()
+    # Declared 10, sent 3: h2 raises InvalidBodyLengthError, pylon's override makes it a
+    # stream-level event and keeps the connection.
+    client.send_headers(1, [*REQUEST, (b"content-length", b"10")])
+    client.send_data(1, b"abc", end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    assert [type(e) for e in events if isinstance(e, MalformedStream)] == [MalformedStream], (
+        f"h2 no longer raises InvalidBodyLengthError through _receive_frame: {events}"
+    )
+    # Invalid syntax at HEADERS: h2 raises a plain ProtocolError naming content-length.
+    client.send_headers(3, [*REQUEST, (b"content-length", b"x")], end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    assert any(isinstance(e, MalformedStream) for e in events), (
+        f"h2's content-length ProtocolError changed its type or text: {events}"
+    )
+    client.send_headers(5, REQUEST, end_stream=True)
+    assert server.receive_data(client.data_to_send()), "the connection did not survive"

@@ -1,0 +1,151 @@
+"""One fault, one answer, on every transport (the table in docs/api-contract.md, section 6.1).
+
+Each case sends the same fault over HTTP/1.1 (raw bytes), HTTP/2 and HTTP/3 (clients that send
+exactly what they are given, no client-side checks) to one pylon, and checks pylon's answer and
+that nothing reached the engine. The expected answers are written out here, per fault.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pylon import auth
+from tests.integration.conftest import raw_exchange
+from tests.stack import MODEL, Stack, StackFactory
+from tests.transport.h2client import H2Client
+
+CHAT = b"/v1/chat/completions"
+BODY = json.dumps({"model": MODEL, "messages": [], "max_tokens": 2}).encode()
+Header = tuple[bytes, bytes]
+PROTOCOLS = ("http1", "h2", "h3")
+
+
+@dataclass
+class Answer:
+    status: int | None
+    problem: dict[str, Any] | None
+
+
+async def send(stack: Stack, protocol: str, fields: list[Header], body: bytes) -> Answer:
+    """`fields` are regular header fields (lower-case); the request line is POST /v1/chat/..."""
+    if protocol == "http1":
+        return await _send_http1(stack, fields, body)
+    pseudo = [(b":method", b"POST"), (b":scheme", b"https"), (b":path", CHAT)]
+    pseudo.append((b":authority", b"localhost"))
+    if protocol == "h2":
+        client = await H2Client.connect(stack.pylon_address)
+        try:
+            reply = await client.response(client.send([*pseudo, *fields], body))
+            status, payload = reply.status, reply.body
+        finally:
+            await client.close()
+    else:
+        async with stack.connect() as h3:
+            response = await h3.send([*pseudo, *fields], body).wait(5)
+            status, payload = response.status, response.body
+    return Answer(status, json.loads(payload) if status is not None and payload else None)
+
+
+async def _send_http1(stack: Stack, fields: list[Header], body: bytes) -> Answer:
+    lines = [b"POST " + CHAT + b" HTTP/1.1", b"host: localhost", b"connection: close"]
+    lines += [name + b": " + value for name, value in fields]
+    if not any(name == b"content-length" for name, _ in fields):
+        lines.append(b"content-length: " + str(len(body)).encode())
+    raw = await raw_exchange(*stack.pylon_address, b"\r\n".join(lines) + b"\r\n\r\n" + body)
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else None
+    return Answer(status, json.loads(payload) if payload.startswith(b"{") else None)
+
+
+def tunnel(request_id: bytes = b"fault-1", *extra: Header) -> list[Header]:
+    return [(b"x-request-id", request_id), (b"x-model", MODEL.encode()), *extra]
+
+
+async def assert_answer(
+    stack: Stack, answer: Answer, status: int, code: str, request_id: str | None = "fault-1"
+) -> None:
+    assert answer.status == status, answer
+    assert answer.problem is not None and answer.problem["code"] == code, answer
+    assert answer.problem.get("request_id") == request_id, answer
+    assert (await stack.records()) == [], "the faulty request reached the engine"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("value", [b"a\x01b", b"a\x7fb", b"a\x1fb"])
+async def test_control_character_in_a_field_value_is_400(
+    make_stack: StackFactory, protocol: str, value: bytes
+) -> None:
+    stack = await make_stack()
+    answer = await send(stack, protocol, tunnel(b"fault-1", (b"x-a", value)), BODY)
+    await assert_answer(stack, answer, 400, "malformed_request")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_connection_specific_or_conflicting_framing_is_400(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    # HTTP/1.1: Transfer-Encoding with Content-Length (RFC 9112 6.3); HTTP/2 and HTTP/3: a
+    # connection-specific field (RFC 9113 8.2.2, RFC 9114 4.2). The same fault: framing the
+    # engine hop could read differently from pylon.
+    stack = await make_stack()
+    extra = (b"transfer-encoding", b"chunked")
+    answer = await send(stack, protocol, tunnel(b"fault-1", extra), BODY)
+    await assert_answer(stack, answer, 400, "malformed_request")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_too_many_header_fields_is_431(make_stack: StackFactory, protocol: str) -> None:
+    stack = await make_stack(max_headers=10)
+    many = [(f"x-h{i}".encode(), b"v") for i in range(20)]
+    answer = await send(stack, protocol, tunnel(b"fault-1", *many), BODY)
+    assert answer.status == 431 and answer.problem is not None
+    assert answer.problem["code"] == "headers_too_large"
+    assert (await stack.records()) == []
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_body_over_the_limit_is_413_with_the_request_id(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    stack = await make_stack(max_body_bytes=100)
+    answer = await send(stack, protocol, tunnel(), b"{" + b" " * 200 + b"}")
+    await assert_answer(stack, answer, 413, "body_too_large")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_missing_tunnel_token_is_401_on_every_transport(
+    make_stack: StackFactory, protocol: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(auth, "RECHECK_SECONDS", 0.0)
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    stack = await make_stack(tunnel_token_file=str(token))
+    answer = await send(stack, protocol, tunnel(), BODY)
+    await assert_answer(stack, answer, 401, "unauthorized")
+    wrong = await send(stack, protocol, tunnel(b"fault-1", (b"authorization", b"Bearer x")), BODY)
+    await assert_answer(stack, wrong, 401, "unauthorized")
+    right = await send(stack, protocol, tunnel(b"ok-1", (b"authorization", b"Bearer s3cret")), BODY)
+    assert right.status == 200
+    record = (await stack.records())[-1]
+    assert "authorization" not in [name.lower() for name, _ in record["headers"]]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_cookie_crumbs_reach_the_engine_as_one_field(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    stack = await make_stack()
+    if protocol == "http1":
+        crumbs = [(b"cookie", b"a=1; b=2")]  # HTTP/1.1 carries one cookie field already
+    else:
+        crumbs = [(b"cookie", b"a=1"), (b"cookie", b"b=2")]
+    answer = await send(stack, protocol, tunnel(b"ok-1", *crumbs), BODY)
+    assert answer.status == 200
+    record = (await stack.records())[-1]
+    cookies = [value for name, value in record["headers"] if name.lower() == "cookie"]
+    assert cookies == ["a=1; b=2"]
