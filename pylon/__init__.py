@@ -1,0 +1,22 @@
+"""pylon: the node-local inference tunnel daemon, the last trusted hop before the engines.
+
+How a request flows (each layer only knows the one below it):
+
+- Transports (`pylon.server`): thin framings. HTTP/1.1 on httptools, HTTP/2 on h2 (one TCP
+  port), HTTP/3 on aioquic's QUIC with pylon's own request layer (`h3layer`). Each turns bytes
+  into a request head, body pieces, trailers, an end or a reset, and feeds its connection's
+  `StreamTable`.
+- Intake (`pylon.core.intake`, `pylon.core.head`): sans-I/O, time passed in. One head
+  normaliser with a final wire-safety check, the ingress limits, admission (contract, tunnel
+  auth, lifecycle) and the stall clock, the same for every transport; `Dispatch` or `Reject`.
+- Contract (`pylon.core.contract`): the tunnel headers, parsed once into a frozen request.
+- Planner (`pylon.core.plan`, `pylon.core.sanitize`, `pylon.adapters`): strip every client
+  steering control, derive the engine priority per backend; a `ForwardPlan` that is exactly what
+  goes to the engine.
+- Proxy (`pylon.proxy`): assembled from injected parts: planner, router (`pylon.routing`: a
+  booking per request, released when the exchange ends), upstream pool (`pylon.upstream`:
+  connections per target, capped), observer (`pylon.observe`) and relay limits. Relays SSE event
+  by event with output timeouts, marks retries.
+- Process (`pylon.app`, `pylon.lifecycle`, `pylon.settings`, `pylon.cli`): Settings built once,
+  parts built in one place, listeners started, drained on SIGTERM.
+"""

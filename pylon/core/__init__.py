@@ -1,0 +1,6 @@
+"""The pure core: no sockets, no clock, no settings. Values in, decisions and plans out.
+
+`http` (header vocabulary, wire safety), `head` (one request head for every transport), `intake`
+(one request's way in), `contract` (tunnel headers), `sanitize` and `plan` (what reaches the
+engine), `priority` (what an adapter may write), `retry`, `sse`, `errors` (one taxonomy), `flood`.
+"""

@@ -1,0 +1,6 @@
+"""Transports: the framings of HTTP/1.1, HTTP/2 and HTTP/3 over one request intake.
+
+`streams.StreamTable` is what every framing shares (intake per request, proxy tasks, cancel,
+crash reporting, stall watcher, rapid-reset guard). `h3layer` is pylon's own HTTP/3 request layer
+on aioquic's public QUIC API; `quic_private` holds the only aioquic internals pylon touches.
+"""
