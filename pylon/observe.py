@@ -8,6 +8,7 @@ so every observer sees the same clock readings.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pylon.logs import get_logger
@@ -165,6 +166,8 @@ class LogObserver:
         )
 
     def done(self, record: RequestRecord) -> None:
+        if not self._log.is_enabled_for(logging.INFO):
+            return  # the access log is off: do not even build the line
         self._log.info(
             "request_done",
             request_id=record.request_id,

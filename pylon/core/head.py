@@ -36,7 +36,9 @@ _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
 _AUTHORITY_SCHEMES = frozenset({b"http", b"https"})
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: built once per request on the hot path, where a frozen dataclass's __init__ costs
+# an object.__setattr__ per field; nothing mutates it after the normaliser returns it.
+@dataclass(slots=True)
 class RequestHead:
     """A request line and its fields as the engine will read them (Host included)."""
 

@@ -32,7 +32,10 @@ BODY_PRIORITY_PATHS = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
+# Slotted but not frozen: two are built per request (the plan, then its routed copy), and a
+# frozen dataclass's __init__ pays an object.__setattr__ per field. Nothing mutates a plan; the
+# proxy derives the routed one with `routed`.
+@dataclass(slots=True)
 class ForwardPlan:
     """Exactly what goes to the engine: where, the request line, every header, the body bytes.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,6 +12,17 @@ class UpstreamTarget:
     host: str
     port: int
     base_path: str  # "" or "/prefix" without a trailing slash
+    # Derived once: the pool looks targets up and frames a Host line on every request.
+    host_header: bytes = field(init=False, compare=False, repr=False)
+    _hash: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        object.__setattr__(self, "host_header", f"{host}:{self.port}".encode("ascii"))
+        object.__setattr__(self, "_hash", hash((self.host, self.port, self.base_path)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def from_url(cls, url: str) -> UpstreamTarget:
@@ -22,11 +33,6 @@ class UpstreamTarget:
         if not sep or not port.isdigit() or (host.startswith("[") != host.endswith("]")):
             host, port = authority, "80"
         return cls(host=host.strip("[]"), port=int(port), base_path=("/" + path).rstrip("/"))
-
-    @property
-    def host_header(self) -> bytes:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}".encode("ascii")
 
     @property
     def label(self) -> str:

