@@ -1,0 +1,157 @@
+"""Every golden control in one request, over HTTP/1.1, HTTP/2 (h2c) and HTTP/3, to mock_dynamo.
+
+Thin on purpose: only the `pylon` fixture and `Pylon.send` of test_contract_every_protocol.py, so
+a change to how that fixture builds pylon does not touch this file. What reached the engine is
+read from mock_dynamo's /test-control record and judged against tests/golden.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.golden import (
+    ALL_BODY_FIELDS,
+    BENIGN_NVEXT_FIELDS,
+    HOP_BY_HOP,
+    PYLON_OWNED,
+    REQUEST_HEADER_PREFIXES,
+    REQUEST_HEADERS,
+    TUNNEL_HEADERS,
+    enforced,
+)
+from tests.integration.conftest import MODEL
+from tests.transport.test_contract_every_protocol import (  # noqa: F401 (the fixture)
+    CHAT,
+    PROTOCOLS,
+    PylonFactory,
+    pylon,
+)
+
+SENTINEL = "golden-sentinel"
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+RANK = 7
+NAMES = [e.name for e in enforced(REQUEST_HEADERS)]
+NAMES += [p.name + "golden-suffix" for p in enforced(REQUEST_HEADER_PREFIXES)]
+TWINS = [
+    n.replace("-", "_")
+    for n in [*NAMES, *TUNNEL_HEADERS, *(e.name for e in PYLON_OWNED)]
+    if "-" in n
+]
+PREFIXES = tuple(p.name for p in enforced(REQUEST_HEADER_PREFIXES))
+HOP = {e.name for e in HOP_BY_HOP}
+# What pylon itself writes toward the engine, per backend (besides the pylon-owned headers).
+OWN_HEADERS = {
+    "dynamo": {
+        "x-dynamo-request-priority": [str(3600 - RANK)],
+        "x-dynamo-request-strict-priority": ["0"],
+    },
+    "vllm": {},
+}
+OWN_BODY = {"dynamo": {}, "vllm": {"priority": RANK}}
+
+
+def golden_headers(protocol: str) -> list[tuple[str, str]]:
+    headers = [
+        ("x-request-id", "req-golden"),
+        ("x-model", MODEL),
+        ("x-priority", str(RANK)),
+        ("traceparent", TRACEPARENT),
+        ("tracestate", "a=1"),
+        ("tracestate", "b=2"),
+        ("expect", "100-continue"),
+        ("te", "trailers"),
+    ]
+    for name in NAMES + TWINS:
+        headers.append((name, SENTINEL))
+        # HTTP/2 and HTTP/3 forbid upper-case names on the wire; case variety is HTTP/1.1's.
+        headers.append((name.upper() if protocol == "http1" else name, SENTINEL))
+    if protocol == "http1":  # connection-specific fields are malformed in HTTP/2 and HTTP/3
+        headers += [
+            ("Connection", "keep-alive, X-Golden-Listed"),
+            ("x-golden-listed", SENTINEL),
+            ("Keep-Alive", "timeout=5"),
+            ("proxy-connection", SENTINEL),
+            ("proxy-authorization", SENTINEL),
+            ("proxy-authenticate", SENTINEL),
+            ("trailer", "x-golden-listed"),
+        ]
+    return headers
+
+
+def golden_body() -> bytes:
+    """Every golden body path with the sentinel, a repeated `nvext` and an escaped key."""
+    tree: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    tree.update(max_tokens=4, seed=2**70, nvext={"greed_sampling": True})
+    tree["vllm_xargs"] = {"keep": 1}
+    for entry in sorted(enforced(ALL_BODY_FIELDS), key=lambda e: -len(e.path)):  # deepest first
+        node = tree
+        for name in entry.path[:-1]:
+            node = node.setdefault(name, {})
+            assert isinstance(node, dict)
+        node.setdefault(entry.path[-1], SENTINEL)
+    text = json.dumps(tree).encode()
+    hidden = b'"nvext": {"dp_rank": "%s"}, "cache\\u005fsalt": "%s", ' % ((SENTINEL.encode(),) * 2)
+    return b"{" + hidden + text[1:]
+
+
+def object_paths(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if not isinstance(node, dict):
+        return []
+    paths = []
+    for name, value in node.items():
+        paths.append((*prefix, name))
+        paths += object_paths(value, (*prefix, name))
+    return paths
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("backend", ["dynamo", "vllm"])
+async def test_no_golden_control_reaches_the_engine(
+    pylon: PylonFactory,  # noqa: F811 (the imported fixture)
+    protocol: str,
+    backend: str,
+) -> None:
+    stack = await pylon(backend, max_headers=2000, max_header_bytes=256 * 1024)
+    reply = await stack.send(protocol, CHAT, golden_headers(protocol), golden_body())
+    assert reply.status == 200, reply.body
+    record = (await stack.records())[-1]
+    assert SENTINEL not in json.dumps(record), "a client value reached the engine"
+
+    headers = [(name.lower(), value) for name, value in record["headers"]]
+    arrived = {name for name, _ in headers}
+    own = OWN_HEADERS[backend]
+
+    def values(name: str) -> list[str]:
+        return [value for key, value in headers if key == name]
+
+    leaked = {
+        name
+        for name in arrived - own.keys()
+        if name in NAMES or name.startswith(PREFIXES) or "_" in name or name in HOP
+    }
+    assert leaked == set()
+    assert "x-golden-listed" not in arrived
+    for name, expected in own.items():
+        assert values(name) == expected, name
+    # Pylon-owned: exactly one each, pylon's value (host and content-length: the transport's).
+    assert values("x-request-id") == ["req-golden"]
+    assert values("traceparent") == [TRACEPARENT]
+    assert values("tracestate") == ["a=1,b=2"]
+    assert values("host") == [stack.mock.base_url.removeprefix("http://")]
+    assert len(values("content-length")) == 1 and values("content-length")[0].isdigit()
+    assert values("expect") == []
+
+    body = record["body"]
+    golden_paths = [e.path for e in enforced(ALL_BODY_FIELDS)]
+    paths = object_paths(body)
+    assert [p for p in paths if any(p[: len(g)] == g for g in golden_paths)] == [
+        (name,) for name in OWN_BODY[backend]
+    ]
+    for name, value in OWN_BODY[backend].items():
+        assert body[name] == value
+    assert body["seed"] == 2**70 and body["vllm_xargs"] == {"keep": 1}
+    assert body["nvext"] == {"greed_sampling": True}
+    assert set(body["nvext"]) <= set(BENIGN_NVEXT_FIELDS)
