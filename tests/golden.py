@@ -35,6 +35,9 @@ class Golden:
     def path(self) -> tuple[str, ...]:
         return tuple(self.name.split("."))
 
+    def __str__(self) -> str:  # the test id
+        return self.name
+
 
 G = Golden  # short name for the tables below
 
