@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pylon.adapters import AdapterOptions, build_adapter
-from pylon.core.contract import Header
+from pylon.core.http import Header
 from pylon.core.plan import Planner
 from pylon.core.sanitize import sanitize_request_headers, sanitize_response_headers
 from tests.golden import (
