@@ -166,3 +166,26 @@ async def test_no_golden_control_reaches_the_engine(
     assert body["seed"] == 2**70 and body["vllm_xargs"] == {"keep": 1}
     assert body["nvext"] == {"greed_sampling": True}
     assert set(body["nvext"]) <= set(BENIGN_NVEXT_FIELDS)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_repeated_container_hides_nothing(
+    pylon: PylonFactory,  # noqa: F811 (the imported fixture)
+    protocol: str,
+) -> None:
+    # Nothing else to strip, so only the repeated-key check stands between the first `nvext`
+    # and an engine that reads the first of repeated keys.
+    stack = await pylon("dynamo")
+    body = b'{"nvext":{"dp_rank":"%s"},"model":"%s","max_tokens":4,"messages":[],' % (
+        SENTINEL.encode(),
+        MODEL.encode(),
+    )
+    body += b'"\\u006evext":{"greed_sampling":true}}'
+    reply = await stack.send(protocol, CHAT, [("x-request-id", "r"), ("x-model", MODEL)], body)
+    assert reply.status == 200, reply.body
+    raw = base64.b64decode((await stack.records())[-1]["body_b64"])
+    assert SENTINEL.encode() not in raw
+    assert [p for p in all_paths(raw) if p[0] == "nvext"] == [
+        ("nvext",),
+        ("nvext", "greed_sampling"),
+    ]
