@@ -1,6 +1,6 @@
 """Every golden control in one request, over HTTP/1.1, HTTP/2 (h2c) and HTTP/3, to mock_dynamo.
 
-Thin on purpose: only the `pylon` fixture and `Pylon.send` of test_contract_every_protocol.py, so
+Thin on purpose: only the `pylon` fixture of test_contract_every_protocol.py and `Stack.send`, so
 a change to how that fixture builds pylon does not touch this file. What reached the engine is
 read from mock_dynamo's /test-control record and judged against tests/golden.py.
 """
@@ -23,13 +23,8 @@ from tests.golden import (
     TUNNEL_HEADERS,
     enforced,
 )
-from tests.integration.conftest import MODEL
-from tests.transport.test_contract_every_protocol import (  # noqa: F401 (the fixture)
-    CHAT,
-    PROTOCOLS,
-    PylonFactory,
-    pylon,
-)
+from tests.stack import MODEL, PROTOCOLS, StackFactory
+from tests.transport.test_contract_every_protocol import CHAT, pylon  # noqa: F401 (the fixture)
 
 SENTINEL = "golden-sentinel"
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -118,7 +113,7 @@ class Members(list[tuple[str, Any]]):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("backend", ["dynamo", "vllm"])
 async def test_no_golden_control_reaches_the_engine(
-    pylon: PylonFactory,  # noqa: F811 (the imported fixture)
+    pylon: StackFactory,  # noqa: F811 (the imported fixture)
     protocol: str,
     backend: str,
 ) -> None:
@@ -170,7 +165,7 @@ async def test_no_golden_control_reaches_the_engine(
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_repeated_container_hides_nothing(
-    pylon: PylonFactory,  # noqa: F811 (the imported fixture)
+    pylon: StackFactory,  # noqa: F811 (the imported fixture)
     protocol: str,
 ) -> None:
     # Nothing else to strip, so only the repeated-key check stands between the first `nvext`
