@@ -105,8 +105,6 @@ REQUEST_HEADERS: tuple[Golden, ...] = (
     G(
         "x-gateway-inference-fairness-id",
         "EP B: llm-d EPP takes the fairness id from the client",
-        gap="EP B lists it beside x-gateway-inference-objective (client-spoofable fairness "
-        "key); pylon strips only the objective and x-gateway-destination-endpoint*",
     ),
     # vLLM
     G("x-vllm-priority", "EP A1: overrides body priority"),
@@ -125,8 +123,6 @@ REQUEST_HEADERS: tuple[Golden, ...] = (
     G(
         "x-custom-labels",
         "EP A2: SGLang custom-labels header; EP implications: strip 'the custom-labels header'",
-        gap="EP's implications list it for SGLang; pylon forwards it (and "
-        "tests/unit/test_sanitize_headers.py treats it as benign)",
     ),
     # Stargate tunnel and gateway metadata (never meaningful to an engine)
     G("x-method", "PI 1.4: raw-QUIC tunnel framing, stripped"),
@@ -157,8 +153,6 @@ REQUEST_HEADER_PREFIXES: tuple[Golden, ...] = (
     G(
         "x-gateway-",
         "EP implications: 'Gateway-level: x-smg-*, x-gateway-*, x-prefiller-host-port'",
-        gap="EP names the whole x-gateway-* family; pylon strips only "
-        "x-gateway-destination-endpoint* and x-gateway-inference-objective",
     ),
 )
 
@@ -236,25 +230,19 @@ BODY_FIELDS: tuple[Golden, ...] = (
     G(
         "custom_labels",
         "EP A2 body routing fields; EP implications (SGLang): strip custom_labels",
-        gap="EP's implications list it for SGLang; pylon forwards it",
     ),
     G(
         "return_routed_experts",
         "EP A2 body routing fields",
-        gap="EP A2 lists it among SGLang's body routing fields (a response-disclosure toggle, "
-        "like nvext.extra_fields, which pylon strips); pylon forwards it",
     ),
     G(
         "request_id",
         "EP A1 body fields that steer caching or routing; EP implications: "
         "'request_id/X-Request-Id (re-mint)'",
-        gap="pylon forwards body request_id; vLLM prefers pylon's x-request-id header, so the "
-        "body value is shadowed there, but the references list it",
     ),
     G(
         "vllm_xargs",
         "EP A1 (free-form extension args); EP implications list vllm_xargs as a whole",
-        gap="pylon strips only vllm_xargs.session_id and forwards the rest of vllm_xargs",
     ),
 )
 

@@ -63,6 +63,8 @@ DENIED_REQUEST_HEADERS: Mapping[bytes, str] = {
     b"x-prefiller-host-port": "legacy EPP sidecar: prefill target",
     # vLLM
     b"x-vllm-priority": "vllm: overrides body priority",
+    # SGLang
+    b"x-custom-labels": "sglang: custom labels header (routing and metrics keys)",
     # llm-d / Gateway API Inference Extension
     b"x-gateway-inference-objective": "llm-d EPP: priority via InferenceObjective",
     # Raw-QUIC tunnel framing; never meaningful to an engine
@@ -79,7 +81,7 @@ DENIED_REQUEST_HEADER_PREFIXES: tuple[tuple[bytes, str], ...] = (
     (b"x-dynamo-", "dynamo: pins, priority, session, metadata, routing mode"),
     (b"x-stargate-", "gateway-to-pylon metadata; never forwarded to an engine"),
     (b"x-epp-", "legacy EPP sidecar injection"),
-    (b"x-gateway-destination-endpoint", "GAIE endpoint picker destination"),
+    (b"x-gateway-", "gateway API inference extension: destination, objective, fairness id"),
     (b"x-override-", "sglang: request overrides (rid, priority, bootstrap, DP rank)"),
     (b"x-smg-", "sglang model gateway: routing key, priority class"),
 )
@@ -105,6 +107,10 @@ DENIED_BODY_FIELDS: Mapping[str, str] = {
     "session_id": "vllm: session affinity",
     "session_params": "sglang: session continuation",
     "conversation_id": "sglang: conversation affinity",
+    "custom_labels": "sglang: custom labels (routing and metrics keys)",
+    "return_routed_experts": "sglang: discloses the routed experts in the response",
+    "request_id": "vllm: request id (pylon's x-request-id is the only one)",
+    "vllm_xargs": "vllm: free-form extension arguments (can carry session_id)",
 }
 
 DENIED_NVEXT_FIELDS: Mapping[str, str] = {

@@ -214,10 +214,12 @@ def test_null_nvext_is_forwarded_as_is() -> None:
     assert planner().plan(tunnel(), body).body == body
 
 
-def test_vllm_xargs_session_id_stripped_others_kept() -> None:
-    plan = planner().plan(tunnel(), b'{"vllm_xargs":{"session_id":"s","k":1}}')
-    assert json.loads(plan.body) == {"vllm_xargs": {"k": 1}}
-    assert plan.stripped == ("vllm_xargs.session_id",)
+def test_vllm_xargs_goes_whole() -> None:
+    """A free-form bag of engine arguments (it can carry session_id): none of it is the
+    client's to set."""
+    plan = planner().plan(tunnel(), b'{"vllm_xargs":{"session_id":"s","k":1},"model":"m"}')
+    assert json.loads(plan.body) == {"model": "m"}
+    assert plan.stripped == ("vllm_xargs",)
 
 
 def test_denied_names_deeper_than_the_tables_are_content() -> None:

@@ -29,7 +29,6 @@ BENIGN_NAMES = [
     b"x-priority",
     b"x-input-tokens",
     b"x-routing-key",
-    b"x-custom-labels",
     b"x-correlation-id",
     b"accept-encoding",
     b"x-dynamo",
@@ -38,7 +37,6 @@ BENIGN_NAMES = [
     b"x-override",
     b"x-smg",
     b"x-epp",
-    b"x-gateway-foo",
 ]
 
 
