@@ -199,8 +199,8 @@ async def test_response_respects_the_peer_flow_control_window(make_stack: StackF
         sid = h2.send(request_headers(request_id="fc"), body)
         reply = h2.responses[sid]
         await h2.wait_until(lambda: len(reply.body) >= 1000, what="the first 1000-byte window")
-        # Pylon holds the whole body: the engine finished writing it, and a PING round trip
-        # later (every frame sent before the ACK has been read) nothing beyond the window came.
+        # The engine has written the whole body to pylon; a PING round trip later (every frame
+        # pylon sent before its ACK has been read), nothing beyond the window has come.
         await stack.wait_record("fc", "completed")
         await h2.ping()
         assert reply.status == 200
