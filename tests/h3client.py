@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,7 @@ class H3Client(QuicConnectionProtocol):
         self.http = _RecordingH3(self._quic)
         self.responses: dict[int, H3Response] = {}
         self.terminated: ConnectionTerminated | None = None
+        self._progress = asyncio.Event()  # set after every QUIC event the client handles
 
     @property
     def goaways(self) -> list[int]:
@@ -112,6 +114,20 @@ class H3Client(QuicConnectionProtocol):
                 response.done.set()
         for h3_event in self.http.handle_event(event):
             self._h3_event(h3_event)
+        self._progress.set()
+
+    async def wait_until(
+        self, predicate: Callable[[], bool], timeout: float = 5.0, what: str = "the condition"
+    ) -> None:
+        """Return once `predicate()` holds, checked again after each event from the server
+        (response bytes, resets, GOAWAY, connection close), never on a clock."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate():
+                    self._progress.clear()
+                    await self._progress.wait()
+        except TimeoutError:
+            raise AssertionError(f"{what} did not happen within {timeout:g} s") from None
 
     def _h3_event(self, event: H3Event) -> None:
         if not isinstance(event, HeadersReceived | DataReceived):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.cancellation import cancellation_lag
+from tests.cancellation import assert_cancelled_promptly
 from tests.integration.conftest import MODEL, StackFactory, raw_exchange
 
 CHAT = "/v1/chat/completions"
@@ -205,10 +205,12 @@ def terminal_error(events: list[str]) -> dict[str, object]:
 
 
 async def test_first_output_timeout_ends_the_stream(make_stack: StackFactory) -> None:
-    stack = await make_stack("dynamo", mock={"ttft_ms": 3000}, first_output_timeout=0.3)
+    engine_ms = 10_000  # the engine's first token comes only after this
+    stack = await make_stack("dynamo", mock={"ttft_ms": engine_ms}, first_output_timeout=0.3)
     started = time.monotonic()
     status, events = await sse_events(stack, {**BODY})
-    assert time.monotonic() - started < 2.5
+    # Pylon's timeout ended it, far sooner than the engine would have.
+    assert time.monotonic() - started < engine_ms / 1000 / 4
     # The engine sent its head at once and then nothing: the stream ends with an error event.
     assert status == 200
     assert terminal_error(events)["type"] == "upstream_timeout"
@@ -264,8 +266,9 @@ async def test_client_disconnect_cancels_the_engine_request_promptly(
         while seen.count(b"data:") < 3:
             seen += await reader.read(4096)
     writer.transport.abort()
-    lag = await cancellation_lag(stack.control, since=time.time())
-    assert lag < 0.1, f"engine request cancelled {lag * 1000:.0f} ms after the client left"
+    left_at = time.time()
+    # Cancelled, not completed, within 2 token delays + slack (0.5 s) of a 20 s stream.
+    await assert_cancelled_promptly(stack.client, stack.mock.base_url, "gone", left_at)
 
 
 async def test_pipelined_requests_answer_in_order(make_stack: StackFactory) -> None:
@@ -331,11 +334,13 @@ async def test_http10_client_gets_a_close_delimited_stream(make_stack: StackFact
 
 
 async def test_no_head_before_first_output_timeout_is_504(make_stack: StackFactory) -> None:
+    engine_ms = 10_000  # the engine sends nothing, not even its head, for this long
     stack = await make_stack("dynamo", first_output_timeout=0.3)
-    await stack.faults([{"delay_ms": 3000, "times": 1}])
+    await stack.faults([{"delay_ms": engine_ms, "times": 1}])
     started = time.monotonic()
     reply = await stack.post(CHAT, {**BODY, "stream": True})
-    assert time.monotonic() - started < 2.5
+    # Pylon's timeout answered, far sooner than the engine would have.
+    assert time.monotonic() - started < engine_ms / 1000 / 4
     assert reply.status_code == 504
     problem(504, reply.content, "upstream_timeout")
 

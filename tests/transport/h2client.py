@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,7 @@ from h2.connection import H2Connection
 from h2.events import (
     ConnectionTerminated,
     DataReceived,
+    PingAckReceived,
     RemoteSettingsChanged,
     ResponseReceived,
     StreamEnded,
@@ -75,6 +78,8 @@ class H2Client:
         self.error: Exception | None = None
         self.closed = asyncio.Event()
         self.settings_received = asyncio.Event()
+        self._progress = asyncio.Event()  # set after every batch of frames read, and at close
+        self._pings: dict[bytes, asyncio.Future[None]] = {}
         self._flush()
         self._task = asyncio.create_task(self._read_loop())
 
@@ -99,6 +104,7 @@ class H2Client:
                 for event in self.conn.receive_data(data):
                     self._on_event(event)
                 self._flush()
+                self._progress.set()
         except (ConnectionError, OSError):
             pass
         except Exception as exc:
@@ -108,6 +114,10 @@ class H2Client:
             self.closed.set()
             for response in self.responses.values():
                 response.done.set()
+            for waiter in self._pings.values():
+                if not waiter.done():
+                    waiter.set_exception(ConnectionResetError("the connection closed"))
+            self._progress.set()
 
     def _on_event(self, event: object) -> None:
         loop = asyncio.get_running_loop()
@@ -131,6 +141,33 @@ class H2Client:
             self.terminated = event
         elif isinstance(event, RemoteSettingsChanged):
             self.settings_received.set()
+        elif isinstance(event, PingAckReceived):
+            waiter = self._pings.pop(event.ping_data, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def wait_until(
+        self, predicate: Callable[[], bool], timeout: float = 5.0, what: str = "the condition"
+    ) -> None:
+        """Return once `predicate()` holds, checked again after each batch of frames from the
+        server and at the connection's close, never on a clock."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate():
+                    self._progress.clear()
+                    await self._progress.wait()
+        except TimeoutError:
+            raise AssertionError(f"{what} did not happen within {timeout:g} s") from None
+
+    async def ping(self, timeout: float = 5.0) -> None:
+        """A PING round trip: every frame the server wrote before its ACK has been read."""
+        data = os.urandom(8)
+        waiter = asyncio.get_running_loop().create_future()
+        self._pings[data] = waiter
+        self.conn.ping(data)
+        self._flush()
+        async with asyncio.timeout(timeout):
+            await waiter
 
     def send(self, headers: list[Header], body: bytes | None = None, end: bool = True) -> int:
         """Open a stream with exactly these header fields (no validation, no reordering)."""

@@ -9,6 +9,7 @@ are the rest of the smuggling table (reliability-cases F1-F12), each answered 40
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -21,6 +22,9 @@ HEAD = f"POST {CHAT} HTTP/1.1\r\nx-request-id: r\r\nx-model: {MODEL}\r\n"
 BODY = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ).encode()
+
+# pylon's connection timers (pylon.timers.Deadline) may fire up to 1 ms before their deadline.
+TIMER_EARLY_S = 0.001
 
 
 def request(extra: str, body: bytes = b"", head: str = HEAD) -> bytes:
@@ -94,18 +98,34 @@ async def test_http10_without_host_is_fine(make_stack: StackFactory) -> None:
 
 
 async def test_slowloris_head_is_closed_after_the_header_timeout(make_stack: StackFactory) -> None:
-    stack = await make_stack("dynamo", header_timeout=0.3)
+    header_timeout, trickle_s = 0.3, 0.02
+    stack = await make_stack("dynamo", header_timeout=header_timeout)
+    # A head that never ends, one byte per 20 ms: never idle for long, always making progress.
+    # Only a deadline for the whole head (not one reset by each byte) can stop it.
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * 1000
+    started = time.monotonic()  # before pylon can have started its clock
     reader, writer = await asyncio.open_connection(*stack.pylon_address)
-    started = time.monotonic()
+    sent = 0
+    reply = b""
     try:
-        for byte in b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n":
-            writer.write(bytes([byte]))
-            await asyncio.sleep(0.005)
-        async with asyncio.timeout(3):
-            reply = await reader.read()  # answered, then closed
+        async with asyncio.timeout(5):
+            while not reply:
+                assert sent < len(head), "the whole padded head went out unanswered"
+                writer.write(head[sent : sent + 1])
+                sent += 1
+                # Pace the trickle by waiting for the answer: it ends the loop the moment it comes.
+                with contextlib.suppress(TimeoutError):
+                    reply = await asyncio.wait_for(reader.read(65536), trickle_s)
+            elapsed = time.monotonic() - started
+            with contextlib.suppress(ConnectionResetError):  # we may have sent after its close
+                while chunk := await reader.read(65536):
+                    reply += chunk
         assert reply.startswith(b"HTTP/1.1 408 "), reply[:80]
         assert b'"code":"request_timeout"' in reply
-        assert time.monotonic() - started < 1.5
+        # Not before the deadline (pylon's timers may fire up to 1 ms early), and the head was
+        # still incomplete when it came.
+        assert elapsed >= header_timeout - TIMER_EARLY_S
+        assert sent < len(head)
     finally:
         writer.close()
     assert (await stack.control())["requests"] == []
@@ -139,18 +159,23 @@ async def test_silent_client_is_closed_after_the_header_timeout(make_stack: Stac
 
 
 async def test_idle_keep_alive_connection_is_closed(make_stack: StackFactory) -> None:
-    stack = await make_stack("dynamo", client_idle_timeout=0.3, header_timeout=5)
+    idle_timeout, header_timeout = 0.3, 5.0
+    stack = await make_stack(
+        "dynamo", client_idle_timeout=idle_timeout, header_timeout=header_timeout
+    )
     reader, writer = await asyncio.open_connection(*stack.pylon_address)
     try:
+        sent_at = time.monotonic()  # pylon cannot have armed its idle timer before this
         writer.write(request(f"host: x\r\ncontent-length: {len(BODY)}\r\n", BODY))
         async with asyncio.timeout(3):
             head = await reader.readuntil(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 200 ")
             length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
             await reader.readexactly(length)
-            idle_from = time.monotonic()
             assert await reader.read() == b""
-        assert 0.2 < time.monotonic() - idle_from < 2
+        # The idle timer closed it: not before the idle timeout, and before the header timeout,
+        # the other timer that could close a connection left silent.
+        assert idle_timeout - TIMER_EARLY_S <= time.monotonic() - sent_at < header_timeout
     finally:
         writer.close()
 

@@ -99,11 +99,15 @@ async def test_reloaded_certificate_serves_new_connections(
     )
     host, port = stack.pylon_address
     assert await _served_fingerprint(host, port, ca_file) == fingerprint(first[0])
+    # One identity serves every TLS listener; its reload callback says the new pair is in use.
+    reloaded = asyncio.Event()
+    stack.identity.on_change(lambda _material: reloaded.set())
     second = make_leaf(ca)
     write_pair(tmp_path, second)
     async with asyncio.timeout(5):
-        while await _served_fingerprint(host, port, ca_file) != fingerprint(second[0]):
-            await asyncio.sleep(0.05)
+        await reloaded.wait()
+    assert stack.identity.current.fingerprint == fingerprint(second[0])
+    assert await _served_fingerprint(host, port, ca_file) == fingerprint(second[0])
 
 
 async def _served_fingerprint(host: str, port: int, ca_file: Path) -> str:

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from aioquic.h3.connection import ErrorCode
 
+from pylon.server.http3 import Http3Protocol
 from tests.h3client import CHAT, MODEL, H3Client, H3Response, chat, request_headers, sse_payloads
 from tests.stack import StackFactory
 
@@ -32,9 +33,7 @@ async def _streaming(client: H3Client, request_id: str = "long-1") -> H3Response
     body = b'{"model": "mock-model", "stream": true, "max_tokens": 20, "messages": []}'
     headers = request_headers(extra=[("x-request-id", request_id), ("x-model", MODEL)], body=body)
     reply = client.send(headers, body)
-    async with asyncio.timeout(5):
-        while reply.body.count(b"data:") < 2:
-            await asyncio.sleep(0.01)
+    await client.wait_until(lambda: reply.body.count(b"data:") >= 2, what="2 SSE events")
     return reply
 
 
@@ -122,13 +121,27 @@ async def test_concurrent_streams_are_capped_by_quic_max_streams(
         assert [r.status for r in replies] == [200] * 8  # queued by flow control, not refused
 
 
-async def test_idle_connection_is_closed(make_stack: StackFactory) -> None:
+async def test_idle_connection_is_closed(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     stack = await make_stack("dynamo", quic_idle_timeout=0.3)
+    # Each side runs its own idle timer: the server forgets the connection when its own fires.
+    gone = asyncio.Event()
+    forget = stack.server.forget
+
+    def forget_and_note(protocol: Http3Protocol) -> None:
+        forget(protocol)
+        if stack.server.connections == 0:
+            gone.set()
+
+    monkeypatch.setattr(stack.server, "forget", forget_and_note)
     async with stack.connect() as client:
+        assert stack.server.connections == 1
         async with asyncio.timeout(3):
             await client.wait_closed()
         assert client.terminated is not None
-    await asyncio.sleep(0.05)
+    async with asyncio.timeout(3):
+        await gone.wait()
     assert stack.server.connections == 0
 
 
@@ -139,9 +152,7 @@ async def test_drain_sends_goaway_and_lets_in_flight_streams_finish(
     async with stack.connect() as client:
         long = await _streaming(client)
         stack.drain()
-        async with asyncio.timeout(3):
-            while not client.goaways:
-                await asyncio.sleep(0.01)
+        await client.wait_until(lambda: bool(client.goaways), 3, what="a GOAWAY")
         assert client.goaways == [long.stream_id + 4]  # the first stream not processed
         refused = await client.request(CHAT, chat(), timeout=3)
         assert refused.reset_code == ErrorCode.H3_REQUEST_REJECTED

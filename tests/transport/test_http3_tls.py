@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from pylon.settings import load_settings
 from pylon.tls import (
     TlsIdentity,
+    TlsMaterial,
     TlsMaterialError,
     build_server_ssl_context,
     parse_material,
@@ -148,13 +149,18 @@ async def test_reload_poller_picks_up_a_new_pair(tmp_path: Path) -> None:
     identity = TlsIdentity.from_paths(cert, key)
     fresh = make_leaf(None)
     seen: list[str] = []
-    identity.on_change(lambda material: seen.append(material.fingerprint))
+    changed = asyncio.Event()
+
+    def note(material: TlsMaterial) -> None:
+        seen.append(material.fingerprint)
+        changed.set()
+
+    identity.on_change(note)
     watcher = asyncio.create_task(identity.watch(0.02))
     try:
         write_pair(tmp_path, fresh)
         async with asyncio.timeout(3):
-            while not seen:
-                await asyncio.sleep(0.01)
+            await changed.wait()
     finally:
         watcher.cancel()
     assert seen == [fingerprint(fresh[0])]
