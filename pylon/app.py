@@ -211,6 +211,11 @@ class LiveConnections:
         self._connections.add(connection)
         return connection
 
+    def close_all(self) -> None:
+        """End every connection now: what still runs is cancelled (outcome `shutdown`)."""
+        for connection in list(self._connections):
+            connection.close_now()
+
     @property
     def busy(self) -> int:
         """Connections with a response in progress."""
@@ -265,6 +270,13 @@ class Running:
         """Graceful stop: no new connections or requests, in-flight ones get `grace` s."""
         self.tcp_server.close()
         await drain_and_wait(self.core, self.live, self.h3, grace)
+        self.close_all()
+
+    def close_all(self) -> None:
+        """End every connection now; their requests are cancelled (outcome `shutdown`)."""
+        self.live.close_all()
+        if self.h3 is not None:
+            self.h3.close_connections()
 
 
 @asynccontextmanager
@@ -313,7 +325,10 @@ async def start(
             backend=settings.backend,
             derive_priority=settings.derive_priority,
         )
-        yield running
+        try:
+            yield running
+        finally:
+            running.close_all()
 
 
 async def serve(

@@ -215,6 +215,11 @@ class Http1Connection(asyncio.Protocol):
         self._timer.arm(self._limits.stall_timeout if in_request else self._limits.idle_timeout)
 
     # --- shutdown ---
+    def close_now(self) -> None:
+        """The grace period is over: stop what still runs (outcome `shutdown`) and close."""
+        self._table.cancel_all(SHUTDOWN)
+        self.abort()
+
     def graceful_close(self) -> None:
         """Finish the response in flight, start no other, then close (idle: close now)."""
         if not self._table.busy and self._stream is None:

@@ -490,6 +490,12 @@ class Http2Connection(asyncio.Protocol):
         )
         self._close_if_drained()
 
+    def close_now(self) -> None:
+        """The grace period is over: stop what still runs (outcome `shutdown`) and close."""
+        if not self._closed:
+            self._h2.close_connection()
+            self._shutdown(SHUTDOWN)
+
     def _close_if_drained(self) -> None:
         if self._goaway_sent is not None and not self._streams and not self._closed:
             self._h2.close_connection(last_stream_id=self._goaway_sent)

@@ -56,7 +56,7 @@ from pylon.server.quic_private import (
     request_client_certificate,
     send_backlog,
 )
-from pylon.server.streams import CLIENT_GONE, Stream, StreamTable
+from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Stream, StreamTable
 from pylon.tls import TlsIdentity
 
 H3_ALPN = ("h3",)
@@ -255,6 +255,12 @@ class Http3Protocol(QuicConnectionProtocol):
         # Bound the wait for the client to acknowledge the last bytes.
         self._loop.call_later(DRAIN_ACK_GRACE, self._close_drained)
         self._maybe_close_drained()
+
+    def close_now(self) -> None:
+        """The grace period is over: stop what still runs (outcome `shutdown`) and close."""
+        self._table.cancel_all(SHUTDOWN)
+        if not self._closed.is_set():
+            self.close(H3ErrorCode.H3_NO_ERROR, "shutting down")
 
     def _refuse_stream(self, sid: int) -> None:
         """Draining: the request was not processed, so the client may retry it elsewhere."""
@@ -500,6 +506,11 @@ class Http3Server:
 
     def forget(self, protocol: Http3Protocol) -> None:
         self._connections.discard(protocol)
+
+    def close_connections(self) -> None:
+        """End every connection now (after the drain's grace period)."""
+        for protocol in list(self._connections):
+            protocol.close_now()
 
     @property
     def connections(self) -> int:

@@ -166,4 +166,7 @@ async def test_grace_period_bounds_the_shutdown(running: Callable[..., Any]) -> 
         await pylon.task
     # The grace period, not the 12 s stream, decided when pylon exited.
     assert time.monotonic() - started < grace_s + stream_s / 10
+    # And what was still running was stopped, not left behind: the engine saw it cancelled.
+    record = await pylon.wait_record("too-long", "finished")
+    assert record["cancelled_at"] is not None and record["completed_at"] is None
     writer.close()
