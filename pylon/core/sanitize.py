@@ -208,6 +208,9 @@ def sanitize_response_headers(
     kept: list[Header] = []
     for raw_name, value in headers:
         name = raw_name.strip(_OWS).lower()
+        if b"_" in name:
+            # Underscore twins (`x_stargate_retryable`): the gateway's stack may read `_` as `-`.
+            name = name.replace(b"_", b"-")
         if (
             name in HOP_BY_HOP
             or name in listed

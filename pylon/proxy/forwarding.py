@@ -117,8 +117,8 @@ class Proxy:
             if exchange is None:
                 return
             await self._relay_response(plan, exchange, booking, sink, watchdog, record)
-        except AlreadyAnswered:
-            record.outcome = "upstream_broken_mid_body"
+        except AlreadyAnswered as cut:
+            record.outcome = cut.outcome
         except (UpstreamBroken, UpstreamTimeout) as exc:
             # Nothing was sent to the client yet (the relays handle failures after the head).
             code = (
@@ -219,9 +219,8 @@ class Proxy:
                 record.outcome = failure.code.value
                 self._observer.upstream_failed(record, failure, after_head=True)
         else:
-            watchdog.cancel()
             self._first_output(booking, record)
-            await relay_raw(exchange, sink, headers)
+            await relay_raw(exchange, sink, headers, watchdog, self._relay)
 
     def _first_output(self, booking: Booking, record: RequestRecord) -> None:
         booking.first_output()

@@ -60,7 +60,14 @@ class Watchdog(Deadline):
 
 
 class AlreadyAnswered(UpstreamBroken):
-    """The client already got a head; only the connection can tell it something went wrong."""
+    """The client already got a head; only the connection can tell it something went wrong.
+
+    `outcome`: what happened, for the request's record (`upstream_timeout` or
+    `upstream_broken_mid_body`)."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
 
 
 async def relay_sse(
@@ -113,18 +120,35 @@ async def relay_sse(
     return failure
 
 
-async def relay_raw(exchange: Exchange, sink: ResponseSink, headers: list[Header]) -> None:
-    """Relay any other response as it comes; a break after the head cuts the stream."""
+async def relay_raw(
+    exchange: Exchange,
+    sink: ResponseSink,
+    headers: list[Header],
+    watchdog: Watchdog,
+    limits: RelayLimits,
+) -> None:
+    """Relay any other response as it comes; a break after the head cuts the stream.
+
+    The body must keep coming: the output-gap timeout runs between pieces, so an engine that
+    stalls after its head cannot hold the request (and the client) forever.
+    """
     sink.start(exchange.status, headers, content_length(exchange.headers))
+    gap = limits.output_gap_timeout
     try:
+        watchdog.arm_for(gap, "the response body stopped arriving")
         while (chunk := await exchange.next_chunk()) is not None:
             sink.write(chunk)
+            watchdog.arm_for(gap, "the response body stopped arriving")
             if sink.paused:
                 await sink.drain()
-    except (UpstreamBroken, UpstreamTimeout):
+    except UpstreamTimeout:
         # The head is out; a half body cannot be signalled in HTTP/1.1 except by closing.
         sink.abort()
-        raise AlreadyAnswered() from None
+        raise AlreadyAnswered("upstream_timeout") from None
+    except UpstreamBroken:
+        sink.abort()
+        raise AlreadyAnswered("upstream_broken_mid_body") from None
+    watchdog.cancel()
     sink.end()
 
 

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _HIGH_WATER = 256 * 1024  # buffered, unconsumed response bytes before we stop reading
+# The engine's response head (status line and fields), as Envoy bounds it (60 KiB): a larger one
+# is a broken or hostile engine, answered 502 instead of being buffered and relayed.
+MAX_RESPONSE_HEAD = 60 * 1024
 
 
 class UpstreamConnectError(Exception):
@@ -44,6 +47,14 @@ class UpstreamBroken(Exception):
 
 class UpstreamTimeout(Exception):
     """Pylon gave up waiting on the engine (set by the caller's watchdog)."""
+
+
+class _HeadTooLarge(Exception):
+    """Stops llhttp from parsing an engine response head over the limit."""
+
+
+class _Surplus(Exception):
+    """Stops llhttp from parsing bytes beyond the response pylon asked for."""
 
 
 class Exchange:
@@ -138,6 +149,8 @@ class Exchange:
 
 class _Connection(asyncio.Protocol):
     __slots__ = (
+        "_final",
+        "_head_bytes",
         "_parser",
         "_paused",
         "_until_close",
@@ -165,6 +178,8 @@ class _Connection(asyncio.Protocol):
         self.received = False  # any byte arrived for the current exchange
         self._paused = False
         self._until_close = False
+        self._head_bytes = 0
+        self._final = False  # the current exchange's final (non-1xx) response has ended
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -173,8 +188,15 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        if self.exchange is None or self._final:
+            # Bytes nobody asked for (after the response, or on an idle connection): the engine
+            # is out of step, and whatever it says next cannot be trusted as an answer.
+            self.abort()
+            return
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._break(UpstreamBroken("engine switched protocols (101), which pylon never asks"))
         except httptools.HttpParserError as exc:
             self._break(UpstreamBroken(f"engine sent a malformed response: {exc}"))
 
@@ -190,10 +212,20 @@ class _Connection(asyncio.Protocol):
 
     # --- httptools callbacks ---
     def on_message_begin(self) -> None:
+        if self._final:
+            # A second response after the real one, in the same read: never relayed (it would
+            # answer the gateway's next request); the connection is not reused.
+            self.abort()
+            raise _Surplus
+        self._head_bytes = 0
         if self.exchange is not None:
             self.exchange.headers = []
 
+    def on_status(self, status: bytes) -> None:
+        self._count_head(len(status))
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
         if self.exchange is not None:
             self.exchange.headers.append((name, value))
 
@@ -229,7 +261,15 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         exchange = self.exchange
         if exchange is not None and exchange.status >= 200:
+            self._final = True
             exchange._complete()
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_RESPONSE_HEAD:
+            # Raised inside llhttp's callback: parsing stops, feed_data raises, we break.
+            self._break(UpstreamBroken(f"engine response head over {MAX_RESPONSE_HEAD} bytes"))
+            raise _HeadTooLarge
 
     # --- flow control, used by Exchange ---
     def pause_reading(self) -> None:
@@ -314,6 +354,7 @@ class UpstreamPool:
         exchange = Exchange(conn, is_head=plan.method == "HEAD")
         conn.exchange = exchange
         conn.received = False
+        conn._final = False
         assert conn.transport is not None
         conn.transport.write(_frame(plan, target))
         return exchange
