@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from pylon.core.errors import ContractError, ErrorCode, LimitError
 from pylon.core.http import OWS, Header, Headers
@@ -63,7 +64,8 @@ class TunnelRequest:
 
     @property
     def path(self) -> str:
-        return self.target.split("?", 1)[0]
+        """The route as the engine will see it: the path, percent-decoded (see `route_of`)."""
+        return route_of(self.target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +273,22 @@ def _parse_trace(headers: Headers, values: dict[bytes, list[bytes]]) -> TraceCon
     return TraceContext(traceparent=found[0].decode("ascii"), tracestate=tracestate)
 
 
+def route_of(target: str) -> str:
+    """The path of an (already checked) origin-form target, percent-decoded as engines decode it
+    before routing: pylon's view of the route is then the engine's, however it is spelled."""
+    path = target.split("?", 1)[0]
+    return unquote(path) if "%" in path else path
+
+
+# What the engines' routers would read differently from the bytes (RFC 3986 5.2.4, 6.2.2):
+# a fragment, dot segments, empty segments, a backslash, and encodings that decode to a path
+# separator or a control character. Refused rather than normalised: pylon forwards the client's
+# bytes unchanged, so the only safe target is one every engine reads the same way.
+_AMBIGUOUS_PATH = re.compile(
+    rb"//|\\|(?:^|/)\.{1,2}(?:/|$)|%(?:2[fF]|5[cC]|[01][0-9a-fA-F]|7[fF]|2[eE])|%(?![0-9a-fA-F]{2})"
+)
+
+
 def _check_method_and_target(method: bytes, target: bytes) -> None:
     if method not in _ALLOWED_METHODS:
         raise ContractError(
@@ -285,4 +303,11 @@ def _check_method_and_target(method: bytes, target: bytes) -> None:
     ):
         raise ContractError(
             "request target must be an origin-form path", code=ErrorCode.MALFORMED_REQUEST
+        )
+    # A fragment is never part of a request target (RFC 9112 3.2); engines drop it.
+    if b"#" in target or _AMBIGUOUS_PATH.search(target.split(b"?", 1)[0]):
+        raise ContractError(
+            "request path must not contain a fragment, dot or empty segments, a backslash, or "
+            "percent-encoded separators, dots or controls",
+            code=ErrorCode.MALFORMED_REQUEST,
         )

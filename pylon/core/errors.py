@@ -29,6 +29,8 @@ class ErrorCode(StrEnum):
     INVALID_TRACEPARENT = "invalid_traceparent"
     MALFORMED_REQUEST = "malformed_request"
     BODY_NOT_JSON_OBJECT = "body_not_json_object"
+    MODEL_MISMATCH = "model_mismatch"
+    CONTENT_ENCODING_NOT_SUPPORTED = "content_encoding_not_supported"
     BODY_TOO_LARGE = "body_too_large"
     HEADERS_TOO_LARGE = "headers_too_large"
     UNAUTHORIZED = "unauthorized"
@@ -66,6 +68,8 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_TRACEPARENT: 400,
     ErrorCode.MALFORMED_REQUEST: 400,
     ErrorCode.BODY_NOT_JSON_OBJECT: 400,
+    ErrorCode.MODEL_MISMATCH: 400,
+    ErrorCode.CONTENT_ENCODING_NOT_SUPPORTED: 415,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.BODY_TOO_LARGE: 413,
@@ -89,6 +93,8 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.INVALID_TRACEPARENT: "Invalid traceparent",
     ErrorCode.MALFORMED_REQUEST: "Malformed request",
     ErrorCode.BODY_NOT_JSON_OBJECT: "Body is not a JSON object",
+    ErrorCode.MODEL_MISMATCH: "Body model differs from x-model",
+    ErrorCode.CONTENT_ENCODING_NOT_SUPPORTED: "Request content encoding not supported",
     ErrorCode.UNAUTHORIZED: "Unauthorized",
     ErrorCode.REQUEST_TIMEOUT: "Request timeout",
     ErrorCode.BODY_TOO_LARGE: "Request body too large",

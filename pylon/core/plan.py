@@ -127,6 +127,7 @@ class Planner:
         if not body and request.method in _BODYLESS_METHODS:
             return body, (), False
         parsed = parse_json_object(body)
+        _check_model(parsed, request.model)
         sanitized = sanitize_body(parsed)
         stream = parsed.get("stream") is True
         priority = write.body_priority if request.path in BODY_PRIORITY_PATHS else None
@@ -187,6 +188,18 @@ def has_duplicate_keys(body: bytes) -> bool:
 
     json.loads(body, object_pairs_hook=pairs_hook)
     return found
+
+
+def _check_model(body: dict[str, Any], model: str) -> None:
+    """The gateway routed, authorised and accounts this request by `x-model`; the engine serves
+    the body's `model`. They must be the same model, or the client gets another model than the
+    one it was let through for. Refused rather than rewritten: pylon never changes what the
+    client asked for silently."""
+    if "model" in body and body["model"] != model:
+        raise BodyError(
+            f"body model {body['model']!r} differs from x-model {model!r}",
+            code=ErrorCode.MODEL_MISMATCH,
+        )
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

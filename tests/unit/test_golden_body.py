@@ -191,7 +191,12 @@ def members(draw: st.DrawFn, golden: list[str], benign: list[str]) -> list[tuple
     out = []
     for name in names:
         escape = draw(st.sampled_from(["none", "none", "one", "all"]))
-        value = json.dumps(SENTINEL if name in golden else draw(_benign_value)).encode()
+        if name in golden:
+            value = json.dumps(SENTINEL).encode()
+        elif name == "model":
+            value = b'"m"'  # must name the tunnel's x-model (model_mismatch otherwise)
+        else:
+            value = json.dumps(draw(_benign_value)).encode()
         out.append((name, name in golden, key(name, escape) + b":" + value))
     return out
 

@@ -104,7 +104,10 @@ def object_text(draw, denied: list[str], benign: list[str], min_size: int = 0) -
 @st.composite
 def body_text(draw) -> bytes:
     top = draw(st.lists(st.sampled_from(sorted(DENIED_BODY_FIELDS) + BENIGN_TOP), max_size=10))
-    members = [draw(key_text(n)) + b":" + draw(value_text()) for n in top]
+    # `model` must name the tunnel's x-model ("m"), or the planner refuses it (model_mismatch).
+    members = [
+        draw(key_text(n)) + b":" + (b'"m"' if n == "model" else draw(value_text())) for n in top
+    ]
     extra_benign = draw(st.lists(st.text(min_size=1, max_size=8), max_size=3))
     for name in extra_benign:
         if name not in DENIED_BODY_FIELDS and name not in ("nvext", "vllm_xargs"):
