@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     INVALID_TRACEPARENT = "invalid_traceparent"
     MALFORMED_REQUEST = "malformed_request"
     BODY_NOT_JSON_OBJECT = "body_not_json_object"
+    BODY_TOO_COMPLEX = "body_too_complex"
     BODY_TOO_LARGE = "body_too_large"
     HEADERS_TOO_LARGE = "headers_too_large"
     UNAUTHORIZED = "unauthorized"
@@ -66,6 +67,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_TRACEPARENT: 400,
     ErrorCode.MALFORMED_REQUEST: 400,
     ErrorCode.BODY_NOT_JSON_OBJECT: 400,
+    ErrorCode.BODY_TOO_COMPLEX: 400,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.BODY_TOO_LARGE: 413,
@@ -89,6 +91,7 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.INVALID_TRACEPARENT: "Invalid traceparent",
     ErrorCode.MALFORMED_REQUEST: "Malformed request",
     ErrorCode.BODY_NOT_JSON_OBJECT: "Body is not a JSON object",
+    ErrorCode.BODY_TOO_COMPLEX: "Request body too complex",
     ErrorCode.UNAUTHORIZED: "Unauthorized",
     ErrorCode.REQUEST_TIMEOUT: "Request timeout",
     ErrorCode.BODY_TOO_LARGE: "Request body too large",
