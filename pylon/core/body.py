@@ -52,6 +52,7 @@ def _raw_fields(name: str, keys: list[str]) -> type[msgspec.Struct]:
 
 # Everything sanitize_body can remove or look into, and `stream`: nothing else is built.
 _TOP_KEYS = sorted({*DENIED_BODY_FIELDS, *CONTAINER_KEYS, "stream"})
+_TOP_INDEX = {key: index for index, key in enumerate(_TOP_KEYS)}
 _TOP_DECODER = msgspec.json.Decoder(_raw_fields("_TopLevel", _TOP_KEYS))
 _RAW_DECODER = msgspec.json.Decoder(msgspec.Raw)
 _MEMBERS_DECODER = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -64,18 +65,23 @@ _ENCODER = msgspec.json.Encoder()
 # repeats included, decoding at most MAX_OBJECT_MEMBERS + 1 of them and skipping the rest. Only
 # keys containing `{`, `}` or `:` read differently, and no name pylon looks for contains them.
 _OBJECT_AS_ARRAY = bytes.maketrans(b"{}:", b"[],")
-_CENSUS_DECODER = msgspec.json.Decoder(
-    msgspec.defstruct(
-        "_KeyCensus",
-        [
-            pair
-            for i in range(MAX_OBJECT_MEMBERS + 1)
-            for pair in ((f"k{i}", str | None, None), (f"v{i}", msgspec.Raw, _ABSENT))
-        ],
-        array_like=True,
-        gc=False,
+
+
+def _census_decoder(members: int) -> msgspec.json.Decoder[Any]:
+    """Reads the first `members` + 1 keys of an object read as an array (one past, to see more)."""
+    fields = [
+        pair
+        for i in range(members + 1)
+        for pair in ((f"k{i}", str | None, None), (f"v{i}", msgspec.Raw, _ABSENT))
+    ]
+    return msgspec.json.Decoder(
+        msgspec.defstruct(f"_KeyCensus{members}", fields, array_like=True, gc=False)
     )
-)
+
+
+# A small census first: a Struct of 2,050 fields costs ~10 us to build, an LLM request's top
+# level has a dozen members, and the census of every request must stay cheap.
+_CENSUSES = [(n, _census_decoder(n)) for n in (32, MAX_OBJECT_MEMBERS)]
 
 _UTF8_CHUNK = 1 << 20
 
@@ -103,13 +109,12 @@ def inspect_body(body: bytes) -> BodyView:
     top = _decode(_TOP_DECODER, body)
     _check_utf8(body)  # msgspec checks the strings it decodes, not the ones it skips
     keys = _top_level_keys(body)
-    present = {
-        key: raw
-        for key, raw in zip(_TOP_KEYS, msgspec.structs.astuple(top), strict=True)
-        if raw is not _ABSENT
-    }
-    # In the client's order, so `stripped` lists paths as they appear in the body.
-    fields: dict[str, Any] = {key: present[key] for key in dict.fromkeys(keys) if key in present}
+    values = msgspec.structs.astuple(top)
+    fields: dict[str, Any] = {}
+    for key in dict.fromkeys(keys):  # the client's order, so `stripped` lists paths as sent
+        index = _TOP_INDEX.get(key)
+        if index is not None:
+            fields[key] = values[index]
     containers: dict[str, dict[str, msgspec.Raw]] = {}
     for key in CONTAINER_KEYS:
         raw = fields.get(key)
@@ -124,7 +129,7 @@ def inspect_body(body: bytes) -> BodyView:
     return BodyView(
         stream=stream is not None and bytes(stream) == b"true",
         stripped=sanitize_body(fields).stripped,
-        repeated=tuple(key for key in CONTAINER_KEYS if keys.count(key) > 1),
+        repeated=tuple(key for key in CONTAINER_KEYS if key in fields and keys.count(key) > 1),
         containers=containers,
     )
 
@@ -153,19 +158,23 @@ def object_members(text: bytes) -> dict[str, msgspec.Raw]:
 
 def _top_level_keys(text: bytes) -> list[str]:
     """Every key of a validated JSON object, in order and with repeats; see `_OBJECT_AS_ARRAY`."""
-    try:
-        census = _CENSUS_DECODER.decode(text.translate(_OBJECT_AS_ARRAY))
-    except (msgspec.MsgspecError, RecursionError):
-        # Cannot happen for a validated object (the array is as valid and as deep, and msgspec
-        # ignores array elements past the last field); were it to, refuse rather than guess.
-        raise BodyError("request body could not be read", code=ErrorCode.BODY_TOO_COMPLEX) from None
-    keys: tuple[str | None, ...] = msgspec.structs.astuple(census)[0::2]
-    if keys[-1] is not None:
-        raise BodyError(
-            f"a JSON object in the request body has more than {MAX_OBJECT_MEMBERS} members",
-            code=ErrorCode.BODY_TOO_COMPLEX,
-        )
-    return [key for key in keys if key is not None]
+    array = text.translate(_OBJECT_AS_ARRAY)
+    for limit, decoder in _CENSUSES:
+        try:
+            census = decoder.decode(array)
+        except (msgspec.MsgspecError, RecursionError):
+            # Cannot happen for a validated object (the array is as valid and as deep, and
+            # msgspec ignores elements past the last field); were it to, refuse, never guess.
+            raise BodyError(
+                "request body could not be read", code=ErrorCode.BODY_TOO_COMPLEX
+            ) from None
+        keys: tuple[str | None, ...] = msgspec.structs.astuple(census)[0::2]
+        if keys[limit] is None:
+            return [key for key in keys if key is not None]
+    raise BodyError(
+        f"a JSON object in the request body has more than {MAX_OBJECT_MEMBERS} members",
+        code=ErrorCode.BODY_TOO_COMPLEX,
+    )
 
 
 def _decode(decoder: msgspec.json.Decoder[Any], data: bytes) -> Any:
