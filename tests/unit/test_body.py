@@ -313,3 +313,19 @@ def test_every_depth_gets_an_answer() -> None:
             planner().plan(tunnel(), body)
         except BodyError as error:
             assert error.code is ErrorCode.BODY_TOO_COMPLEX
+
+
+def test_member_limit_in_large_bodies() -> None:
+    # Past 64 KiB the census goes straight to the full count; the limit is the same.
+    value = b'"' + b"v" * 200 + b'"'
+    for count, ok in ((MAX_OBJECT_MEMBERS, True), (MAX_OBJECT_MEMBERS + 1, False)):
+        body = b"{" + b",".join(b'"k%d":%s' % (i, value) for i in range(count)) + b"}"
+        assert len(body) > 64 * 1024
+        for prefix in (b"", b'{"cache_salt":1,"nvext":'):
+            text = prefix + body + b"}" * bool(prefix)
+            if ok:
+                planner().plan(tunnel(), text)
+                continue
+            with pytest.raises(BodyError) as info:
+                planner().plan(tunnel(), text)
+            assert info.value.code is ErrorCode.BODY_TOO_COMPLEX
