@@ -10,16 +10,24 @@ in ms per MiB and the longest single call (the max loop hold) in ms.
     .venv/bin/python scripts/bench_plan.py --baseline main      # before (git ref) and after
     .venv/bin/python scripts/bench_plan.py --sizes 1 --shapes tiny_arrays,deep_nesting
     .venv/bin/python scripts/bench_plan.py --memory             # tracemalloc peak, one call
+    .venv/bin/python scripts/bench_plan.py --components --sizes 20   # each candidate pass alone
+    .venv/bin/python scripts/bench_plan.py --offload --sizes 20      # loop lag, plan off the loop
 
 `--baseline REF` loads `pylon/core/plan.py` as it is at the git ref REF into a separate module
 (the rest of pylon is this tree's) and times both in the same process, interleaved per shape.
 A call that raises is timed too: the "result" column shows the outcome (`ok`, the problem code
 of a `PylonError`, or the exception class that would have escaped, e.g. `RecursionError`).
+`--components` times the candidate passes one by one instead (orjson, the stdlib, msgspec
+decoding to objects, to raw members, the skim, the key census, the UTF-8 check); `*` marks a
+pass that refused the body. `--offload` runs `Planner.plan` on an asyncio loop inline, on a
+worker thread and in a worker process, and reports the wall time and the longest wait of a 1 ms
+ticker on the same loop (what every SSE relay would see).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import importlib.util
@@ -31,6 +39,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -39,7 +48,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import msgspec  # noqa: E402
+import orjson  # noqa: E402
+
 from pylon.adapters import AdapterOptions, build_adapter  # noqa: E402
+from pylon.core import body as body_module  # noqa: E402
 from pylon.core import plan as current_plan  # noqa: E402
 from pylon.core.contract import TunnelRequest, parse_request  # noqa: E402
 from pylon.core.errors import PylonError  # noqa: E402
@@ -254,6 +267,110 @@ def peak_bytes(planner: Any, req: TunnelRequest, body: bytes) -> int:
     return peak
 
 
+# --- the building blocks, one by one (--components) ------------------------------------------
+
+
+def components() -> dict[str, Callable[[bytes], object]]:
+    """Each candidate pass over a whole body, timed alone: what the choice in body.py rests on."""
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        return dict(pairs)
+
+    return {
+        "orjson.loads": orjson.loads,
+        "json.loads": json.loads,
+        "json pairs_hook": lambda b: json.loads(b, object_pairs_hook=pairs_hook),
+        "json.dumps(loads)": lambda b: json.dumps(json.loads(b), ensure_ascii=False).encode(),
+        "msgspec Any": msgspec.json.Decoder().decode,
+        "msgspec dict[str,Raw]": msgspec.json.Decoder(dict[str, msgspec.Raw]).decode,
+        "msgspec skim": body_module._TOP_DECODER.decode,
+        "key census": body_module._top_level_keys,
+        "utf-8 check": body_module._check_utf8,
+    }
+
+
+def run_components(shapes: list[str], size: int, repeat: int) -> None:
+    passes = components()
+    print("| shape | " + " | ".join(passes) + " |")
+    print("|" + "---|" * (len(passes) + 1))
+    for shape in shapes:
+        text = SHAPES[shape](size)
+        cells = []
+        for call in passes.values():
+            times = []
+            for _ in range(repeat):
+                gc.collect()
+                start = time.perf_counter()
+                try:
+                    call(text)
+                except Exception:  # a pass that refuses the body still spent the time
+                    cells_note = "*"
+                else:
+                    cells_note = ""
+                times.append(time.perf_counter() - start)
+            cells.append(f"{statistics.median(times) * 1e3 / (len(text) / MiB):.2f}{cells_note}")
+        print(f"| {shape} | " + " | ".join(cells) + " |", flush=True)
+
+
+# --- on the loop, on a thread, in a process (--offload) ---------------------------------------
+
+_OFFLOAD_PLANNER: Any = None
+
+
+def _plan_in_worker(text: bytes) -> bytes:
+    global _OFFLOAD_PLANNER
+    if _OFFLOAD_PLANNER is None:
+        _OFFLOAD_PLANNER = make_planner(current_plan)
+    result: bytes = _OFFLOAD_PLANNER.plan(request(), text).body
+    return result
+
+
+async def _loop_lag(text: bytes, pool: Executor | None) -> tuple[float, float]:
+    """Wall time of one plan, and the longest a 1 ms ticker on the same loop waited meanwhile."""
+    loop = asyncio.get_running_loop()
+    lag = 0.0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal lag
+        while not done:
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lag = max(lag, time.perf_counter() - start - 0.001)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    start = time.perf_counter()
+    if pool is None:
+        _plan_in_worker(text)
+    else:
+        await loop.run_in_executor(pool, _plan_in_worker, text)
+    wall = time.perf_counter() - start
+    done = True
+    await task
+    return wall * 1e3, lag * 1e3
+
+
+async def run_offload(shapes: list[str], size: int, repeat: int) -> None:
+    threads = ThreadPoolExecutor(1)
+    processes = ProcessPoolExecutor(1)
+    await asyncio.get_running_loop().run_in_executor(processes, _plan_in_worker, b"{}")
+    print("| shape | MiB | " + " | ".join(f"{m} wall ms | {m} loop lag ms" for m in _MODES) + " |")
+    print("|" + "---|" * (2 + 2 * len(_MODES)))
+    for shape in shapes:
+        text = SHAPES[shape](size)
+        cells = []
+        for pool in (None, threads, processes):
+            runs = [await _loop_lag(text, pool) for _ in range(repeat)]
+            cells += [f"{statistics.median(r[i] for r in runs):.1f}" for i in (0, 1)]
+        print(f"| {shape} | {len(text) / MiB:.1f} | " + " | ".join(cells) + " |", flush=True)
+    threads.shutdown()
+    processes.shutdown()
+
+
+_MODES = ("inline", "thread", "process")
+
+
 @dataclass
 class Row:
     shape: str
@@ -277,7 +394,23 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="REF", help="also time plan.py at this git ref")
     parser.add_argument("--memory", action="store_true", help="tracemalloc peak of one call")
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument(
+        "--components", action="store_true", help="time each candidate pass alone (ms/MiB)"
+    )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="loop lag with plan inline, on a thread, in a process (largest size)",
+    )
     args = parser.parse_args()
+    size = int(float(args.sizes.split(",")[-1]) * MiB)
+    sized = [shape for shape in args.shapes.split(",") if shape not in SIZE_FREE]
+    if args.components:
+        run_components(sized, size, args.repeat)
+        return 0
+    if args.offload:
+        asyncio.run(run_offload(sized, size, args.repeat))
+        return 0
 
     planners: list[tuple[str, Any]] = []
     if args.baseline:
