@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     BODY_NOT_JSON_OBJECT = "body_not_json_object"
     MODEL_MISMATCH = "model_mismatch"
     CONTENT_ENCODING_NOT_SUPPORTED = "content_encoding_not_supported"
+    BODY_TOO_COMPLEX = "body_too_complex"
     BODY_TOO_LARGE = "body_too_large"
     HEADERS_TOO_LARGE = "headers_too_large"
     UNAUTHORIZED = "unauthorized"
@@ -70,6 +71,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.BODY_NOT_JSON_OBJECT: 400,
     ErrorCode.MODEL_MISMATCH: 400,
     ErrorCode.CONTENT_ENCODING_NOT_SUPPORTED: 415,
+    ErrorCode.BODY_TOO_COMPLEX: 400,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.BODY_TOO_LARGE: 413,
@@ -95,6 +97,7 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.BODY_NOT_JSON_OBJECT: "Body is not a JSON object",
     ErrorCode.MODEL_MISMATCH: "Body model differs from x-model",
     ErrorCode.CONTENT_ENCODING_NOT_SUPPORTED: "Request content encoding not supported",
+    ErrorCode.BODY_TOO_COMPLEX: "Request body too complex",
     ErrorCode.UNAUTHORIZED: "Unauthorized",
     ErrorCode.REQUEST_TIMEOUT: "Request timeout",
     ErrorCode.BODY_TOO_LARGE: "Request body too large",

@@ -11,11 +11,12 @@ from typing import Any
 
 import orjson
 
+from pylon.core.body import BodyView, inspect_body, rewrite_body
 from pylon.core.contract import HealthRequest, TunnelRequest
 from pylon.core.errors import BodyError, ErrorCode
 from pylon.core.http import Header
 from pylon.core.priority import PriorityAdapter, PriorityWrite
-from pylon.core.sanitize import sanitize_body, sanitize_request_headers
+from pylon.core.sanitize import sanitize_request_headers
 from pylon.core.target import UpstreamTarget
 
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
@@ -126,58 +127,41 @@ class Planner:
     ) -> tuple[bytes, tuple[str, ...], bool]:
         if not body and request.method in _BODYLESS_METHODS:
             return body, (), False
-        parsed = parse_json_object(body)
-        _check_model(parsed, request.model)
-        sanitized = sanitize_body(parsed)
-        stream = parsed.get("stream") is True
+        view = inspect_body(body)
+        _check_model(view, request.model)
         priority = write.body_priority if request.path in BODY_PRIORITY_PATHS else None
-        if not sanitized.changed and not _may_hide_fields(body):
+        if view.verbatim:
             # The common case: forward the client's own bytes, at most with pylon's priority
             # appended, so no value is ever re-encoded.
             if priority is None:
-                return body, (), stream
-            return append_member(body, "priority", priority), (), stream
-        return rewrite_exactly(body, priority), sanitized.stripped, stream
+                return body, (), view.stream
+            return append_member(body, "priority", priority), (), view.stream
+        return rewrite_body(body, view, priority), view.stripped, view.stream
+
+
+_JSON_WHITESPACE = b" \t\r\n"
 
 
 def append_member(body: bytes, key: str, value: int) -> bytes:
     """Add `"key": value` to a JSON object the caller knows has no such key."""
-    end = body.rstrip(b" \t\r\n")
-    assert end.endswith(b"}"), "caller passes a validated JSON object"
+    # Offsets, then one join: a large body is copied once, not once per step. (`rstrip` returns
+    # the body itself when nothing trails it.)
+    end = len(body.rstrip(_JSON_WHITESPACE))
+    assert body[end - 1 : end] == b"}", "caller passes a validated JSON object"
+    inner = end - 1
+    if inner and body[inner - 1] in _JSON_WHITESPACE:  # pretty-printed: space before the `}`
+        inner = len(body[:inner].rstrip(_JSON_WHITESPACE))
+    separator = b"" if body[inner - 1 : inner] == b"{" else b","
     member = orjson.dumps(key) + b":" + str(value).encode("ascii")
-    inner = end[:-1].rstrip(b" \t\r\n")
-    separator = b"" if inner.endswith(b"{") else b","
-    return inner + separator + member + b"}"
-
-
-def rewrite_exactly(body: bytes, priority: int | None) -> bytes:
-    """Re-encode a body that lost fields (or repeated a key), losing nothing else.
-
-    orjson turns integers beyond 64 bits into floats; the standard library keeps every number
-    exactly, so this rarer path uses it. orjson has already validated the document.
-    """
-    exact = sanitize_body(json.loads(body)).body
-    if priority is not None:
-        exact["priority"] = priority
-    return json.dumps(exact, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-# Containers whose denied keys could hide in an earlier duplicate: orjson keeps the last of
-# repeated keys, so `{"nvext": {"dp_rank": 1}, "nvext": {}}` looks clean, and forwarding the
-# client's bytes would hand the first `nvext` to any engine that reads the first one.
-_CONTAINER_KEYS = (b'"nvext"', b'"vllm_xargs"')
-
-
-def _may_hide_fields(body: bytes) -> bool:
-    """Could forwarding these bytes verbatim give the engine a key pylon did not see?"""
-    # Cheap screen first: without an escape, a repeated container key is spelt out twice.
-    if b"\\u" not in body and all(body.count(key) < 2 for key in _CONTAINER_KEYS):
-        return False
-    return has_duplicate_keys(body)
+    return b"".join((memoryview(body)[:inner], separator, member, b"}"))
 
 
 def has_duplicate_keys(body: bytes) -> bool:
-    """True when any JSON object in the (already validated) document repeats a key."""
+    """True when any JSON object in the (already validated) document repeats a key.
+
+    A reference check built on the standard library (tests use it on what the engine receives);
+    the planner itself only needs the top level, and counts it in `pylon.core.body`.
+    """
     found = False
 
     def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -190,38 +174,16 @@ def has_duplicate_keys(body: bytes) -> bool:
     return found
 
 
-def _check_model(body: dict[str, Any], model: str) -> None:
+def _check_model(view: BodyView, model: str) -> None:
     """The gateway routed, authorised and accounts this request by `x-model`; the engine serves
     the body's `model`. They must be the same model, or the client gets another model than the
     one it was let through for. Refused rather than rewritten: pylon never changes what the
-    client asked for silently."""
-    if "model" in body and body["model"] != model:
+    client asked for silently. A repeated `model` is refused too: engines differ in which copy
+    they read."""
+    if view.model_count > 1:
+        raise BodyError("body model is given more than once", code=ErrorCode.MODEL_MISMATCH)
+    if view.model_count == 1 and view.model != model:
         raise BodyError(
-            f"body model {body['model']!r} differs from x-model {model!r}",
+            f"body model {view.model!r} differs from x-model {model!r}",
             code=ErrorCode.MODEL_MISMATCH,
         )
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    if not body:
-        raise BodyError("request body must be a JSON object; it is empty")
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BodyError(f"request body is not valid JSON: {exc.msg}") from exc
-    if not isinstance(parsed, dict):
-        raise BodyError(f"request body must be a JSON object, not {_json_kind(parsed)}")
-    nvext = parsed.get("nvext")
-    if nvext is not None and not isinstance(nvext, dict):
-        raise BodyError("nvext must be a JSON object", code=ErrorCode.BODY_NOT_JSON_OBJECT)
-    return parsed
-
-
-def _json_kind(value: object) -> str:
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, str):
-        return "a string"
-    if value is None:
-        return "null"
-    return "a scalar"

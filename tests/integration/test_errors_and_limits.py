@@ -79,6 +79,25 @@ async def test_body_must_be_a_json_object(make_stack: StackFactory, raw: bytes) 
     assert (await stack.control())["requests"] == []
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"cache_salt":"t","x":' + b"[" * 1010 + b"]" * 1010 + b"}",  # was: RecursionError
+        b'{"x":' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b"{" + b",".join(b'"k%d":0' % i for i in range(2000)) + b"}",
+        b'{"nvext":{' + b",".join(b'"k%d":0' % i for i in range(2000)) + b"}}",
+    ],
+)
+async def test_body_too_complex_is_400(make_stack: StackFactory, raw: bytes) -> None:
+    stack = await make_stack("dynamo")
+    reply = await stack.client.post(
+        f"{stack.pylon_url}{CHAT}", content=raw, headers={"x-request-id": "c", "x-model": MODEL}
+    )
+    assert reply.status_code == 400
+    assert problem(400, reply.content, "body_too_complex")["request_id"] == "c"
+    assert (await stack.control())["requests"] == []
+
+
 async def test_declared_body_over_limit_is_413_before_reading(make_stack: StackFactory) -> None:
     stack = await make_stack("dynamo", max_body_bytes=1000)
     host, port = stack.pylon_address

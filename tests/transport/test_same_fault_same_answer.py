@@ -31,11 +31,13 @@ class Answer:
     problem: dict[str, Any] | None
 
 
-async def send(stack: Stack, protocol: str, fields: list[Header], body: bytes) -> Answer:
-    """`fields` are regular header fields (lower-case); the request line is POST /v1/chat/..."""
+async def send(
+    stack: Stack, protocol: str, fields: list[Header], body: bytes, path: bytes = CHAT
+) -> Answer:
+    """`fields` are regular header fields (lower-case); the request is POST `path`."""
     if protocol == "http1":
-        return await _send_http1(stack, fields, body)
-    pseudo = [(b":method", b"POST"), (b":scheme", b"https"), (b":path", CHAT)]
+        return await _send_http1(stack, fields, body, path)
+    pseudo = [(b":method", b"POST"), (b":scheme", b"https"), (b":path", path)]
     pseudo.append((b":authority", b"localhost"))
     if protocol == "h2":
         client = await H2Client.connect(stack.pylon_address)
@@ -51,8 +53,8 @@ async def send(stack: Stack, protocol: str, fields: list[Header], body: bytes) -
     return Answer(status, json.loads(payload) if status is not None and payload else None)
 
 
-async def _send_http1(stack: Stack, fields: list[Header], body: bytes) -> Answer:
-    lines = [b"POST " + CHAT + b" HTTP/1.1", b"host: localhost", b"connection: close"]
+async def _send_http1(stack: Stack, fields: list[Header], body: bytes, path: bytes) -> Answer:
+    lines = [b"POST " + path + b" HTTP/1.1", b"host: localhost", b"connection: close"]
     lines += [name + b": " + value for name, value in fields]
     if not any(name == b"content-length" for name, _ in fields):
         lines.append(b"content-length: " + str(len(body)).encode())
@@ -149,3 +151,59 @@ async def test_cookie_crumbs_reach_the_engine_as_one_field(
     record = (await stack.records())[-1]
     cookies = [value for name, value in record["headers"] if name.lower() == "cookie"]
     assert cookies == ["a=1; b=2"]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_body_model_other_than_x_model_is_400(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    stack = await make_stack()
+    other = json.dumps({"model": "other-model", "messages": [], "max_tokens": 2}).encode()
+    await assert_answer(stack, await send(stack, protocol, tunnel(), other), 400, "model_mismatch")
+    twice = b'{"model":"other-model","messages":[],"model":"mock-model"}'
+    await assert_answer(stack, await send(stack, protocol, tunnel(), twice), 400, "model_mismatch")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("coding", [b"gzip", b"deflate", b"br", b"GZIP, identity"])
+async def test_a_content_encoded_body_is_415(
+    make_stack: StackFactory, protocol: str, coding: bytes
+) -> None:
+    stack = await make_stack()
+    answer = await send(stack, protocol, tunnel(b"fault-1", (b"content-encoding", coding)), BODY)
+    await assert_answer(stack, answer, 415, "content_encoding_not_supported")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(
+    "path",
+    [
+        b"/v1//chat/completions",
+        b"/v1/./chat/completions",
+        b"/v1/x/../chat/completions",
+        b"/v1/chat%2Fcompletions",
+        b"/v1/%2e%2e/chat/completions",
+        b"/v1/chat/completions#frag",
+        b"/v1/chat/completions%00",
+    ],
+)
+async def test_an_ambiguous_request_path_is_400(
+    make_stack: StackFactory, protocol: str, path: bytes
+) -> None:
+    stack = await make_stack()
+    answer = await send(stack, protocol, tunnel(), BODY, path)
+    await assert_answer(stack, answer, 400, "malformed_request")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_percent_encoded_route_gets_the_same_priority_write(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    """pylon decides by the route the engine will see, and forwards the client's spelling."""
+    stack = await make_stack("vllm")
+    spelled = b"/v1/%63hat/completions"
+    answer = await send(stack, protocol, tunnel(b"ok-1", (b"x-priority", b"7")), BODY, spelled)
+    assert answer.status == 200, answer
+    record = (await stack.records())[-1]
+    assert record["raw_path"] == spelled.decode()
+    assert record["body"]["priority"] == 7

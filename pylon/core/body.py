@@ -1,0 +1,224 @@
+"""A request body, read in time linear in its size: what pylon needs from it, and the rewrite.
+
+Pure and synchronous like the rest of `pylon.core`, but it runs on the event loop that relays
+every stream of the node, so nothing here may cost more than a few ms per MiB, for any body:
+
+* `inspect_body` validates the whole document with msgspec, decoding only the top-level members
+  pylon reads (every denied field, `nvext`, `vllm_xargs`, `stream`) and skipping the rest without
+  building it: a 20 MiB message string or a million `[]` costs a scan, not a Python object each.
+  A second scan counts the top-level keys, repeats included (see `_top_level_keys`), so a repeated
+  `nvext` or `vllm_xargs` is seen however its name is spelt.
+* `rewrite_body` re-emits only the top level (and `nvext` / `vllm_xargs`): every other value is
+  copied as the client's own bytes, so integers beyond 64 bits, float spellings and escapes
+  survive exactly, and nothing is re-encoded recursively.
+
+Limits (docs/api-contract.md, "Body limits"): an object pylon reads member by member (the top
+level, `nvext`, `vllm_xargs`) holds at most `MAX_OBJECT_MEMBERS` members, repeats included; nesting
+is bounded by msgspec's recursion guard (CPython's recursion limit, about 1,000 levels by default).
+Both are answered 400 `body_too_complex`; no LLM request comes near either.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pylon.core.errors import BodyError, ErrorCode
+from pylon.core.sanitize import DENIED_BODY_FIELDS, DENIED_NESTED_FIELDS, sanitize_body
+
+MAX_OBJECT_MEMBERS = 1024
+
+# Top-level objects sanitize_body looks into: a repeat of one could hide a denied key from pylon
+# (it reads the last of repeated keys) while an engine reads the first.
+CONTAINER_KEYS: tuple[str, ...] = ("nvext", *sorted({parent for parent, _ in DENIED_NESTED_FIELDS}))
+
+_ABSENT = msgspec.Raw()  # a present value is never empty
+
+
+def _raw_fields(name: str, keys: list[str]) -> type[msgspec.Struct]:
+    """A Struct reading `keys` as raw JSON text and skipping every other member unbuilt."""
+    slots = [f"f{i}" for i in range(len(keys))]
+    return msgspec.defstruct(
+        name,
+        [(slot, msgspec.Raw, _ABSENT) for slot in slots],
+        rename=dict(zip(slots, keys, strict=True)),
+        gc=False,
+    )
+
+
+# Everything sanitize_body can remove or look into, and `stream`: nothing else is built.
+_TOP_KEYS = sorted({*DENIED_BODY_FIELDS, *CONTAINER_KEYS, "stream", "model"})
+_TOP_INDEX = {key: index for index, key in enumerate(_TOP_KEYS)}
+_TOP_DECODER = msgspec.json.Decoder(_raw_fields("_TopLevel", _TOP_KEYS))
+_RAW_DECODER = msgspec.json.Decoder(msgspec.Raw)
+_ANY_DECODER = msgspec.json.Decoder()
+_MEMBERS_DECODER = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ENCODER = msgspec.json.Encoder()
+
+# The key census: `{"a":1,"b":{"c":[]}}` read as the array `["a",1,"b",["c",[]]]`. Mapping the
+# bytes `{ } :` to `[ ] ,` keeps every string a string of the same length (UTF-8 never uses ASCII
+# bytes inside a multi-byte character) and turns each object into an array of alternating keys
+# and values, so one msgspec pass over an `array_like` Struct yields the top-level keys in order,
+# repeats included, decoding at most MAX_OBJECT_MEMBERS + 1 of them and skipping the rest. Only
+# keys containing `{`, `}` or `:` read differently, and no name pylon looks for contains them.
+_OBJECT_AS_ARRAY = bytes.maketrans(b"{}:", b"[],")
+
+
+def _census_decoder(members: int) -> msgspec.json.Decoder[Any]:
+    """Reads the first `members` + 1 keys of an object read as an array (one past, to see more)."""
+    fields = [
+        pair
+        for i in range(members + 1)
+        for pair in ((f"k{i}", str | None, None), (f"v{i}", msgspec.Raw, _ABSENT))
+    ]
+    return msgspec.json.Decoder(
+        msgspec.defstruct(f"_KeyCensus{members}", fields, array_like=True, gc=False)
+    )
+
+
+# A Struct of 2,050 fields costs ~10 us to build: a small object (an LLM request's top level
+# has a dozen members) is counted by a small census first; a large one, where ~10 us is noise and
+# a second scan is not, by the full census at once.
+_SMALL_CENSUS = (32, _census_decoder(32))
+_FULL_CENSUS = (MAX_OBJECT_MEMBERS, _census_decoder(MAX_OBJECT_MEMBERS))
+_SMALL_OBJECT_BYTES = 64 * 1024
+
+_UTF8_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class BodyView:
+    """What pylon read from a JSON object body."""
+
+    stream: bool  # `"stream": true`, literally
+    model: object  # the (last) top-level `model` value, decoded; None when absent
+    model_count: int  # how many top-level `model` members the body has
+    stripped: tuple[str, ...]  # dotted paths the strip removes, e.g. "nvext.backend_instance_id"
+    repeated: tuple[str, ...]  # CONTAINER_KEYS given more than once at the top level
+    # The decoded members of `nvext` / `vllm_xargs` where they are objects (for rewrite_body).
+    containers: Mapping[str, dict[str, msgspec.Raw]] = field(repr=False)
+
+    @property
+    def verbatim(self) -> bool:
+        """Can the client's bytes go to the engine as they are (at most a member appended)?"""
+        return not self.stripped and not self.repeated
+
+
+def inspect_body(body: bytes) -> BodyView:
+    """Validate a body that must be a JSON object; raises `BodyError` (400) otherwise."""
+    if not body:
+        raise BodyError("request body must be a JSON object; it is empty")
+    top = _decode(_TOP_DECODER, body)
+    _check_utf8(body)  # msgspec checks the strings it decodes, not the ones it skips
+    keys = _top_level_keys(body)
+    values = msgspec.structs.astuple(top)
+    fields: dict[str, Any] = {}
+    for key in dict.fromkeys(keys):  # the client's order, so `stripped` lists paths as sent
+        index = _TOP_INDEX.get(key)
+        if index is not None:
+            fields[key] = values[index]
+    containers: dict[str, dict[str, msgspec.Raw]] = {}
+    for key in CONTAINER_KEYS:
+        raw = fields.get(key)
+        if raw is None:
+            continue
+        first = memoryview(raw)[:1].tobytes()
+        if first == b"{":
+            fields[key] = containers[key] = object_members(bytes(raw))
+        elif key == "nvext" and first != b"n":
+            raise BodyError("nvext must be a JSON object", code=ErrorCode.BODY_NOT_JSON_OBJECT)
+    stream = fields.get("stream")
+    model = fields.get("model")
+    return BodyView(
+        stream=stream is not None and bytes(stream) == b"true",
+        model=None if model is None else _decode(_ANY_DECODER, bytes(model)),
+        model_count=keys.count("model"),
+        stripped=sanitize_body(fields).stripped,
+        repeated=tuple(key for key in CONTAINER_KEYS if key in fields and keys.count(key) > 1),
+        containers=containers,
+    )
+
+
+def rewrite_body(body: bytes, view: BodyView, priority: int | None) -> bytes:
+    """The body without its denied fields (and repeated keys), other values byte for byte.
+
+    `body` has passed `inspect_body` (which returned `view`): it is valid, and its top level is
+    within MAX_OBJECT_MEMBERS. Repeated keys keep their last value, as pylon read them.
+    """
+    members: dict[str, Any] = _decode(_MEMBERS_DECODER, body)
+    for key, value in view.containers.items():
+        members[key] = value  # the same (last) occurrence msgspec gave inspect_body
+    exact = sanitize_body(members).body
+    if priority is not None:
+        exact["priority"] = priority
+    return _ENCODER.encode(exact)
+
+
+def object_members(text: bytes) -> dict[str, msgspec.Raw]:
+    """The members of a validated JSON object (last of repeated keys), values as raw text."""
+    _top_level_keys(text)  # bound the member count before building a dict of them
+    members: dict[str, msgspec.Raw] = _decode(_MEMBERS_DECODER, text)
+    return members
+
+
+def _top_level_keys(text: bytes) -> list[str]:
+    """Every key of a validated JSON object, in order and with repeats; see `_OBJECT_AS_ARRAY`."""
+    array = text.translate(_OBJECT_AS_ARRAY)
+    small = len(text) < _SMALL_OBJECT_BYTES
+    for limit, decoder in (_SMALL_CENSUS, _FULL_CENSUS) if small else (_FULL_CENSUS,):
+        try:
+            census = decoder.decode(array)
+        except (msgspec.MsgspecError, RecursionError):
+            # Cannot happen for a validated object (the array is as valid and as deep, and
+            # msgspec ignores elements past the last field); were it to, refuse, never guess.
+            raise BodyError(
+                "request body could not be read", code=ErrorCode.BODY_TOO_COMPLEX
+            ) from None
+        keys: tuple[str | None, ...] = msgspec.structs.astuple(census)[0::2]
+        if keys[limit] is None:
+            return [key for key in keys if key is not None]
+    raise BodyError(
+        f"a JSON object in the request body has more than {MAX_OBJECT_MEMBERS} members",
+        code=ErrorCode.BODY_TOO_COMPLEX,
+    )
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], data: bytes) -> Any:
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError:
+        # Valid JSON of another kind (it is validated first, so `[1,` still reads as invalid).
+        raise BodyError(f"request body must be a JSON object, not {_json_kind(data)}") from None
+    except msgspec.DecodeError as exc:
+        raise BodyError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BodyError("request body nests too deeply", code=ErrorCode.BODY_TOO_COMPLEX) from None
+
+
+def _json_kind(data: bytes) -> str:
+    first = memoryview(_decode(_RAW_DECODER, data))[:1].tobytes()
+    if first == b"[":
+        return "an array"
+    if first == b'"':
+        return "a string"
+    if first == b"n":
+        return "null"
+    return "a scalar"
+
+
+def _check_utf8(body: bytes) -> None:
+    if body.isascii():
+        return
+    # In chunks: the decoded text is thrown away, so memory stays bounded whatever the size.
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(body)
+    try:
+        for start in range(0, len(body), _UTF8_CHUNK):
+            decoder.decode(view[start : start + _UTF8_CHUNK])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise BodyError("request body is not valid JSON: it is not valid UTF-8") from None

@@ -1,0 +1,335 @@
+"""pylon.core.body: the skim accepts exactly the JSON objects orjson accepted, within its limits."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from pylon.core.body import (
+    _OBJECT_AS_ARRAY,
+    _UTF8_CHUNK,
+    CONTAINER_KEYS,
+    MAX_OBJECT_MEMBERS,
+    _top_level_keys,
+    inspect_body,
+    rewrite_body,
+)
+from pylon.core.errors import BodyError, ErrorCode
+from pylon.core.sanitize import sanitize_body
+
+from .helpers import tunnel
+from .test_sanitize_body import body_text, json_values, planner
+
+# --- validity: the same verdict as orjson (the parser before msgspec) ------------------------
+
+_NOISE = [
+    b'"',
+    b"\\",
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b" ",
+    b"\\u",
+    b"\\ud800",
+    b"\\udc00",
+    b"\\ud83d\\ude00",
+    b"u",
+    b"0",
+    b"1",
+    b"-",
+    b".",
+    b"e",
+    b"E+",
+    b"n",
+    b"null",
+    b"true",
+    b"\x00",
+    b"\x1f",
+    b"\x7f",
+    b"\xff",
+    b"\xc3",
+    b"\xc3\xa9",
+    b"\xed\xa0\x80",
+    b"\xf4\x90\x80\x80",
+    b"\xc0\x80",
+    b"\xef\xbb\xbf",
+    b"\t",
+    b"\x0b",
+]
+
+
+@st.composite
+def near_json(draw: st.DrawFn) -> bytes:
+    """A JSON text (object or not) with a few bytes inserted, deleted or replaced."""
+    value = draw(json_values | st.dictionaries(st.text(max_size=4), json_values, max_size=4))
+    text = bytearray(json.dumps(value, ensure_ascii=draw(st.booleans())).encode())
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(text)))
+        action = draw(st.sampled_from(["insert", "delete", "replace"]))
+        noise = draw(st.sampled_from(_NOISE))
+        if action == "insert":
+            text[at:at] = noise
+        elif action == "delete":
+            del text[at : at + draw(st.integers(1, 3))]
+        else:
+            text[at : at + len(noise)] = noise
+    return bytes(text)
+
+
+def orjson_verdict(body: bytes) -> bool:
+    """What pylon accepted before msgspec: orjson parses it to a dict, `nvext` an object or null."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        # orjson refuses numbers beyond the float range; they are valid JSON (RFC 8259 section 6)
+        # and pylon now forwards them as written, the engine deciding what to make of them.
+        assume("infinity" not in str(exc))
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("nvext", {}), dict | None)
+
+
+def verdict(body: bytes) -> bool:
+    try:
+        inspect_body(body)
+    except BodyError as error:
+        assert error.code is ErrorCode.BODY_NOT_JSON_OBJECT, error.detail
+        assert error.status == 400
+        return False
+    return True
+
+
+@settings(max_examples=1500, deadline=None)
+@given(near_json())
+def test_accepts_exactly_what_orjson_accepted(body: bytes) -> None:
+    assert verdict(body) == orjson_verdict(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a":"\\ud800"}',
+        b'{"a":["x",{"b":"\\udc00"}]}',
+        b'{"a":"\\ud800\\ud800"}',
+        b'{"a":{"b":"\xff"}}',
+        b'{"a":["\xc3"]}',
+        b'{"a":"\xed\xa0\x80"}',  # a surrogate written as UTF-8
+        b'{"a":"\xc0\x80"}',  # overlong
+        b'{"a":"\xf4\x90\x80\x80"}',  # beyond U+10FFFF
+        b'{"a":"\x01"}',
+        b'{"a":[1,]}',
+        b'{"a":01}',
+        b'{"a":NaN}',
+        b'{"a":Infinity}',
+        b'\xef\xbb\xbf{"a":1}',
+        b'{"a":1}\x0b',
+    ],
+)
+def test_invalid_anywhere_is_400(body: bytes) -> None:
+    with pytest.raises(BodyError) as info:
+        planner().plan(tunnel(), body)
+    assert info.value.code is ErrorCode.BODY_NOT_JSON_OBJECT
+
+
+def test_utf8_checked_across_chunk_boundaries() -> None:
+    for shift in range(4):
+        pad = b"x" * (_UTF8_CHUNK - 10 - shift)
+        body = b'{"a":"' + pad + "é😀€".encode() * 4 + b'"}'
+        assert planner().plan(tunnel(), body).body == body
+        broken = b'{"a":"' + pad + "😀".encode()[:3] + b'"}'
+        with pytest.raises(BodyError):
+            planner().plan(tunnel(), broken)
+
+
+def test_out_of_range_numbers_are_forwarded_as_written() -> None:
+    body = b'{"temperature":1e999,"x":[-1E400]}'
+    assert planner().plan(tunnel(), body).body == body
+    stripped = planner().plan(tunnel(), b'{"cache_salt":"s","temperature":1e999}').body
+    assert stripped == b'{"temperature":1e999}'
+
+
+# --- the key census --------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(body_text())
+def test_census_lists_every_top_level_key_with_repeats(body: bytes) -> None:
+    pairs = json.loads(body, object_pairs_hook=lambda pairs: pairs)
+    as_array = str.maketrans("{}:", "[],")
+    assert _top_level_keys(body) == [key.translate(as_array) for key, _ in pairs]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text(max_size=6), json_values), max_size=8), st.booleans())
+def test_census_keys_with_structural_characters(members: list[Any], ascii_only: bool) -> None:
+    members = [(key + "{:}", value) for key, value in members]
+    body = (
+        b"{"
+        + b",".join(
+            json.dumps(k, ensure_ascii=ascii_only).encode()
+            + b":"
+            + json.dumps(v, ensure_ascii=ascii_only).encode()
+            for k, v in members
+        )
+        + b"}"
+    )
+    keys = _top_level_keys(body)
+    assert len(keys) == len(members)
+    assert keys == [k.translate(str.maketrans("{}:", "[],")) for k, _ in members]
+    assert len(body.translate(_OBJECT_AS_ARRAY)) == len(body)
+
+
+# --- what the view says ------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(body_text())
+def test_view_matches_the_stdlib_reading(body: bytes) -> None:
+    view = inspect_body(body)
+    parsed = json.loads(body)
+    pairs = json.loads(body, object_pairs_hook=lambda pairs: pairs)
+    keys = [key for key, _ in pairs]
+    assert view.stream is (parsed.get("stream") is True)
+    assert view.stripped == sanitize_body(parsed).stripped
+    assert view.repeated == tuple(k for k in CONTAINER_KEYS if keys.count(k) > 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body_text(), st.none() | st.integers(0, 2**31 - 1))
+def test_rewrite_is_the_sanitized_object(body: bytes, priority: int | None) -> None:
+    view = inspect_body(body)
+    expected = sanitize_body(json.loads(body)).body
+    if priority is not None:
+        expected["priority"] = priority
+    assert json.loads(rewrite_body(body, view, priority)) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(body_text())
+def test_verbatim_exactly_when_nothing_is_stripped_or_repeated(body: bytes) -> None:
+    pairs = json.loads(body, object_pairs_hook=lambda pairs: pairs)
+    keys = [key for key, _ in pairs]
+    clean = not sanitize_body(json.loads(body)).changed
+    unrepeated = all(keys.count(k) < 2 for k in CONTAINER_KEYS)
+    try:
+        plan = planner("dynamo").plan(tunnel(), body)  # dynamo writes no body priority
+    except BodyError as error:  # a repeated `model` is refused, whatever else the body holds
+        assert error.code is ErrorCode.MODEL_MISMATCH and keys.count("model") > 1
+        return
+    assert (plan.body == body) is (clean and unrepeated)
+
+
+def test_rewrite_copies_values_byte_for_byte() -> None:
+    values = [
+        b"18446744073709551617999",
+        b"-0.0",
+        b"1E2",
+        b"1.50000000000000000001",
+        b'"caf\\u00e9 \\ud83d\\ude00 \\/ \\"q\\""',
+        b'[ 1 , { "k" : [ ] } ]',
+        '"é😀"'.encode(),
+    ]
+    body = b'{"cache_salt":"t",' + b",".join(b'"v%d" : %s' % (i, v) for i, v in enumerate(values))
+    plan = planner().plan(tunnel(), body + b"}")
+    expected = b"{" + b",".join(b'"v%d":%s' % (i, v) for i, v in enumerate(values)) + b"}"
+    assert plan.body == expected
+    assert plan.stripped == ("cache_salt",)
+
+
+def test_stripped_paths_in_body_order() -> None:
+    body = b'{"rid":1,"nvext":{"dp_rank":1,"x":1,"agent_hints":{}},"cache_salt":"s","priority":3}'
+    plan = planner().plan(tunnel(), body)
+    assert plan.stripped == (
+        "rid",
+        "nvext.dp_rank",
+        "nvext.agent_hints",
+        "cache_salt",
+        "priority",
+    )
+
+
+# --- limits ------------------------------------------------------------------------------------
+
+
+def members(n: int, repeat: bool = False) -> bytes:
+    return b",".join(b'"k%d":%d' % (0 if repeat else i, i) for i in range(n))
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda m: b"{" + m + b"}",
+        lambda m: b'{"nvext":{' + m + b"}}",
+        lambda m: b'{"vllm_xargs":{' + m + b"}}",
+        lambda m: b'{"cache_salt":1,"nvext":{"dp_rank":1,' + m + b"}}",
+    ],
+)
+def test_member_limit(wrap: Any) -> None:
+    extra = 1 if wrap(b"").startswith(b'{"cache_salt') else 0  # nvext holds dp_rank too
+    at_limit = wrap(members(MAX_OBJECT_MEMBERS - extra))
+    planner().plan(tunnel(), at_limit)
+    for over in (
+        wrap(members(MAX_OBJECT_MEMBERS + 1)),
+        wrap(members(MAX_OBJECT_MEMBERS + 1, repeat=True)),  # repeats count too
+        wrap(members(200_000)),
+    ):
+        with pytest.raises(BodyError) as info:
+            planner().plan(tunnel(), over)
+        assert info.value.code is ErrorCode.BODY_TOO_COMPLEX
+        assert info.value.status == 400
+
+
+def test_members_deeper_down_are_not_limited() -> None:
+    body = b'{"messages":[{' + members(50_000) + b'}],"x":{' + members(50_000) + b"}}"
+    assert planner().plan(tunnel(), body).body == body
+
+
+@pytest.mark.parametrize("depth", [2_000, 100_000, 1_000_000])
+@pytest.mark.parametrize("open_close", [(b"[", b"]"), (b'{"a":', b"}")])
+def test_deep_nesting_is_400(depth: int, open_close: tuple[bytes, bytes]) -> None:
+    opening, closing = open_close
+    for prefix in (b'{"x":', b'{"cache_salt":1,"x":', b'{"nvext":{"x":', b'{"vllm_xargs":{"x":'):
+        body = prefix + opening * depth + b"1" + closing * depth + b"}" * prefix.count(b"{")
+        with pytest.raises(BodyError) as info:
+            planner().plan(tunnel(), body)
+        assert info.value.code is ErrorCode.BODY_TOO_COMPLEX
+
+
+def test_nesting_an_llm_request_uses_is_fine() -> None:
+    deep = b"[" * 200 + b"]" * 200
+    for body in (b'{"x":' + deep + b"}", b'{"cache_salt":1,"x":' + deep + b"}"):
+        plan = planner().plan(tunnel(), body)
+        assert json.loads(plan.body)["x"] == json.loads(deep)
+
+
+def test_every_depth_gets_an_answer() -> None:
+    # Around the recursion limit: accepted or a 400, never an exception that answers nothing.
+    for depth in range(800, 1200, 7):
+        body = b'{"cache_salt":1,"x":' + b"[" * depth + b"]" * depth + b"}"
+        try:
+            planner().plan(tunnel(), body)
+        except BodyError as error:
+            assert error.code is ErrorCode.BODY_TOO_COMPLEX
+
+
+def test_member_limit_in_large_bodies() -> None:
+    # Past 64 KiB the census goes straight to the full count; the limit is the same.
+    value = b'"' + b"v" * 200 + b'"'
+    for count, ok in ((MAX_OBJECT_MEMBERS, True), (MAX_OBJECT_MEMBERS + 1, False)):
+        body = b"{" + b",".join(b'"k%d":%s' % (i, value) for i in range(count)) + b"}"
+        assert len(body) > 64 * 1024
+        for prefix in (b"", b'{"cache_salt":1,"nvext":'):
+            text = prefix + body + b"}" * bool(prefix)
+            if ok:
+                planner().plan(tunnel(), text)
+                continue
+            with pytest.raises(BodyError) as info:
+                planner().plan(tunnel(), text)
+            assert info.value.code is ErrorCode.BODY_TOO_COMPLEX
