@@ -31,11 +31,13 @@ from h2.events import (
     DataReceived,
     Event,
     PingReceived,
+    PriorityUpdated,
     RemoteSettingsChanged,
     RequestReceived,
     StreamEnded,
     StreamReset,
     TrailersReceived,
+    UnknownFrameReceived,
     WindowUpdated,
 )
 from h2.exceptions import InvalidBodyLengthError, ProtocolError, StreamClosedError
@@ -57,6 +59,8 @@ KiB = 1024
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # A stream's unsent response bytes above this pause the proxy until the peer opens its window.
 _HIGH_WATER = 64 * KiB
+# WINDOW_UPDATE frames a peer may send beyond two per DATA frame pylon sent.
+_WINDOW_UPDATE_ALLOWANCE = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +198,15 @@ class Http2Connection(asyncio.Protocol):
         self._closed = False
         self._timer = Deadline(self.loop, self._idle)
         self._goaway_sent: int | None = None  # last stream id named in our graceful GOAWAY
+        # Flood guards (CVE-2019-9512/9513/9514/9515/9518, CVE-2023-44487): frames that cost us
+        # work and carry no request progress, counted per window; past the limit the abusive
+        # connection (only it) gets GOAWAY ENHANCE_YOUR_CALM.
         self._control = RateGuard(limits.max_control_frames, limits.flood_window)
+        self._empty = RateGuard(limits.max_control_frames, limits.flood_window)
+        self._refused = RateGuard(limits.max_stream_resets, limits.flood_window)
+        # WINDOW_UPDATEs are legitimate in proportion to the DATA frames we send (Envoy's rule).
+        self._data_frames_sent = 0
+        self._window_updates = 0
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -250,7 +262,9 @@ class Http2Connection(asyncio.Protocol):
         # REFUSED_STREAM, a header block over our limit 431. The looser values still bound
         # memory (an HPACK bomb stops at `hard_headers`).
         enforced = dict(advertised)
-        enforced[SettingCodes.MAX_CONCURRENT_STREAMS] = limits.max_streams + 16
+        # h2 would make a stream past its limit a connection error; pylon refuses the stream
+        # itself (REFUSED_STREAM) and never kills the streams already running on the connection.
+        enforced[SettingCodes.MAX_CONCURRENT_STREAMS] = 2**31 - 1
         hard_headers = max(64 * KiB, 2 * (limits.max_header_bytes + 32 * limits.max_headers))
         enforced[SettingCodes.MAX_HEADER_LIST_SIZE] = hard_headers
         h2.local_settings = Settings(client=False, initial_values=enforced)
@@ -268,6 +282,10 @@ class Http2Connection(asyncio.Protocol):
         elif isinstance(event, StreamEnded):
             self._on_end(event.stream_id)
         elif isinstance(event, WindowUpdated):
+            self._window_updates += 1
+            if self._window_updates > 2 * self._data_frames_sent + _WINDOW_UPDATE_ALLOWANCE:
+                self._enhance_your_calm("window_update_flood")
+                return
             self._on_window(event.stream_id)
         elif isinstance(event, StreamReset):
             self._on_reset(event)
@@ -276,6 +294,9 @@ class Http2Connection(asyncio.Protocol):
         elif isinstance(event, PingReceived):
             if self._control.hit(self.loop.time()):
                 self._enhance_your_calm("ping_flood")
+        elif isinstance(event, PriorityUpdated | UnknownFrameReceived):
+            if self._control.hit(self.loop.time()):
+                self._enhance_your_calm("control_frame_flood")
         elif isinstance(event, TrailersReceived):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
@@ -295,7 +316,11 @@ class Http2Connection(asyncio.Protocol):
             self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             return
         if len(self._streams) >= self._limits.max_streams:
+            # Over the advertised limit: refuse this stream, keep the connection and the
+            # streams already running on it. A client that keeps doing it is flooding.
             self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            if self._refused.hit(self.loop.time()):
+                self._enhance_your_calm("refused_stream_flood")
             return
         self._timer.disarm()
         response = self._streams[sid] = H2Stream(self, sid)
@@ -316,6 +341,9 @@ class Http2Connection(asyncio.Protocol):
         sid = event.stream_id
         # Bodies are buffered whole and bounded by max_body: hand the window back at once.
         self._h2.acknowledge_received_data(event.flow_controlled_length, sid)
+        if not event.data and event.stream_ended is None and self._empty.hit(self.loop.time()):
+            self._enhance_your_calm("empty_frame_flood")  # CVE-2019-9518
+            return
         self._table.data(sid, event.data, ended=False)
 
     def _on_end(self, sid: int) -> None:
@@ -423,6 +451,7 @@ class Http2Connection(asyncio.Protocol):
             stream.pending_bytes -= len(chunk)
             ended = stream.ending and not pending
             h2.send_data(stream.id, chunk, end_stream=ended)
+            self._data_frames_sent += 1
         if not pending and stream.ending:
             if not ended:
                 h2.end_stream(stream.id)

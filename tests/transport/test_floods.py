@@ -1,12 +1,15 @@
-"""Flood guards: rapid reset (CVE-2023-44487) and PING/SETTINGS floods cost the abuser its
-connection, never pylon or the other connections (reliability cases F28, F29)."""
+"""Flood guards: rapid reset (CVE-2023-44487), PING/SETTINGS floods and floods of other cheap
+HTTP/2 frames cost the abuser its connection, never pylon or the other connections (reliability
+cases F28, F29); streams over the advertised limit are refused, never the connection killed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import pytest
 from h2.errors import ErrorCodes
+from hyperframe.frame import DataFrame, PriorityFrame, WindowUpdateFrame
 
 from pylon.core.flood import RateGuard
 from tests.h3client import request_headers
@@ -14,6 +17,7 @@ from tests.stack import StackFactory
 from tests.transport.h2client import H2Client
 from tests.transport.h2client import request_headers as h2_request_headers
 
+Header = tuple[bytes, bytes]
 BODY = json.dumps({"model": "mock-model", "messages": [], "max_tokens": 2}).encode()
 
 
@@ -92,3 +96,64 @@ async def test_h3_rapid_reset_closes_the_connection(make_stack: StackFactory) ->
     async with stack.connect() as fresh:
         reply = await fresh.request(body={"model": "mock-model", "messages": [], "max_tokens": 2})
         assert reply.status == 200
+
+
+async def _flood(
+    stack_address: tuple[str, int], frames: list[bytes], opener: list[Header] | None = None
+) -> H2Client:
+    """Open a connection (and a request stream left open), write raw frames, return the client."""
+    h2 = await H2Client.connect(stack_address)
+    if opener is not None:
+        h2.send(opener, None, end=False)
+    h2.writer.write(b"".join(frames))
+    return h2
+
+
+@pytest.mark.parametrize("kind", ["empty_data", "priority", "window_update", "unknown"])
+async def test_h2_cheap_frame_floods_get_enhance_your_calm(
+    make_stack: StackFactory, kind: str
+) -> None:
+    """CVE-2019-9513 (priority), -9518 (empty frames), -9517/9511 kin (window updates): frames
+    that carry no request progress cost the abuser its connection, and nobody else anything."""
+    stack = await make_stack("dynamo", max_control_frames=50)
+    frames = {
+        "empty_data": [DataFrame(1, data=b"").serialize() for _ in range(200)],
+        "priority": [PriorityFrame(3, depends_on=0, stream_weight=16).serialize()] * 200,
+        "window_update": [WindowUpdateFrame(0, window_increment=1).serialize()] * 2000,
+        # An extension frame type (RFC 9113 5.5): length 1, type 0xfa, no flags, stream 0.
+        "unknown": [b"\x00\x00\x01\xfa\x00\x00\x00\x00\x00x"] * 200,
+    }[kind]
+    h2 = await _flood(stack.pylon_address, frames, h2_request_headers(request_id="flood"))
+    try:
+        async with asyncio.timeout(5):
+            await h2.closed.wait()
+        assert h2.terminated is not None
+        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        await h2.close()
+    fresh = await H2Client.connect(stack.pylon_address)
+    try:
+        reply = await fresh.response(fresh.send(h2_request_headers(request_id="ok"), BODY))
+        assert reply.status == 200
+    finally:
+        await fresh.close()
+
+
+async def test_h2_streams_over_the_limit_are_refused_and_the_connection_lives(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(
+        "dynamo", mock={"ttft_ms": 300}, h2_max_concurrent_streams=2, max_stream_resets=100
+    )
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        h2.ignore_stream_limit()
+        sids = [h2.send(h2_request_headers(request_id=f"s-{i}"), BODY) for i in range(40)]
+        replies = [await h2.response(sid) for sid in sids]
+        assert [r.status for r in replies[:2]] == [200, 200]
+        assert {r.reset_code for r in replies[2:]} == {ErrorCodes.REFUSED_STREAM}
+        assert h2.terminated is None, "the connection was killed"
+        after = await h2.response(h2.send(h2_request_headers(request_id="after"), BODY))
+        assert after.status == 200
+    finally:
+        await h2.close()
