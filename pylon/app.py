@@ -108,6 +108,7 @@ def build_core(
             first_output_timeout=settings.first_output_timeout,
             output_gap_timeout=settings.output_gap_timeout,
             max_sse_event_bytes=settings.max_sse_event_bytes,
+            client_send_timeout=settings.client_send_timeout,
         ),
         retry=settings.retry_policy,
     )

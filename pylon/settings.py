@@ -61,6 +61,12 @@ class Settings(BaseSettings):
     max_headers: int = Field(100, ge=4, description="request header count limit (431)")
     first_output_timeout: float = Field(30.0, gt=0, description="seconds until first output")
     output_gap_timeout: float = Field(30.0, gt=0, description="seconds allowed between events")
+    client_send_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a client may keep the response waiting (not reading) before its "
+        "stream is reset and the engine request cancelled",
+    )
     max_sse_event_bytes: int = Field(1 * MiB, ge=64, description="largest unterminated event")
     upstream_connect_timeout: float = Field(5.0, gt=0, description="seconds to connect")
     upstream_idle_timeout: float = Field(

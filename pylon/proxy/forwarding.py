@@ -19,6 +19,7 @@ from pylon.core.sanitize import sanitize_response_headers
 from pylon.observe import Observer, RequestRecord
 from pylon.proxy.relay import (
     AlreadyAnswered,
+    ClientStalled,
     RelayLimits,
     Watchdog,
     is_event_stream,
@@ -119,6 +120,8 @@ class Proxy:
             await self._relay_response(plan, exchange, booking, sink, watchdog, record)
         except AlreadyAnswered as cut:
             record.outcome = cut.outcome
+        except ClientStalled:
+            record.outcome = "client_send_timeout"  # the stream was reset; the engine stops
         except (UpstreamBroken, UpstreamTimeout) as exc:
             # Nothing was sent to the client yet (the relays handle failures after the head).
             code = (

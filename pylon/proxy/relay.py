@@ -32,6 +32,7 @@ class RelayLimits:
     first_output_timeout: float  # seconds from dispatch to the first output event
     output_gap_timeout: float  # seconds allowed between events once output started
     max_sse_event_bytes: int  # largest event that may arrive without ending
+    client_send_timeout: float = 30.0  # seconds a client may leave the response unread
 
 
 class Watchdog(Deadline):
@@ -57,6 +58,30 @@ class Watchdog(Deadline):
     def arm_for(self, seconds: float, reason: str) -> None:
         self._reason = reason
         self.arm(seconds)
+
+
+class ClientStalled(Exception):
+    """The client stopped reading for the whole send timeout; its stream was reset."""
+
+
+async def drain_within(
+    sink: ResponseSink, watchdog: Watchdog, limits: RelayLimits, reason: str
+) -> None:
+    """Wait for a client that is not keeping up, but not forever.
+
+    The engine's clock is paused meanwhile (a slow client is not a stalled engine) and re-armed
+    for the output gap afterwards. A client that reads nothing for `client_send_timeout` has its
+    stream reset (HTTP/1.1: the connection closed), and the engine request is cancelled: a GPU
+    sequence must not run for a reader that is gone.
+    """
+    watchdog.disarm()
+    try:
+        async with asyncio.timeout(limits.client_send_timeout):
+            await sink.drain()
+    except TimeoutError:
+        sink.abort()
+        raise ClientStalled(f"the client read nothing for {limits.client_send_timeout} s") from None
+    watchdog.arm_for(limits.output_gap_timeout, reason)
 
 
 class AlreadyAnswered(UpstreamBroken):
@@ -95,7 +120,7 @@ async def relay_sse(
                     on_first_output()
                 watchdog.arm_for(limits.output_gap_timeout, "gap between events too long")
             if sink.paused:
-                await sink.drain()
+                await drain_within(sink, watchdog, limits, "gap between events too long")
         if not seen_output:
             failure = UpstreamError(
                 "the engine ended the stream before any output",
@@ -140,7 +165,7 @@ async def relay_raw(
             sink.write(chunk)
             watchdog.arm_for(gap, "the response body stopped arriving")
             if sink.paused:
-                await sink.drain()
+                await drain_within(sink, watchdog, limits, "the response body stopped arriving")
     except UpstreamTimeout:
         # The head is out; a half body cannot be signalled in HTTP/1.1 except by closing.
         sink.abort()
