@@ -25,8 +25,10 @@ from pylon.lifecycle import Lifecycle
 from pylon.observe import LogObserver, Observer
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
+from pylon.server.budget import BodyBudget
 from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import Http2Connection, ProtocolSwitch
+from pylon.server.streams import Ingress
 from pylon.settings import Settings, split_host_port
 from pylon.upstream.pool import UpstreamPool
 
@@ -54,6 +56,7 @@ class Core:
     proxy: Proxy
     pool: UpstreamPool
     limits: IngressLimits
+    ingress: Ingress  # what every client connection shares
 
 
 def ingress_limits(settings: Settings) -> IngressLimits:
@@ -61,6 +64,7 @@ def ingress_limits(settings: Settings) -> IngressLimits:
         max_header_bytes=settings.max_header_bytes,
         max_headers=settings.max_headers,
         max_body_bytes=settings.max_body_bytes,
+        max_connection_body_bytes=settings.max_connection_body_bytes,
         stall_timeout=settings.header_timeout,
         idle_timeout=settings.client_idle_timeout,
         max_streams=settings.h2_max_concurrent_streams,
@@ -113,7 +117,11 @@ def build_core(
         retry=settings.retry_policy,
     )
     admission = ProxyAdmission(lifecycle, auth)
-    return Core(lifecycle, observer, admission, proxy, pool, ingress_limits(settings))
+    limits = ingress_limits(settings)
+    ingress = Ingress(
+        proxy, admission, limits, lifecycle, BodyBudget(settings.max_total_body_bytes)
+    )
+    return Core(lifecycle, observer, admission, proxy, pool, limits, ingress)
 
 
 async def _embedded_mock(settings: Settings, stack: AsyncExitStack, observer: Observer) -> str:
@@ -179,9 +187,7 @@ async def _start_quic(
     from pylon.server.http3 import Http3Server
 
     assert settings.quic_listen is not None
-    h3 = Http3Server(
-        core.proxy, core.admission, core.limits, core.lifecycle, identity, quic_options(settings)
-    )
+    h3 = Http3Server(core.ingress, identity, quic_options(settings))
     host, port = await h3.start(*split_host_port(settings.quic_listen))
     stack.callback(h3.close)
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
@@ -246,10 +252,10 @@ def tcp_protocol_factory(core: Core, live: LiveConnections) -> Callable[[], asyn
     """HTTP/1.1 and HTTP/2 share the TCP port: `ProtocolSwitch` picks one per connection."""
 
     def http1() -> asyncio.Protocol:
-        return live.add(Http1Connection(core.proxy, core.admission, core.limits, core.lifecycle))
+        return live.add(Http1Connection(core.ingress))
 
     def http2() -> asyncio.Protocol:
-        return live.add(Http2Connection(core.proxy, core.admission, core.limits, core.lifecycle))
+        return live.add(Http2Connection(core.ingress))
 
     return lambda: ProtocolSwitch(http1, http2, core.limits.stall_timeout, core.lifecycle)
 

@@ -57,6 +57,18 @@ class Settings(BaseSettings):
         False, description="SGLang runs --schedule-low-priority-values-first"
     )
     max_body_bytes: int = Field(64 * MiB, ge=0, description="request body limit (413)")
+    max_connection_body_bytes: int = Field(
+        256 * MiB,
+        ge=0,
+        description="request-body bytes one client connection may have buffered at once "
+        "(503 body_budget_exceeded above it)",
+    )
+    max_total_body_bytes: int = Field(
+        1024 * MiB,
+        ge=0,
+        description="request-body bytes pylon buffers at once across all connections "
+        "(503 body_budget_exceeded above it)",
+    )
     max_header_bytes: int = Field(60 * KiB, ge=256, description="request header section limit")
     max_headers: int = Field(100, ge=4, description="request header count limit (431)")
     first_output_timeout: float = Field(30.0, gt=0, description="seconds until first output")
@@ -210,6 +222,15 @@ class Settings(BaseSettings):
         if value is not None:
             split_host_port(value)
         return value
+
+    @model_validator(mode="after")
+    def _body_budgets(self) -> Settings:
+        # Otherwise a single request of the allowed size could never be buffered.
+        if self.max_connection_body_bytes < self.max_body_bytes:
+            raise ValueError("--max-connection-body-bytes must be at least --max-body-bytes")
+        if self.max_total_body_bytes < self.max_connection_body_bytes:
+            raise ValueError("--max-total-body-bytes must be at least --max-connection-body-bytes")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

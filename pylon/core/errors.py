@@ -43,6 +43,7 @@ class ErrorCode(StrEnum):
     NOT_READY = "not_ready"
     UPSTREAM_BUSY = "upstream_busy"
     NO_WORKER = "no_worker"
+    BODY_BUDGET_EXCEEDED = "body_budget_exceeded"
 
     @property
     def status(self) -> int:
@@ -82,6 +83,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_READY: 503,
     ErrorCode.UPSTREAM_BUSY: 503,
     ErrorCode.NO_WORKER: 503,
+    ErrorCode.BODY_BUDGET_EXCEEDED: 503,
     ErrorCode.UPSTREAM_TIMEOUT: 504,
 }
 
@@ -108,11 +110,18 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.NOT_READY: "Not ready",
     ErrorCode.UPSTREAM_BUSY: "Engine connections busy",
     ErrorCode.NO_WORKER: "No engine worker available",
+    ErrorCode.BODY_BUDGET_EXCEEDED: "Request body budget exceeded",
     ErrorCode.UPSTREAM_TIMEOUT: "Engine timed out",
 }
 
 _RETRYABLE = frozenset(
-    {ErrorCode.SHUTTING_DOWN, ErrorCode.NOT_READY, ErrorCode.UPSTREAM_BUSY, ErrorCode.NO_WORKER}
+    {
+        ErrorCode.SHUTTING_DOWN,
+        ErrorCode.NOT_READY,
+        ErrorCode.UPSTREAM_BUSY,
+        ErrorCode.NO_WORKER,
+        ErrorCode.BODY_BUDGET_EXCEEDED,
+    }
 )
 
 PROBLEM_TYPE_BASE = "https://pylon.dev/problems/"

@@ -39,6 +39,7 @@ class IngressLimits:
     max_header_bytes: int
     max_headers: int
     max_body_bytes: int
+    max_connection_body_bytes: int  # request bodies one connection may hold at once
     stall_timeout: float  # seconds a started head or body may go without progress (408)
     idle_timeout: float  # seconds a connection may sit with nothing in flight
     max_streams: int  # concurrent request streams per HTTP/2 connection

@@ -26,10 +26,10 @@ import httptools
 from pylon.core.errors import ClientError, ContractError, ErrorCode, LimitError, PylonError
 from pylon.core.head import http1_head
 from pylon.core.http import Header
-from pylon.core.intake import Admission, AdmittedRequest, IngressLimits, State
-from pylon.lifecycle import Lifecycle, Phase
-from pylon.proxy import Proxy, ResponseSink
-from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Stream, StreamTable
+from pylon.core.intake import AdmittedRequest, State
+from pylon.lifecycle import Phase
+from pylon.proxy import ResponseSink
+from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
 from pylon.timers import Deadline
 
 DRAINING = Phase.DRAINING
@@ -47,14 +47,12 @@ class _StopParsing(Exception):
 
 
 class Http1Connection(asyncio.Protocol):
-    def __init__(
-        self, proxy: Proxy, admission: Admission, limits: IngressLimits, lifecycle: Lifecycle
-    ) -> None:
-        self._limits = limits
-        self._lifecycle = lifecycle
+    def __init__(self, ingress: Ingress) -> None:
+        self._limits = ingress.limits
+        self._lifecycle = ingress.lifecycle
         self._loop = asyncio.get_running_loop()
-        self._table = StreamTable("http1", self, proxy, admission, limits, self._loop, serial=True)
-        self._observer = proxy.observer
+        self._table = StreamTable("http1", self, ingress, self._loop, serial=True)
+        self._observer = ingress.proxy.observer
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         # the request being parsed

@@ -49,10 +49,10 @@ from pylon.core.errors import PylonError
 from pylon.core.flood import RateGuard
 from pylon.core.head import malformed, pseudo_head
 from pylon.core.http import Header
-from pylon.core.intake import Admission, AdmittedRequest, IngressLimits
+from pylon.core.intake import AdmittedRequest
 from pylon.lifecycle import Lifecycle
-from pylon.proxy import Proxy, ResponseSink
-from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Stream, StreamTable
+from pylon.proxy import ResponseSink
+from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
 from pylon.timers import Deadline
 
 KiB = 1024
@@ -169,14 +169,12 @@ class H2Stream:
 
 
 class Http2Connection(asyncio.Protocol):
-    def __init__(
-        self, proxy: Proxy, admission: Admission, limits: IngressLimits, lifecycle: Lifecycle
-    ) -> None:
-        self._limits = limits
-        self._lifecycle = lifecycle
+    def __init__(self, ingress: Ingress) -> None:
+        limits = self._limits = ingress.limits
+        self._lifecycle = ingress.lifecycle
         self.loop = asyncio.get_running_loop()
-        self._observer = proxy.observer
-        self._table = StreamTable("h2", self, proxy, admission, limits, self.loop)
+        self._observer = ingress.proxy.observer
+        self._table = StreamTable("h2", self, ingress, self.loop)
         self._h2 = _H2Connection(
             H2Configuration(
                 client_side=False,

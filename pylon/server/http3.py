@@ -35,9 +35,8 @@ from pylon.core.errors import ContractError, LimitError, PylonError
 from pylon.core.errors import ErrorCode as PylonCode
 from pylon.core.head import pseudo_head
 from pylon.core.http import Header
-from pylon.core.intake import Admission, AdmittedRequest, IngressLimits
-from pylon.lifecycle import Lifecycle
-from pylon.proxy import Proxy, ResponseSink
+from pylon.core.intake import AdmittedRequest
+from pylon.proxy import ResponseSink
 from pylon.server.h3layer import (
     DataReceived,
     H3Event,
@@ -56,7 +55,7 @@ from pylon.server.quic_private import (
     request_client_certificate,
     send_backlog,
 )
-from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Stream, StreamTable
+from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
 from pylon.tls import TlsIdentity
 
 H3_ALPN = ("h3",)
@@ -85,9 +84,7 @@ class Http3Protocol(QuicConnectionProtocol):
         self._server = server
         self._limits = server.limits
         self._observer = server.proxy.observer
-        self._table = StreamTable(
-            "h3", self, server.proxy, server.admission, server.limits, self._loop
-        )
+        self._table = StreamTable("h3", self, server.ingress, self._loop)
         self._http: H3Layer | None = None
         self._receiving: set[int] = set()  # request streams whose client is still sending
         self._responders: dict[int, H3Responder] = {}
@@ -455,19 +452,11 @@ _CONNECTION_SPECIFIC = frozenset(
 class Http3Server:
     """The UDP listener: one `Http3Protocol` per QUIC connection."""
 
-    def __init__(
-        self,
-        proxy: Proxy,
-        admission: Admission,
-        limits: IngressLimits,
-        lifecycle: Lifecycle,
-        identity: TlsIdentity,
-        options: QuicOptions,
-    ) -> None:
-        self.proxy = proxy
-        self.admission = admission
-        self.limits = limits
-        self.lifecycle = lifecycle
+    def __init__(self, ingress: Ingress, identity: TlsIdentity, options: QuicOptions) -> None:
+        self.ingress = ingress
+        self.proxy = ingress.proxy
+        self.limits = limits = ingress.limits
+        self.lifecycle = ingress.lifecycle
         self.identity = identity
         self.options = options
         # The encoded block is at most the decoded size plus a few bytes per field.

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from pylon.core.contract import request_id_of
-from pylon.core.errors import PylonError
+from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.flood import RateGuard
 from pylon.core.head import RequestHead
 from pylon.core.http import Header
@@ -32,9 +33,11 @@ from pylon.core.intake import (
     State,
 )
 from pylon.observe import RequestRecord
+from pylon.server.budget import BodyBudget
 from pylon.timers import Deadline
 
 if TYPE_CHECKING:
+    from pylon.lifecycle import Lifecycle
     from pylon.proxy import Proxy, ResponseSink
 
 # Why a request's task was cancelled; the proxy logs it as the request's outcome.
@@ -46,7 +49,7 @@ SHUTDOWN = "shutdown"
 class Stream:
     """One request on a connection, from its head to the end of its task."""
 
-    __slots__ = ("id", "intake", "record", "sink", "task")
+    __slots__ = ("held", "id", "intake", "record", "sink", "task")
 
     def __init__(self, stream_id: int, intake: RequestIntake, record: RequestRecord) -> None:
         self.id = stream_id
@@ -54,10 +57,22 @@ class Stream:
         self.record = record
         self.sink: ResponseSink | None = None
         self.task: asyncio.Task[None] | None = None
+        self.held = 0  # request-body bytes taken from the budgets for this stream
 
     @property
     def request(self) -> AdmittedRequest | None:
         return self.intake.request
+
+
+@dataclass(frozen=True, slots=True)
+class Ingress:
+    """What every connection of every transport shares: built once, injected."""
+
+    proxy: Proxy
+    admission: Admission
+    limits: IngressLimits
+    lifecycle: Lifecycle
+    budget: BodyBudget  # request-body bytes held across the process
 
 
 class Framing(Protocol):
@@ -81,18 +96,17 @@ class StreamTable:
         self,
         protocol: str,
         framing: Framing,
-        proxy: Proxy,
-        admission: Admission,
-        limits: IngressLimits,
+        ingress: Ingress,
         loop: asyncio.AbstractEventLoop,
         *,
         serial: bool = False,
     ) -> None:
+        limits = ingress.limits
         self.protocol = protocol
         self._framing = framing
-        self._proxy = proxy
-        self._observer = proxy.observer
-        self._admission = admission
+        self._proxy = ingress.proxy
+        self._observer = ingress.proxy.observer
+        self._admission = ingress.admission
         self._limits = limits
         self._loop = loop
         self._streams: dict[int, Stream] = {}
@@ -104,6 +118,8 @@ class StreamTable:
         self._ready: collections.deque[tuple[Stream, Dispatch | Reject]] = collections.deque()
         self._stall_watch = Deadline(loop, self._check_stalls)
         self._resets = RateGuard(limits.max_stream_resets, limits.flood_window)
+        self._budget = ingress.budget
+        self._held = 0  # request-body bytes this connection holds
 
     # --- what the framing reports ---
     def open(self, stream_id: int) -> Stream:
@@ -159,6 +175,9 @@ class StreamTable:
         stream = self._streams.get(stream_id)
         if stream is None:
             return  # answered already (or unknown): the rest of its body is dropped
+        if data and not self._hold(stream, len(data)):
+            self.malformed(stream_id, self._over_budget())
+            return
         try:
             decision = stream.intake.receive_data(data, ended, self._loop.time())
         except IntakeError as exc:
@@ -194,6 +213,8 @@ class StreamTable:
         if stream is None:
             return
         stream.intake.reset()
+        if stream.task is None:
+            self._release(stream)  # else the task still holds the body; released when it ends
         task = stream.task
         if task is not None and not task.done():
             task.cancel(reason)
@@ -265,6 +286,7 @@ class StreamTable:
             self._start(stream, decision)
 
     def _reject(self, stream: Stream, error: PylonError) -> None:
+        self._release(stream)
         sink = self._framing.reject_sink(stream)
         stream.record.done_at = self._loop.time()
         self._proxy.reject(sink, error, stream.record)
@@ -282,6 +304,7 @@ class StreamTable:
 
     def _task_done(self, stream: Stream, task: asyncio.Task[None]) -> None:
         self._tasks -= 1
+        self._release(stream)
         crashed = not task.cancelled() and task.exception() is not None
         if crashed:
             self._observer.crashed(stream.record, task.exception())
@@ -289,6 +312,34 @@ class StreamTable:
             del self._streams[stream.id]
         self._framing.stream_done(stream, crashed)
         self._run_ready()
+
+    def _hold(self, stream: Stream, size: int) -> bool:
+        """Take `size` body bytes from the connection's and the process's budgets."""
+        if self._held + size > self._limits.max_connection_body_bytes:
+            return False
+        if not self._budget.take(size):
+            return False
+        self._held += size
+        stream.held += size
+        return True
+
+    def _release(self, stream: Stream) -> None:
+        if stream.held:
+            self._budget.give(stream.held)
+            self._held -= stream.held
+            stream.held = 0
+
+    def _over_budget(self) -> PylonError:
+        if self._held >= self._limits.max_connection_body_bytes // 2:
+            where = (
+                f"this connection's request bodies ({self._limits.max_connection_body_bytes} bytes)"
+            )
+        else:
+            where = f"the request bodies pylon holds at once ({self._budget.limit} bytes)"
+        return UpstreamError(
+            f"no room to buffer this request body: it would exceed {where}",
+            code=ErrorCode.BODY_BUDGET_EXCEEDED,
+        )
 
     def _run_ready(self) -> None:
         while self._ready and not self._tasks:

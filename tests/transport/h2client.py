@@ -175,13 +175,20 @@ class H2Client:
         self.responses[stream_id] = H2Response()
         self.conn.send_headers(stream_id, headers, end_stream=end and body is None)
         if body is not None:
-            self.conn.send_data(stream_id, body, end_stream=end)
+            self._send_frames(stream_id, body, end)
         self._flush()
         return stream_id
 
     def send_data(self, stream_id: int, data: bytes, end: bool = False) -> None:
-        self.conn.send_data(stream_id, data, end_stream=end)
+        self._send_frames(stream_id, data, end)
         self._flush()
+
+    def _send_frames(self, stream_id: int, data: bytes, end: bool) -> None:
+        """DATA in frames no larger than the peer accepts (the window is the caller's care)."""
+        size = self.conn.max_outbound_frame_size
+        pieces = [data[i : i + size] for i in range(0, len(data), size)] or [b""]
+        for index, piece in enumerate(pieces):
+            self.conn.send_data(stream_id, piece, end_stream=end and index == len(pieces) - 1)
 
     def reset(self, stream_id: int, code: int = 8) -> None:
         self.conn.reset_stream(stream_id, code)

@@ -207,3 +207,60 @@ async def test_a_percent_encoded_route_gets_the_same_priority_write(
     record = (await stack.records())[-1]
     assert record["raw_path"] == spelled.decode()
     assert record["body"]["priority"] == 7
+
+
+def send_in_frames(h2: H2Client, sid: int, data: bytes) -> None:
+    for start in range(0, len(data), 16_000):
+        h2.send_data(sid, data[start : start + 16_000], end=False)
+
+
+async def test_one_connection_cannot_hold_more_than_its_body_budget(
+    make_stack: StackFactory,
+) -> None:
+    """Many streams each under the body limit, on one HTTP/2 connection: past the connection's
+    budget a stream is answered 503 (retryable) while the others carry on."""
+    stack = await make_stack(max_body_bytes=40_000, max_connection_body_bytes=100_000)
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        pseudo = [(b":method", b"POST"), (b":scheme", b"https"), (b":path", CHAT)]
+        pseudo.append((b":authority", b"localhost"))
+        chunk = b" " * 30_000
+        sids = [h2.send([*pseudo, *tunnel(b"b-%d" % i)], None, end=False) for i in range(4)]
+        for sid in sids:
+            send_in_frames(h2, sid, b"{" + chunk)  # 4 x 30 KB buffered: over 100 KB
+        answers = {sid: await h2.response(sid) for sid in sids[3:]}
+        refused = answers[sids[3]]
+        assert refused.status == 503
+        assert refused.json()["code"] == "body_budget_exceeded"
+        assert refused.header(b"x-stargate-retryable") == b"true"
+        for sid in sids[:3]:
+            h2.send_data(sid, b'"model": "mock-model", "messages": []}', end=True)
+        assert [(await h2.response(sid)).status for sid in sids[:3]] == [200, 200, 200]
+    finally:
+        await h2.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_the_process_body_budget_bounds_every_transport(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    stack = await make_stack(
+        max_body_bytes=40_000, max_connection_body_bytes=40_000, max_total_body_bytes=50_000
+    )
+    # One request holds 30 KB of the 50 KB budget: a second one of 30 KB does not fit.
+    holder = await H2Client.connect(stack.pylon_address)
+    try:
+        pseudo = [(b":method", b"POST"), (b":scheme", b"https"), (b":path", CHAT)]
+        pseudo.append((b":authority", b"localhost"))
+        sid = holder.send([*pseudo, *tunnel(b"holder")], None, end=False)
+        send_in_frames(holder, sid, b"{" + b" " * 30_000)
+        await holder.ping()  # pylon has read it
+        body = b'{"model": "mock-model", "messages": [], "pad": "' + b"x" * 30_000 + b'"}'
+        answer = await send(stack, protocol, tunnel(), body)
+        await assert_answer(stack, answer, 503, "body_budget_exceeded")
+        holder.send_data(sid, b'"model": "mock-model", "messages": []}', end=True)
+        assert (await holder.response(sid)).status == 200
+    finally:
+        await holder.close()
+    # Given back: the same request now fits.
+    assert (await send(stack, protocol, tunnel(b"after"), body)).status == 200

@@ -51,8 +51,9 @@ SERVER_SIDE = {
     "shutting_down",
     "not_ready",
     "no_worker",
+    "body_budget_exceeded",
 }
-RETRYABLE = {"shutting_down", "not_ready", "upstream_busy", "no_worker"}
+RETRYABLE = {"shutting_down", "not_ready", "upstream_busy", "no_worker", "body_budget_exceeded"}
 
 
 def test_client_codes_are_4xx_and_server_side_codes_5xx() -> None:

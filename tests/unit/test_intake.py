@@ -31,6 +31,7 @@ LIMITS = IngressLimits(
     max_header_bytes=4096,
     max_headers=20,
     max_body_bytes=100,
+    max_connection_body_bytes=400,
     stall_timeout=10.0,
     idle_timeout=60.0,
     max_streams=8,

@@ -104,6 +104,9 @@ def object_text(draw, denied: list[str], benign: list[str], min_size: int = 0) -
 @st.composite
 def body_text(draw) -> bytes:
     top = draw(st.lists(st.sampled_from(sorted(DENIED_BODY_FIELDS) + BENIGN_TOP), max_size=10))
+    if top.count("model") > 1:  # a repeated model is refused outright (model_mismatch)
+        first = top.index("model")
+        top = [name for i, name in enumerate(top) if name != "model" or i == first]
     # `model` must name the tunnel's x-model ("m"), or the planner refuses it (model_mismatch).
     members = [
         draw(key_text(n)) + b":" + (b'"m"' if n == "model" else draw(value_text())) for n in top
