@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.integration.conftest import read_request
 from tests.stack import MODEL, PROTOCOLS, Stack, StackFactory
 
 CHAT = "/v1/chat/completions"
@@ -33,16 +34,7 @@ class ScriptedEngine:
         self.connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    (
-                        int(line.split(b":")[1])
-                        for line in head.split(b"\r\n")
-                        if line.lower().startswith(b"content-length:")
-                    ),
-                    0,
-                )
-                await reader.readexactly(length)
+                await read_request(reader)
                 reply = self.script.pop(0) if self.script else OK
                 if reply is not None:
                     writer.write(reply)

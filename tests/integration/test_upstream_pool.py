@@ -19,6 +19,7 @@ from pylon.core.target import UpstreamTarget
 from pylon.logs import configure_logging
 from pylon.settings import load_settings
 from pylon.upstream.pool import UpstreamBusy, UpstreamPool
+from tests.integration.conftest import read_request
 
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
@@ -46,16 +47,7 @@ class Engine:
         served = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    (
-                        int(line.split(b":")[1])
-                        for line in head.split(b"\r\n")
-                        if line.lower().startswith(b"content-length:")
-                    ),
-                    0,
-                )
-                await reader.readexactly(length)
+                await read_request(reader)
                 self.requests.append(number)
                 async with self.arrived:
                     self.arrived.notify_all()

@@ -13,12 +13,22 @@ from hyperframe.frame import DataFrame, PriorityFrame, WindowUpdateFrame
 
 from pylon.core.flood import RateGuard
 from tests.h3client import request_headers
-from tests.stack import StackFactory
+from tests.stack import Stack, StackFactory
 from tests.transport.h2client import H2Client
 from tests.transport.h2client import request_headers as h2_request_headers
 
 Header = tuple[bytes, bytes]
 BODY = json.dumps({"model": "mock-model", "messages": [], "max_tokens": 2}).encode()
+
+
+async def assert_others_unaffected(stack: Stack) -> None:
+    """Only the abusive connection paid: a fresh one is served as usual."""
+    fresh = await H2Client.connect(stack.pylon_address)
+    try:
+        reply = await fresh.response(fresh.send(h2_request_headers(request_id="ok"), BODY))
+        assert reply.status == 200
+    finally:
+        await fresh.close()
 
 
 def test_rate_guard_trips_past_the_limit_and_resets_per_window() -> None:
@@ -44,12 +54,7 @@ async def test_h2_rapid_reset_gets_enhance_your_calm(make_stack: StackFactory) -
     finally:
         await h2.close()
     # Other clients are unaffected.
-    fresh = await H2Client.connect(stack.pylon_address)
-    try:
-        reply = await fresh.response(fresh.send(h2_request_headers(request_id="ok"), BODY))
-        assert reply.status == 200
-    finally:
-        await fresh.close()
+    await assert_others_unaffected(stack)
 
 
 async def test_h2_normal_cancellations_below_the_limit_keep_the_connection(
@@ -131,12 +136,7 @@ async def test_h2_cheap_frame_floods_get_enhance_your_calm(
         assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
     finally:
         await h2.close()
-    fresh = await H2Client.connect(stack.pylon_address)
-    try:
-        reply = await fresh.response(fresh.send(h2_request_headers(request_id="ok"), BODY))
-        assert reply.status == 200
-    finally:
-        await fresh.close()
+    await assert_others_unaffected(stack)
 
 
 async def test_h2_streams_over_the_limit_are_refused_and_the_connection_lives(

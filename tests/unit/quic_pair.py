@@ -7,7 +7,6 @@ is the same. Certificates are made once per process with `cryptography`.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import ssl
 from collections.abc import Callable
@@ -19,9 +18,10 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, QuicEvent
 from aioquic.quic.packet import pull_quic_header
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+
+from tests.certs import make_leaf
 
 CLIENT_ADDR = ("10.0.0.1", 4433)
 SERVER_ADDR = ("10.0.0.2", 443)
@@ -31,21 +31,10 @@ Setup = Callable[[QuicConnection], None]
 @functools.cache
 def certificate(name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A self-signed ECDSA P-256 certificate for `name` (cached: key generation is slow)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return cert, key
+    cert_pem, key_pem = make_leaf(None, name, days=1)
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    return x509.load_pem_x509_certificate(cert_pem), key
 
 
 def server_configuration(alpn: str = "h3") -> QuicConfiguration:
