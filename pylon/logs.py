@@ -5,6 +5,8 @@ Never log a prompt, a completion or token ids: only names, sizes, codes and timi
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
 import sys
 from typing import Any
@@ -20,28 +22,108 @@ _LEVELS = {
 }
 
 
-def _orjson_dumps(obj: Any, default: Any = None) -> str:
+class _CorkedLines:
+    """Log lines written to stderr once per event-loop iteration, not once per line.
+
+    An access line per request is on the hot path; a write syscall per line costs more than
+    rendering it. Lines logged in one loop iteration go out in one write right after it (and at
+    once outside a loop, at exit, or past 256 lines), so nothing waits longer than a loop turn.
+    """
+
+    __slots__ = ("_lines", "_scheduled", "_stream")
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._lines: list[bytes] = []
+        self._scheduled = False
+        atexit.register(self.flush)
+
+    def write(self, line: bytes) -> None:
+        self._lines.append(line)
+        if len(self._lines) >= 256:
+            self.flush()
+        elif not self._scheduled:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._scheduled = True
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if not self._lines:
+            return
+        data = b"".join(self._lines)
+        self._lines.clear()
+        try:
+            self._stream.write(data)
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass  # stderr gone (closed pipe at exit): nothing left to tell
+
+
+class _CorkedLogger:
+    """A structlog logger for rendered JSON lines (bytes), through `_CorkedLines`."""
+
+    __slots__ = ("_lines",)
+
+    def __init__(self, lines: _CorkedLines) -> None:
+        self._lines = lines
+
+    def msg(self, message: bytes) -> None:
+        self._lines.write(message + b"\n")
+
+    log = debug = info = warn = warning = msg
+    err = error = critical = exception = fatal = failure = msg
+
+
+_CORKED: _CorkedLines | None = None
+
+
+def _orjson_text(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default).decode()
+
+
+def flush_logs() -> None:
+    """Write out lines not yet written (before exiting)."""
+    if _CORKED is not None:
+        _CORKED.flush()
 
 
 def configure_logging(log_format: str, log_level: str) -> None:
     processors: list[Any] = [
-        structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    if log_format == "json":
+    global _CORKED
+    factory: Any
+    stream = getattr(sys.stderr, "buffer", None)
+    if log_format == "json" and stream is not None:
         processors += [
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(serializer=_orjson_dumps),
+            structlog.processors.JSONRenderer(serializer=orjson.dumps),  # bytes, not str
         ]
+        if _CORKED is None or _CORKED._stream is not stream:
+            flush_logs()
+            _CORKED = _CorkedLines(stream)
+        corked = _CORKED
+        factory = lambda *_: _CorkedLogger(corked)  # noqa: E731
+    elif log_format == "json":  # a stderr without bytes underneath (embedded, replaced)
+        processors += [
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(serializer=_orjson_text),
+        ]
+        factory = structlog.PrintLoggerFactory(file=sys.stderr)
     else:
         processors.append(structlog.dev.ConsoleRenderer(colors=False))
+        factory = structlog.PrintLoggerFactory(file=sys.stderr)
     structlog.configure(
         processors=processors,
         # A filtering logger makes a disabled level cost one method call and nothing more.
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[log_level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=factory,
         cache_logger_on_first_use=True,
     )
 
