@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # An event ends at a blank line. Lines end in LF or CRLF (a lone CR, also legal in SSE, is not
 # produced by any engine pylon fronts, and recognising it would split a CRLF cut across chunks).
@@ -21,21 +21,40 @@ class SseEventTooLarge(Exception):
 @dataclass(slots=True)
 class SseSplitter:
     max_event_bytes: int
-    _buffer: bytes = b""
+    # The start of an event still unterminated: a bytearray, so an event that arrives in many
+    # small pieces costs its bytes once, not its size once per piece.
+    _pending: bytearray = field(default_factory=bytearray)
 
     def feed_block(self, chunk: bytes) -> bytes:
         """All complete events now available, as one block (empty when none is complete).
 
         The relay writes the block as it is: whole events only, in order, as soon as they end.
         """
-        buffer = self._buffer + chunk if self._buffer else chunk
-        end = _last_boundary_end(buffer, len(self._buffer))
-        block, self._buffer = buffer[:end], buffer[end:]
-        if len(self._buffer) > self.max_event_bytes:
+        pending = self._pending
+        if not pending:
+            end = _last_boundary_end(chunk, 0)
+            if end < len(chunk):
+                self._keep(chunk[end:])
+            return chunk if end == len(chunk) else chunk[:end]
+        # The pending bytes hold no boundary; one may straddle them and the chunk, so look at
+        # their last three bytes with the chunk, and at nothing older.
+        tail = bytes(pending[-3:])
+        end = _last_boundary_end(tail + chunk, 0) - len(tail)
+        if end <= 0:
+            self._keep(chunk)
+            return b""
+        block = bytes(pending) + chunk[:end]
+        pending.clear()
+        if end < len(chunk):
+            self._keep(chunk[end:])
+        return block
+
+    def _keep(self, rest: bytes) -> None:
+        self._pending += rest
+        if len(self._pending) > self.max_event_bytes:
             raise SseEventTooLarge(
                 f"an SSE event exceeded {self.max_event_bytes} bytes without ending"
             )
-        return block
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Complete events (each with its terminating blank line), in order."""
@@ -44,7 +63,7 @@ class SseSplitter:
     @property
     def pending(self) -> bytes:
         """Bytes of an unterminated event (what a stream that ends mid-event leaves behind)."""
-        return bytes(self._buffer)
+        return bytes(self._pending)
 
 
 def _last_boundary_end(buffer: bytes, old_length: int) -> int:

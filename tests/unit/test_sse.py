@@ -142,3 +142,17 @@ def test_bookkeeping_events_in_every_spelling(name: bytes) -> None:
         b'data: {"type": "' + name + b'"}\n\n',
     ]
     assert [is_output_event(e) for e in spellings] == [False] * 4
+
+
+def test_an_event_in_one_byte_pieces_is_held_in_one_growing_buffer() -> None:
+    """Cost follows bytes, not pieces: the unterminated part is extended in place, never
+    re-copied per piece (which would make a 1 MiB event in 1-byte pieces cost ~10^12 bytes)."""
+    splitter = SseSplitter(max_event_bytes=1 << 20)
+    assert splitter.feed_block(b"d") == b""
+    held = splitter._pending
+    for byte in b"ata: " + b"x" * 10_000:
+        assert splitter.feed_block(bytes([byte])) == b""
+        assert splitter._pending is held
+    assert splitter.feed_block(b"\n") == b""
+    assert splitter.feed_block(b"\nda") == b"data: " + b"x" * 10_000 + b"\n\n"
+    assert splitter.pending == b"da"
