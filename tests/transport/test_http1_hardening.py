@@ -9,6 +9,7 @@ are the rest of the smuggling table (reliability-cases F1-F12), each answered 40
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import time
@@ -226,3 +227,23 @@ async def test_interim_100_continue_waits_for_the_response_before_it(
             received += await reader.read(65536)
     writer.close()
     assert [r["path"] for r in await stack.records()] == ["/v1/chat/completions"] * 2
+
+
+async def test_a_body_in_tiny_chunks_costs_its_bytes_not_its_pieces(
+    make_stack: StackFactory,
+) -> None:
+    """A 512 KiB body sent as 2-byte HTTP/1.1 chunks reaches the engine byte for byte (what it
+    costs in memory, its bytes and not its pieces, is pinned in tests/unit/test_intake.py)."""
+    stack = await make_stack("dynamo")
+    pad = b"x" * (512 * 1024)
+    body = b'{"model": "mock-model", "messages": [], "max_tokens": 1, "pad": "' + pad + b'"}'
+    pieces = [body[i : i + 2] for i in range(0, len(body), 2)]
+    chunked = b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in pieces)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: tiny-1\r\n"
+        b"x-model: mock-model\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    )
+    reply = await raw_exchange(*stack.pylon_address, head + chunked + b"0\r\n\r\n", timeout=30)
+    assert reply.startswith(b"HTTP/1.1 200 ")
+    record = await stack.wait_record("tiny-1", "finished")
+    assert base64.b64decode(record["body_b64"]) == body
