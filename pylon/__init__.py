@@ -17,6 +17,8 @@ How a request flows (each layer only knows the one below it):
   booking per request, released when the exchange ends), upstream pool (`pylon.upstream`:
   connections per target, capped), observer (`pylon.observe`) and relay limits. Relays SSE event
   by event with output timeouts, marks retries.
-- Process (`pylon.app`, `pylon.lifecycle`, `pylon.settings`, `pylon.cli`): Settings built once,
-  parts built in one place, listeners started, drained on SIGTERM.
+- Process (`pylon.app`, `pylon.lifecycle`, `pylon.settings`, `pylon.preflight`, `pylon.cli`):
+  Settings built once (a setting that cannot take effect refuses the start, one line, exit 2),
+  files checked before any listener opens, parts built in one place, listeners started, drained
+  on SIGTERM (a second signal ends the drain at once).
 """

@@ -23,6 +23,7 @@ from pylon.core.plan import Planner
 from pylon.core.target import UpstreamTarget
 from pylon.lifecycle import Lifecycle
 from pylon.observe import LogObserver, Observer
+from pylon.preflight import check_files, config_warnings, insecure_listeners
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
 from pylon.server.budget import BodyBudget
@@ -44,6 +45,7 @@ _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
     "sglang": "sglang",
 }
 EMBEDDED_MOCK_MODEL = "mock-model"
+DRAIN_REPORT_INTERVAL = 1.0  # seconds between `draining` lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +235,21 @@ class LiveConnections:
         """Requests started on TCP connections and not answered yet (heads included)."""
         return sum(connection.in_progress for connection in list(self._connections))
 
+    def in_progress_by_transport(self) -> dict[str, int]:
+        """`in_progress`, per transport: {"http1": n, "h2": n}."""
+        counts = {"http1": 0, "h2": 0}
+        for connection in list(self._connections):
+            kind = "h2" if isinstance(connection, Http2Connection) else "http1"
+            counts[kind] += connection.in_progress
+        return counts
+
+
+def in_flight(live: LiveConnections, h3: Http3Server | None) -> dict[str, int]:
+    """Requests still running, per transport: what the drain is waiting for."""
+    counts = live.in_progress_by_transport()
+    counts["h3"] = h3.in_progress if h3 is not None else 0
+    return counts
+
 
 async def drain_and_wait(
     core: Core, live: LiveConnections, h3: Http3Server | None, grace: float
@@ -241,7 +258,12 @@ async def drain_and_wait(
     loop = asyncio.get_running_loop()
     core.lifecycle.drain()
     deadline = loop.time() + grace
+    report_at = loop.time()  # what is still running: now, then once a second
     while loop.time() < deadline and (live.busy or (h3 is not None and h3.connections)):
+        if loop.time() >= report_at:
+            report_at += DRAIN_REPORT_INTERVAL
+            remaining = round(max(0.0, deadline - loop.time()), 1)
+            core.observer.process_event("draining", **in_flight(live, h3), remaining_s=remaining)
         await asyncio.sleep(0.02)
     core.observer.process_event(
         "drained", unfinished_tcp=live.busy, unfinished_quic=h3.connections if h3 else 0
@@ -293,6 +315,9 @@ async def start(
     """Start every listener of `settings`; exiting the context closes everything at once."""
     loop = asyncio.get_running_loop()
     observer = observer or LogObserver()
+    check_files(settings)  # StartupError before anything starts
+    for warning in config_warnings(settings):
+        observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:
         upstream = (
             str(settings.upstream)
@@ -332,6 +357,8 @@ async def start(
             backend=settings.backend,
             derive_priority=settings.derive_priority,
         )
+        for warning in insecure_listeners(settings):
+            observer.process_event(warning.event, **warning.fields)
         try:
             yield running
         finally:
@@ -345,15 +372,31 @@ async def serve(
     handle_signals: bool = True,
     on_quic_ready: Callable[[str], Any] | None = None,
     observer: Observer | None = None,
-) -> None:
-    """Run pylon until `stop` is set or SIGINT/SIGTERM arrives, then stop gracefully."""
+    force: asyncio.Event | None = None,
+) -> int:
+    """Run pylon until `stop` is set or SIGINT/SIGTERM arrives, then stop gracefully.
+
+    A second signal during the drain (or `force`) ends what still runs at once. Returns the
+    exit status: 0 after a graceful stop, 128 + the signal's number after a forced one (1 when
+    `force` was set without a signal).
+    """
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
-    async with start(settings, observer) as running:
-        if handle_signals:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-        try:
+    force = force or asyncio.Event()
+    forced_by: list[signal.Signals] = []  # the signal that cut the drain short, if one did
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            forced_by.append(sig)
+            force.set()
+        else:
+            stop.set()
+
+    if handle_signals:  # before the listeners start: a signal during the start stops it too
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        async with start(settings, observer) as running:
             if on_quic_ready is not None and running.quic_address is not None:
                 on_quic_ready(running.quic_address)
             if on_ready is not None:
@@ -364,8 +407,33 @@ async def serve(
             running.core.observer.process_event(
                 "stopping", address=running.address, grace_s=settings.shutdown_grace
             )
-            await running.shutdown(settings.shutdown_grace)
-        finally:
-            if handle_signals:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
+            if await _drain_unless_forced(running, settings.shutdown_grace, force):
+                return 0
+            running.core.observer.process_event(
+                "forced_stop",
+                signal=forced_by[0].name if forced_by else None,
+                **in_flight(running.live, running.h3),
+            )
+            running.close_all()
+            return 128 + forced_by[0].value if forced_by else 1
+    finally:
+        if handle_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+async def _drain_unless_forced(running: Running, grace: float, force: asyncio.Event) -> bool:
+    """The graceful drain, cut short by `force`; True when it ran to its end."""
+    drain = asyncio.ensure_future(running.shutdown(grace))
+    forced = asyncio.ensure_future(force.wait())
+    try:
+        await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        forced.cancel()
+        if not drain.done():
+            drain.cancel()
+        await asyncio.gather(drain, forced, return_exceptions=True)
+    if drain.cancelled():
+        return False
+    drain.result()  # a failure of the drain itself is a bug: let it surface
+    return True

@@ -1,23 +1,46 @@
-"""`pylon serve` and `pylon config`. Every setting gets a flag generated from the Settings model,
-so a new setting can never lack one. Flags beat `PYLON_*` env vars, which beat `--config FILE`.
+"""`pylon serve`, `pylon config` and `pylon --version`. Every setting gets a flag generated from
+the Settings model, so a new setting can never lack one; `serve --help` shows them by topic (the
+field's `group`), each with its type or choices, default and environment variable. Flags beat
+`PYLON_*` env vars, which beat `--config FILE`.
+
+Every refusal is one line on stderr and exit status 2, never a traceback: a bad value (naming the
+setting and where it came from), a combination that would do less than asked, a TLS or token file
+that cannot be used (`pylon.preflight`), a listener that cannot bind.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import sys
+import typing
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
 import typer
-from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
-from pylon.settings import Settings, load_settings
+from pylon.settings import (
+    ENV_PREFIX,
+    GROUPS,
+    Settings,
+    SettingsError,
+    load_settings,
+    unknown_env_vars,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Pylon tunnel daemon.")
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
+# Python types -> what `--help` calls their values.
+_METAVARS: dict[object, str] = {
+    int: "INTEGER",
+    float: "SECONDS",
+    str: "TEXT",
+    Path: "FILE",
+}
 
 
 def _is_bool(field_name: str) -> bool:
@@ -28,18 +51,79 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _extra(field: FieldInfo) -> dict[str, Any]:
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def field_group(name: str) -> str:
+    """The topic a setting is listed under (in `--help` and docs/operations.md)."""
+    return str(_extra(Settings.model_fields[name])["group"])
+
+
+def choices(field: FieldInfo) -> tuple[str, ...]:
+    """The values a Literal setting accepts; empty for any other setting."""
+    for candidate in (field.annotation, *typing.get_args(field.annotation)):
+        if typing.get_origin(candidate) is typing.Literal:
+            return tuple(str(value) for value in typing.get_args(candidate))
+    return ()
+
+
+def metavar(name: str) -> str:
+    """What a setting's value is: CHOICE, or a type name (INTEGER, SECONDS, BYTES, FILE, ...)."""
+    field = Settings.model_fields[name]
+    if choices(field):
+        return "CHOICE"
+    explicit = _extra(field).get("metavar")
+    if explicit is not None:
+        return str(explicit)
+    if "Url" in str(field.annotation):
+        return "URL"
+    for python_type, shown in _METAVARS.items():
+        if field.annotation is python_type or python_type in typing.get_args(field.annotation):
+            return shown
+    return "TEXT"
+
+
+def help_text(name: str) -> str:
+    """A setting's help line: what it does, its choices, its default and its env var."""
+    field = Settings.model_fields[name]
+    parts = [str(field.description)]
+    allowed = choices(field)
+    if allowed:
+        parts.append(f"[choices: {', '.join(allowed)}]")
+    parts.append(f"[default: {default_text(field.default)}]")
+    parts.append(f"[env var: {ENV_PREFIX}{name.upper()}]")
+    # `[` starts rich markup in typer's help: escaped, so the brackets stay visible.
+    return " ".join(parts).replace("[", "\\[")
+
+
+def default_text(value: object) -> str:
+    """A default as the operator would type it."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "(empty)"
+    if value is None:
+        return "(unset)"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
 def _parameters() -> list[inspect.Parameter]:
     params = []
-    for name, field in Settings.model_fields.items():
-        default = field.default
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        help_text = f"{field.description} [env PYLON_{name.upper()}; default {shown}]"
+    # By topic, in GROUPS order (typer shows panels in the order their first flag comes).
+    for name in sorted(Settings.model_fields, key=lambda name: GROUPS.index(field_group(name))):
+        shared: dict[str, Any] = {
+            "help": help_text(name),
+            "show_default": False,
+            "rich_help_panel": field_group(name),
+        }
         if _is_bool(name):
             flag = _flag(name)
-            option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
+            option = typer.Option(f"{flag}/--no-{flag[2:]}", **shared)
             annotation: Any = Annotated[bool | None, option]
         else:
-            option = typer.Option(_flag(name), help=help_text, show_default=False)
+            option = typer.Option(_flag(name), metavar=metavar(name), **shared)
             annotation = Annotated[str | None, option]
         params.append(
             inspect.Parameter(
@@ -47,7 +131,10 @@ def _parameters() -> list[inspect.Parameter]:
             )
         )
     config = typer.Option(
-        "--config", help="TOML file with settings (lowest precedence but defaults)"
+        "--config",
+        help="TOML file with settings (lowest precedence but defaults)",
+        metavar="FILE",
+        rich_help_panel="Settings file",
     )
     params.append(
         inspect.Parameter(
@@ -65,11 +152,7 @@ def _build(kwargs: dict[str, Any]) -> Settings:
     overrides = {key: value for key, value in kwargs.items() if value is not None}
     try:
         return load_settings(overrides, config)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "settings"
-        _die(f"invalid setting {where}: {first['msg']}")
-    except ValueError as exc:
+    except SettingsError as exc:
         _die(str(exc))
     raise AssertionError("unreachable")
 
@@ -84,29 +167,78 @@ def _with_settings_signature(func: Any) -> Any:
     return func
 
 
+def _start_logging(settings: Settings) -> Any:
+    """Structured logs to stderr, and the warnings about the environment pydantic ignores."""
+    from pylon.logs import configure_logging
+    from pylon.observe import LogObserver
+
+    configure_logging(settings.log_format, settings.log_level)
+    observer = LogObserver()
+    for variable, meant in unknown_env_vars(os.environ):
+        observer.process_event(
+            "unknown_env_var",
+            variable=variable,
+            did_you_mean=meant,
+            detail="matches no setting, so it has no effect",
+        )
+    return observer
+
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            version = metadata.version("pylon")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        typer.echo(f"pylon {version}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Pylon tunnel daemon."""
+
+
 @app.command()
 @_with_settings_signature
 def serve(**kwargs: Any) -> None:
     """Run pylon in front of an engine (or an embedded mock_dynamo when --upstream is unset)."""
     settings = _build(kwargs)
-    from pylon.logs import configure_logging
+    from pylon.preflight import StartupError, check_files
 
-    configure_logging(settings.log_format, settings.log_level)
+    try:
+        check_files(settings)  # first, so a refusal is the only line (start() checks again)
+    except StartupError as exc:
+        _die(str(exc))
+    observer = _start_logging(settings)
     import uvloop
 
     from pylon.app import serve as run_server
 
     try:
-        uvloop.run(run_server(settings))
+        status = uvloop.run(run_server(settings, observer=observer))
+    except StartupError as exc:
+        _die(str(exc))
     except OSError as exc:
-        _die(f"cannot start: {exc}")
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        _die(f"cannot start: {exc.strerror or exc}{where}")
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command()
 @_with_settings_signature
 def config(**kwargs: Any) -> None:
-    """Print the effective settings as JSON (secrets redacted)."""
+    """Print the effective settings as JSON."""
     settings = _build(kwargs)
+    _start_logging(settings)
     typer.echo(orjson.dumps(settings.redacted(), option=orjson.OPT_INDENT_2).decode())
 
 

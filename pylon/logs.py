@@ -1,6 +1,10 @@
 """Structured logs: JSON by default, one line per event, the request id bound on every line.
 
 Never log a prompt, a completion or token ids: only names, sizes, codes and timings.
+
+`--log-level` filters every line except the lifecycle ones (`get_lifecycle_logger`): the start
+and stop lines are written at info whatever the level, so a quiet pylon still says where it
+listens and when it stops.
 """
 
 from __future__ import annotations
@@ -130,3 +134,9 @@ def configure_logging(log_format: str, log_level: str) -> None:
 
 def get_logger(**bound: Any) -> Any:
     return structlog.get_logger("pylon").bind(**bound)
+
+
+def get_lifecycle_logger() -> Any:
+    """A logger that writes at every `--log-level`: for the start and stop lines only."""
+    unfiltered = structlog.make_filtering_bound_logger(logging.DEBUG)
+    return structlog.wrap_logger(None, wrapper_class=unfiltered, logger_factory_args=("pylon",))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pylon.logs import get_logger
+from pylon.logs import get_lifecycle_logger, get_logger
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
@@ -111,7 +111,15 @@ _WARNING_EVENTS = frozenset(
         "tls_reload_rejected",
         "tunnel_token_unusable",
         "insecure_listener",
+        "upstream_path_v1",
+        "setting_ignored",
+        "unknown_env_var",
+        "forced_stop",
     }
+)
+# The start and stop lines: written at info whatever --log-level says (see pylon.logs).
+LIFECYCLE_EVENTS = frozenset(
+    {"listening", "listening_quic", "embedded_mock_started", "stopping", "draining", "drained"}
 )
 _DEBUG_EVENTS = frozenset({"h2_stream_reset_by_client", "stream_reset_by_client"})
 
@@ -119,10 +127,11 @@ _DEBUG_EVENTS = frozenset({"h2_stream_reset_by_client", "stream_reset_by_client"
 class LogObserver:
     """The structlog implementation: one JSON line per event, the request id on every line."""
 
-    __slots__ = ("_log",)
+    __slots__ = ("_lifecycle_log", "_log")
 
     def __init__(self) -> None:
         self._log = get_logger()
+        self._lifecycle_log = get_lifecycle_logger()
 
     def admitted(self, record: RequestRecord) -> None:
         return None  # the `request_done` line says it all; no line per admission
@@ -201,6 +210,8 @@ class LogObserver:
     def process_event(self, kind: str, /, **fields: Any) -> None:
         if kind in _WARNING_EVENTS:
             self._log.warning(kind, **fields)
+        elif kind in LIFECYCLE_EVENTS:
+            self._lifecycle_log.info(kind, **fields)
         else:
             self._log.info(kind, **fields)
 

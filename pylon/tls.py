@@ -24,6 +24,7 @@ from typing import Any
 
 from aioquic.quic.configuration import QuicConfiguration
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -73,12 +74,14 @@ def parse_material(cert_pem: bytes, key_pem: bytes, source: str = "file") -> Tls
     """Validate a PEM pair: parseable, key matches the leaf, leaf valid now."""
     try:
         certs = x509.load_pem_x509_certificates(cert_pem)
-    except ValueError as exc:
-        raise TlsMaterialError(f"certificate is not valid PEM: {exc}") from None
+    except ValueError:
+        raise TlsMaterialError("certificate is not valid PEM (no certificate in it)") from None
     try:
         key = serialization.load_pem_private_key(key_pem, password=None)
-    except (ValueError, TypeError) as exc:
-        raise TlsMaterialError(f"private key is not an unencrypted PEM key: {exc}") from None
+    except TypeError:
+        raise TlsMaterialError("private key is encrypted (pylon needs it unencrypted)") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise TlsMaterialError("private key is not an unencrypted PEM key") from None
     leaf = certs[0]
     if key.public_key().public_bytes(*_PUBLIC) != leaf.public_key().public_bytes(*_PUBLIC):
         raise TlsMaterialError("private key does not match the certificate")
@@ -295,6 +298,34 @@ class TlsIdentity:
         while True:
             await asyncio.sleep(interval)
             self.check_reload()
+
+
+def check_client_ca(data: bytes, path: Path) -> None:
+    """Refuse a client CA bundle that cannot work: no PEM certificate, no CA among them (no
+    client could ever be accepted), or refused by OpenSSL (TCP) or by the QUIC verifier."""
+    try:
+        certificates = x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise TlsMaterialError("no PEM certificate in it") from None
+    if not any(_is_ca(certificate) for certificate in certificates):
+        raise TlsMaterialError(
+            "no CA certificate in it (basic constraints CA:TRUE), so no client certificate "
+            "could ever be accepted"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_verify_locations(cafile=str(path))
+    except (ssl.SSLError, OSError) as exc:
+        reason = getattr(exc, "reason", None) or exc.strerror or "refused"
+        raise TlsMaterialError(f"OpenSSL refused it ({reason})") from None
+    _client_verifier(path)
+
+
+def _is_ca(certificate: x509.Certificate) -> bool:
+    try:
+        return bool(certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
 
 
 def _client_verifier(path: Path) -> ClientVerifier:

@@ -206,6 +206,8 @@ RESPONSE_HEADERS: tuple[Golden, ...] = (
     G("x-stargate-retry-reason", "API 7; PI 1.5: pylon's own marking only"),
     G("x-stargate-retry-after-ms", "API 7; PI 1.5: pylon's own marking only"),
     G("content-length", "API 4.8; PI 1.5: pylon re-frames"),
+    G("x-request-id", "API 4.8, 6: pylon echoes the request's own id, once"),
+    G("x-should-retry", "API 4.8, 7: the OpenAI SDKs' retry switch follows pylon's marking"),
 )
 
 # --- body fields: top level, inside nvext, nested ------------------------------------------------

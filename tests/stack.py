@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -39,9 +39,14 @@ class Reply:
     status: int
     headers: dict[str, str]
     body: bytes
+    fields: list[tuple[str, str]] = field(default_factory=list)  # every header, in order
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+    def values(self, name: str) -> list[str]:
+        """Every value of header `name` (lower-case), duplicates kept."""
+        return [value for key, value in self.fields if key.lower() == name]
 
 
 PROTOCOLS = ("http1", "h2", "h3")
@@ -124,7 +129,8 @@ class Stack:
                 method, f"{self.pylon_url}{path}", headers=headers, content=body
             )
             assert reply.http_version == {"http1": "HTTP/1.1", "h2": "HTTP/2"}[protocol]
-            return Reply(reply.status_code, dict(reply.headers), reply.content)
+            fields = list(reply.headers.multi_items())
+            return Reply(reply.status_code, dict(reply.headers), reply.content, fields)
 
     async def _send_h3(
         self, path: str, headers: list[tuple[str, str]], body: bytes, method: str
@@ -132,12 +138,12 @@ class Stack:
         async with self.connect() as client:
             wire = request_headers(method, path, [(n.lower(), v) for n, v in headers], body)
             response = await client.send(wire, body).wait(10)
-            names = {
-                name.decode(): value.decode()
+            fields = [
+                (name.decode(), value.decode())
                 for name, value in response.headers
                 if not name.startswith(b":")
-            }
-            return Reply(response.status or 0, names, response.body)
+            ]
+            return Reply(response.status or 0, dict(fields), response.body, fields)
 
     async def records(self) -> list[dict[str, Any]]:
         requests: list[dict[str, Any]] = (await self.control())["requests"]

@@ -8,7 +8,8 @@
     └── UpstreamError        the engine could not be used (5xx)
 
 Every error carries an `ErrorCode`; `ErrorCode.status` is the single place that turns a code into
-an HTTP status, and `problem_body` the single place that renders the body.
+an HTTP status, and `problem_body` the single place that renders the body: RFC 9457 members
+plus an OpenAI-style `error` member (`openai_error`, also the payload of a terminal SSE error).
 """
 
 from __future__ import annotations
@@ -167,8 +168,31 @@ class UpstreamError(PylonError):
     code = ErrorCode.UPSTREAM_UNAVAILABLE
 
 
+def openai_error_type(status: int) -> str:
+    """The OpenAI API's error `type` for a status, so OpenAI SDKs classify pylon's errors."""
+    if status == 503:
+        return "service_unavailable"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def openai_error(error: PylonError, request_id: str | None) -> dict[str, object]:
+    """The OpenAI-style `error` member: what OpenAI SDKs show as the reason. The same object
+    ends a broken SSE stream (`pylon.proxy.relay`), so both say the same thing."""
+    member: dict[str, object] = {
+        "message": error.detail,
+        "type": openai_error_type(error.status),
+        "code": error.code.value,
+    }
+    if request_id is not None:
+        member["request_id"] = request_id
+    return member
+
+
 def problem_body(error: PylonError, request_id: str | None) -> bytes:
-    """RFC 9457 body; `code` and `request_id` are extension members for machines and humans."""
+    """RFC 9457 body; `code` and `request_id` are extension members for machines and humans,
+    and `error` the OpenAI-style member for OpenAI SDKs."""
     problem: dict[str, object] = {
         "type": PROBLEM_TYPE_BASE + error.code.value,
         "title": error.code.title,
@@ -178,4 +202,5 @@ def problem_body(error: PylonError, request_id: str | None) -> bytes:
     }
     if request_id is not None:
         problem["request_id"] = request_id
+    problem["error"] = openai_error(error, request_id)
     return orjson.dumps(problem)

@@ -15,6 +15,8 @@ from pylon.core.http import Header
 RETRYABLE = b"x-stargate-retryable"
 RETRY_REASON = b"x-stargate-retry-reason"
 RETRY_AFTER_MS = b"x-stargate-retry-after-ms"
+# The OpenAI SDKs' own retry switch: set beside x-stargate-retryable, with the same answer.
+SHOULD_RETRY = b"x-should-retry"
 _OWS = b" \t"
 
 
@@ -34,9 +36,11 @@ class RetryMark:
     retry_after_ms: int | None = None
 
     def headers(self) -> list[Header]:
+        answer = b"true" if self.retryable else b"false"
         out: list[Header] = [
-            (RETRYABLE, b"true" if self.retryable else b"false"),
+            (RETRYABLE, answer),
             (RETRY_REASON, self.reason.encode("ascii")),
+            (SHOULD_RETRY, answer),
         ]
         if self.retry_after_ms is not None:
             out.append((RETRY_AFTER_MS, str(self.retry_after_ms).encode("ascii")))

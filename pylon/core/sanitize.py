@@ -30,6 +30,8 @@ HOP_BY_HOP: frozenset[bytes] = frozenset(
     }
 )
 
+HOP_BY_HOP_REASON = "hop-by-hop"
+
 # Written by pylon itself on the way to the engine, exactly once each (see plan.py). `expect`
 # goes too: pylon reads the whole body before it forwards, so the engine never needs a 100.
 PYLON_OWNED_REQUEST_HEADERS: frozenset[bytes] = frozenset(
@@ -88,6 +90,9 @@ DENIED_REQUEST_HEADER_PREFIXES: tuple[tuple[bytes, str], ...] = (
 
 # Response headers an engine may not set toward the gateway.
 DENIED_RESPONSE_HEADER_PREFIXES: tuple[bytes, ...] = (b"x-stargate-",)
+# Response headers pylon writes itself (the request's id, the OpenAI SDKs' retry switch beside
+# pylon's retry marking): the engine's copies are dropped, so each goes out once, pylon's own.
+PYLON_OWNED_RESPONSE_HEADERS: frozenset[bytes] = frozenset({b"x-request-id", b"x-should-retry"})
 
 # Body fields: top-level keys, then keys inside `nvext`, then nested (parent, key) pairs.
 DENIED_BODY_FIELDS: Mapping[str, str] = {
@@ -147,7 +152,7 @@ def header_denied_reason(name: bytes) -> str | None:
         reason = header_denied_reason(dashed)
         return None if reason is None else f"underscore twin: {reason}"
     if name in HOP_BY_HOP:
-        return "hop-by-hop"
+        return HOP_BY_HOP_REASON
     reason = DENIED_REQUEST_HEADERS.get(name)
     if reason is not None:
         return reason
@@ -176,7 +181,7 @@ def _connection_tokens(headers: Sequence[Header]) -> frozenset[bytes]:
 @dataclass(frozen=True, slots=True)
 class SanitizedHeaders:
     headers: tuple[Header, ...]
-    stripped: tuple[str, ...]  # lower-case names removed by policy (pylon-owned ones excluded)
+    stripped: tuple[str, ...]  # client controls removed (pylon-owned and hop-by-hop excluded)
 
 
 def sanitize_request_headers(
@@ -184,7 +189,10 @@ def sanitize_request_headers(
 ) -> SanitizedHeaders:
     """Drop every denied, hop-by-hop and pylon-owned header; keep the rest in order, unchanged.
 
-    `consumed` names (lower-case) are dropped silently too: pylon used them itself.
+    `stripped` reports the client controls removed (denied names, their underscore twins, and
+    denied names also listed in `Connection`). Hop-by-hop fields and other names listed in
+    `Connection` are connection management, not controls: dropped without a report, like the
+    pylon-owned ones. `consumed` names (lower-case) are dropped silently too: pylon used them.
     """
     listed = _connection_tokens(headers)
     kept: list[Header] = []
@@ -193,9 +201,12 @@ def sanitize_request_headers(
         name = raw_name.strip(_OWS).lower()
         if name in PYLON_OWNED_REQUEST_HEADERS or name in consumed:
             continue
-        if name in listed or header_denied_reason(name) is not None:
-            stripped.append(name.decode("latin-1"))
+        reason = header_denied_reason(name)
+        if reason is not None and reason != HOP_BY_HOP_REASON:
+            stripped.append(name.decode("latin-1"))  # a client control: reported
             continue
+        if reason is not None or name in listed:
+            continue  # connection management, not a client control: dropped unreported
         kept.append((raw_name, value))
     return SanitizedHeaders(tuple(kept), tuple(stripped))
 
@@ -203,7 +214,8 @@ def sanitize_request_headers(
 def sanitize_response_headers(
     headers: Sequence[Header], extra_denied: frozenset[bytes] = frozenset()
 ) -> list[Header]:
-    """Engine -> gateway: drop hop-by-hop, framing and any retry metadata the engine made up."""
+    """Engine -> gateway: drop hop-by-hop, framing, any retry metadata the engine made up and
+    the headers pylon writes itself."""
     listed = _connection_tokens(headers)
     kept: list[Header] = []
     for raw_name, value in headers:
@@ -216,6 +228,7 @@ def sanitize_response_headers(
             or name in listed
             or name == b"content-length"
             or name in extra_denied
+            or name in PYLON_OWNED_RESPONSE_HEADERS
             or name.startswith(DENIED_RESPONSE_HEADER_PREFIXES)
         ):
             continue

@@ -26,7 +26,7 @@ from pylon.proxy.relay import (
     relay_raw,
     relay_sse,
 )
-from pylon.proxy.sink import ResponseSink, send_problem
+from pylon.proxy.sink import ResponseSink, echo_request_id, send_problem
 from pylon.routing import Booking, NoWorker, Router
 from pylon.upstream.pool import (
     Exchange,
@@ -203,6 +203,7 @@ class Proxy:
         status = exchange.status
         record.status = status
         headers = sanitize_response_headers(exchange.headers, self._retry_header)
+        headers += echo_request_id(plan.request_id)
         mark = classify_upstream_response(status, exchange.headers, self._retry, time.time())
         if mark is not None:
             headers += mark.headers()

@@ -10,21 +10,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
-from pylon.core.errors import ErrorCode, PylonError, UpstreamError
+from pylon.core.errors import ErrorCode, PylonError, UpstreamError, openai_error
 from pylon.core.http import Header
 from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event, iter_events
 from pylon.proxy.sink import ResponseSink
 from pylon.timers import Deadline
 from pylon.upstream.pool import Exchange, UpstreamBroken, UpstreamTimeout
-
-_SSE_ERROR_TYPES = {
-    ErrorCode.UPSTREAM_TIMEOUT: "upstream_timeout",
-    ErrorCode.UPSTREAM_PROTOCOL_ERROR: "upstream_error",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,15 +172,9 @@ async def relay_raw(
 
 
 def sse_error_payload(error: PylonError) -> bytes:
-    payload: dict[str, Any] = {
-        "error": {
-            "message": error.detail,
-            "type": _SSE_ERROR_TYPES.get(error.code, error.code.value),
-            "code": error.status,
-            "request_id": error.request_id,
-        }
-    }
-    return orjson.dumps(payload)
+    """The terminal `event: error` data: the same OpenAI-style `error` member as a problem
+    body's (`pylon.core.errors.openai_error`), so a client reads both the same way."""
+    return orjson.dumps({"error": openai_error(error, error.request_id)})
 
 
 def is_event_stream(headers: Sequence[Header]) -> bool:

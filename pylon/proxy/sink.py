@@ -10,6 +10,14 @@ from pylon.core.http import Header
 from pylon.core.retry import RetryMark
 
 PROBLEM_HEADERS: tuple[Header, ...] = ((b"content-type", b"application/problem+json"),)
+REQUEST_ID = b"x-request-id"
+
+
+def echo_request_id(request_id: str | None) -> list[Header]:
+    """The request's validated `x-request-id`, echoed on every response pylon sends (its own
+    problems and relayed engine responses alike; the engine's copy is dropped, see
+    `sanitize_response_headers`)."""
+    return [] if request_id is None else [(REQUEST_ID, request_id.encode("ascii"))]
 
 
 class ResponseSink(Protocol):
@@ -38,9 +46,11 @@ class ResponseSink(Protocol):
 
 
 def send_problem(sink: ResponseSink, error: PylonError, mark: RetryMark | None = None) -> None:
-    """Answer with pylon's RFC 9457 problem and its retry marking, as one complete response."""
+    """Answer with pylon's RFC 9457 problem, the request's id and its retry marking, as one
+    complete response."""
     body = problem_body(error, error.request_id)
     headers = list(PROBLEM_HEADERS)
+    headers += echo_request_id(error.request_id)
     headers += (mark or RetryMark(error.code.retryable, error.code.value)).headers()
     sink.start(error.status, headers, len(body))
     sink.write(body)

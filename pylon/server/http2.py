@@ -364,18 +364,27 @@ class Http2Connection(asyncio.Protocol):
                 return
             self._streams[sid] = H2Stream(self, sid)
             self._table.open(sid)
-        self._observer.transport_event("stream_malformed", "h2", stream_id=sid, detail=event.reason)
+        self._observer.transport_event(
+            "stream_malformed",
+            "h2",
+            stream_id=sid,
+            request_id=self._table.request_id(sid),
+            detail=event.reason,
+        )
         self._table.malformed(sid, malformed(event.reason))
 
     def _on_reset(self, event: StreamReset) -> None:
         sid = event.stream_id
+        request_id = self._table.request_id(sid)
         stream = self._streams.pop(sid, None)
         if stream is not None:
             self._cancel(stream)
         if self._table.peer_reset(sid):
             self._enhance_your_calm("rapid_reset")
             return
-        self._observer.transport_event("stream_reset_by_client", "h2", stream_id=sid)
+        self._observer.transport_event(
+            "stream_reset_by_client", "h2", stream_id=sid, request_id=request_id
+        )
         self._maybe_idle()
 
     def _on_window(self, sid: int) -> None:
@@ -417,7 +426,11 @@ class Http2Connection(asyncio.Protocol):
         except ProtocolError as exc:
             # A state we did not foresee: fail this stream only.
             self._observer.transport_event(
-                "h2_response_head_refused", "h2", stream_id=stream.id, detail=str(exc)
+                "h2_response_head_refused",
+                "h2",
+                stream_id=stream.id,
+                request_id=self._table.request_id(stream.id),
+                detail=str(exc),
             )
             self._fail(stream)
         self._schedule_flush()
@@ -584,7 +597,11 @@ class Http2Connection(asyncio.Protocol):
                     self.pump(stream)
                 except ProtocolError as exc:  # a state we did not foresee: fail the stream only
                     self._observer.transport_event(
-                        "h2_send_failed", "h2", stream_id=stream.id, detail=str(exc)
+                        "h2_send_failed",
+                        "h2",
+                        stream_id=stream.id,
+                        request_id=self._table.request_id(stream.id),
+                        detail=str(exc),
                     )
                     self._fail(stream)
         data = self._h2.data_to_send()

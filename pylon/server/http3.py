@@ -197,7 +197,12 @@ class Http3Protocol(QuicConnectionProtocol):
                 f"malformed request: {event.reason}", code=PylonCode.MALFORMED_REQUEST
             )
         self._observer.transport_event(
-            "stream_malformed", "h3", stream_id=sid, status=event.status, detail=event.reason
+            "stream_malformed",
+            "h3",
+            stream_id=sid,
+            request_id=self._table.request_id(sid),
+            status=event.status,
+            detail=event.reason,
         )
         self._table.malformed(sid, error)
 
@@ -252,6 +257,11 @@ class Http3Protocol(QuicConnectionProtocol):
         # Bound the wait for the client to acknowledge the last bytes.
         self._loop.call_later(DRAIN_ACK_GRACE, self._close_drained)
         self._maybe_close_drained()
+
+    @property
+    def in_progress(self) -> int:
+        """Requests on this connection that have started and are not answered yet."""
+        return len(self._table)
 
     def close_now(self) -> None:
         """The grace period is over: stop what still runs (outcome `shutdown`) and close."""
@@ -504,6 +514,11 @@ class Http3Server:
     @property
     def connections(self) -> int:
         return len(self._connections)
+
+    @property
+    def in_progress(self) -> int:
+        """Requests started on every connection and not answered yet."""
+        return sum(protocol.in_progress for protocol in list(self._connections))
 
     def close(self) -> None:
         if self._quic_server is not None:

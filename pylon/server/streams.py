@@ -252,6 +252,11 @@ class StreamTable:
     def __len__(self) -> int:
         return len(self._streams)
 
+    def request_id(self, stream_id: int) -> str | None:
+        """The id of a stream's request, when known: every log line about a request names it."""
+        stream = self._streams.get(stream_id)
+        return stream.record.request_id if stream is not None else None
+
     @property
     def queued(self) -> bool:
         """A dispatched request waits for the response before it (serial only)."""

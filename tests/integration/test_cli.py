@@ -5,15 +5,26 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from pylon.cli import field_group
+from pylon.observe import LIFECYCLE_EVENTS
+from pylon.settings import GROUPS, Settings
+from tests.certs import make_ca, make_leaf, write_pair
 
 PYLON = [sys.executable, "-m", "pylon"]
+ENGINE = [sys.executable, "-m", "mock_dynamo"]
 
 
 def run_pylon(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -133,3 +144,314 @@ def test_serve_with_no_upstream_runs_the_embedded_mock() -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+# --- a configuration cannot silently do less than asked ------------------------------------------
+
+
+def refusal(result: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused start prints: exit 2, no traceback, no Python internals."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("pylon: "), line
+    for leak in ("Traceback", "pydantic", "https://", "Value error", "_ssl.c", "Errno"):
+        assert leak not in line, line
+    return line
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    """Certificates, keys, CA bundles and token files, good and bad, by name."""
+    ca = make_ca()
+    good_cert, good_key = write_pair(tmp_path, make_leaf(ca), "good")
+    other_cert, other_key = write_pair(tmp_path, make_leaf(None), "other")
+    expired_cert, expired_key = write_pair(
+        tmp_path, make_leaf(None, days=-1, start_days=-3), "expired"
+    )
+    made = {  # file names are the keys
+        "ca": ca[0].public_bytes(Encoding.PEM),
+        "garbage": b"not PEM at all\n",
+        "empty-token": b"  \n",
+        "two-lines-token": b"one\ntwo\n",
+        "good-token": b"s3cret-token\n",
+    }
+    paths = {name: tmp_path / name for name in made}
+    for name, data in made.items():
+        paths[name].write_bytes(data)
+    return {
+        **{name: str(path) for name, path in paths.items()},
+        "cert": str(good_cert),
+        "key": str(good_key),
+        "other-key": str(other_key),
+        "leaf-as-ca": str(other_cert),
+        "expired-cert": str(expired_cert),
+        "expired-key": str(expired_key),
+        "missing": str(tmp_path / "missing.pem"),
+        "folder": str(tmp_path),
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--tls-client-ca", "{ca}"], "--tls-client-ca needs --tls-cert and --tls-key"),
+        (["--tls-reload-interval", "1"], "--tls-reload-interval needs --tls-cert"),
+        (["--tls-cert", "{cert}"], "--tls-cert and --tls-key must be given together"),
+        (["--tls-cert", "{missing}", "--tls-key", "{key}"], "missing.pem: no such file"),
+        (["--tls-cert", "{cert}", "--tls-key", "{folder}"], "is a directory"),
+        (["--tls-cert", "{cert}", "--tls-key", "{other-key}"], "does not match the certificate"),
+        (["--tls-cert", "{garbage}", "--tls-key", "{key}"], "certificate is not valid PEM"),
+        (["--tls-cert", "{cert}", "--tls-key", "{garbage}"], "not an unencrypted PEM key"),
+        (["--tls-cert", "{expired-cert}", "--tls-key", "{expired-key}"], "has expired"),
+        (
+            ["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{garbage}"],
+            "--tls-client-ca",
+        ),
+        (
+            ["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{leaf-as-ca}"],
+            "no CA certificate in it",
+        ),
+        (["--tunnel-token-file", "{missing}"], "--tunnel-token-file"),
+        (["--tunnel-token-file", "{empty-token}"], "the file is empty"),
+        (["--tunnel-token-file", "{two-lines-token}"], "must be a single line"),
+        (["--tunnel-token-file", "{folder}"], "is a directory"),
+        (["--upstream", "http://user:hunter2@127.0.0.1:8000"], "pylon never sends credentials"),
+        (["--quic-listen", "[zz]:1"], "not an IPv6 address"),
+    ],
+)
+def test_start_refusals_are_one_line(files: dict[str, str], args: list[str], needle: str) -> None:
+    """Whatever cannot take effect (a TLS or auth setting, a file, a URL) refuses the start,
+    before any listener: one line, exit 2."""
+    filled = [arg.format_map(files) for arg in args]
+    line = refusal(run_pylon("serve", "--listen", "127.0.0.1:0", *filled))
+    assert needle in line
+    assert "hunter2" not in line and "s3cret" not in line
+
+
+def test_bad_config_files_are_named(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("backend = \n")
+    assert f"config file {broken} is not valid TOML" in refusal(
+        run_pylon("serve", "--config", str(broken))
+    )
+    typo = tmp_path / "typo.toml"
+    typo.write_text('upstrem = "http://127.0.0.1:8000"\n')
+    line = refusal(run_pylon("config", "--config", str(typo)))
+    assert f"config file {typo}: unknown setting 'upstrem' (did you mean 'upstream'?)" in line
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text("priority_ceiling = 0\n")
+    line = refusal(run_pylon("config", "--config", str(wrong)))
+    assert line.startswith(f"pylon: invalid setting priority_ceiling (config file {wrong}): ")
+
+
+def test_the_source_of_a_bad_value_is_named() -> None:
+    line = refusal(run_pylon("config", env={"PYLON_MAX_HEADERS": "many"}))
+    assert line.startswith("pylon: invalid setting max_headers (PYLON_MAX_HEADERS): ")
+    line = refusal(run_pylon("config", "--max-headers", "1"))
+    assert line.startswith("pylon: invalid setting max_headers (--max-headers): ")
+
+
+def log_lines(proc: subprocess.Popen[str], until: str, limit: float = 20) -> list[dict[str, Any]]:
+    """Read pylon's JSON log lines up to and including the first `until` event."""
+    assert proc.stderr is not None
+    lines: list[dict[str, Any]] = []
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line, f"pylon exited before {until!r}: {lines}"
+        lines.append(json.loads(line))
+        if lines[-1]["event"] == until:
+            return lines
+    raise AssertionError(f"no {until!r} line within {limit} s: {lines}")
+
+
+def start_pylon(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYLON_")}
+    return subprocess.Popen(
+        [*PYLON, "serve", *args], stderr=subprocess.PIPE, text=True, env={**clean, **(env or {})}
+    )
+
+
+def test_warnings_at_start_and_lifecycle_lines_at_warning_level() -> None:
+    """Open listeners, a /v1 upstream path, a setting with no effect and a misspelled variable
+    are warned about; the start and stop lines survive --log-level warning."""
+    proc = start_pylon(
+        "--listen",
+        "0.0.0.0:0",
+        "--upstream",
+        "http://127.0.0.1:9/v1",
+        "--quic-max-data",
+        "100000",
+        "--log-level",
+        "warning",
+        env={"PYLON_LISTN": "127.0.0.1:1"},
+    )
+    try:
+        lines = log_lines(proc, "listening")
+        proc.send_signal(signal.SIGTERM)
+        lines += log_lines(proc, "drained")
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    events = {line["event"]: line for line in lines}
+    assert events["unknown_env_var"]["variable"] == "PYLON_LISTN"
+    assert events["unknown_env_var"]["did_you_mean"] == "PYLON_LISTEN"
+    assert "/v1/v1/" in events["upstream_path_v1"]["detail"]
+    assert events["setting_ignored"]["setting"] == "quic_max_data"
+    insecure = events["insecure_listener"]
+    assert insecure["listener"] == "tcp" and insecure["address"] == "0.0.0.0:0"
+    for name in ("unknown_env_var", "upstream_path_v1", "setting_ignored", "insecure_listener"):
+        assert events[name]["level"] == "warning"
+    # Lifecycle lines bypass the level (written at info); nothing else at info got through.
+    assert {"listening", "stopping", "drained"} <= set(events)
+    assert {line["event"] for line in lines if line["level"] == "info"} <= LIFECYCLE_EVENTS
+
+
+def test_no_insecure_listener_warning_with_a_token_or_on_loopback(files: dict[str, str]) -> None:
+    for args in (
+        [
+            "--listen",
+            "0.0.0.0:0",
+            "--quic-listen",
+            "0.0.0.0:0",
+            "--tunnel-token-file",
+            "{good-token}",
+        ],
+        ["--listen", "127.0.0.1:0", "--quic-listen", "[::1]:0"],
+    ):
+        proc = start_pylon(*(arg.format_map(files) for arg in args))
+        try:
+            lines = log_lines(proc, "listening_quic")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+        assert "insecure_listener" not in {line["event"] for line in lines}, lines
+
+
+def test_help_groups_flags_by_topic() -> None:
+    result = subprocess.run(
+        [*PYLON, "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "COLUMNS": "400", "TERM": "dumb"},
+    )
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    positions = [text.index(f"─ {topic} ─") for topic in GROUPS]
+    assert positions == sorted(positions), "topics out of order"
+    for name in Settings.model_fields:
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        assert f"[env var: PYLON_{name.upper()}]" in text, name
+        line = next(line for line in text.splitlines() if line.startswith(f"│ {flag} "))
+        # The flag's row sits in its topic's panel.
+        panel = max((text.rfind(f"─ {topic} ─", 0, text.index(line)), topic) for topic in GROUPS)[1]
+        assert panel == field_group(name), name
+    assert "[choices: dynamo, vllm, sglang, passthrough]" in text
+    assert "[default: 127.0.0.1:8080]" in text
+    assert "SECONDS" in text and "BYTES" in text and "HOST:PORT" in text
+
+
+def test_version() -> None:
+    result = run_pylon("--version")
+    assert result.returncode == 0
+    assert re.fullmatch(r"pylon \S+\n", result.stdout)
+
+
+def test_config_warns_about_misspelled_environment_variables() -> None:
+    result = run_pylon("config", env={"PYLON_BAKEND": "vllm"})
+    assert result.returncode == 0
+    assert json.loads(result.stdout)["backend"] == "dynamo"
+    warning = json.loads(result.stderr.strip().splitlines()[-1])
+    assert warning["event"] == "unknown_env_var"
+    assert warning["variable"] == "PYLON_BAKEND" and warning["did_you_mean"] == "PYLON_BACKEND"
+
+
+# --- signals ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def slow_engine() -> Iterator[str]:
+    """A mock_dynamo process that streams 2000 tokens, 50 ms apart: a request stays in flight."""
+    engine = subprocess.Popen(
+        [*ENGINE, "--port", "0", "--token-delay-ms", "50", "--num-tokens", "2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert engine.stdout is not None
+        announced = engine.stdout.readline()
+        match = re.search(r"listening on (http://\S+)", announced)
+        assert match, announced
+        yield match.group(1)
+    finally:
+        engine.terminate()
+        engine.wait(timeout=10)
+
+
+def test_second_signal_during_the_drain_ends_it_at_once(slow_engine: str) -> None:
+    """SIGTERM starts the drain (and pylon says what still runs); SIGINT then ends it at once,
+    whatever the grace period, with status 128 + SIGINT."""
+    proc = start_pylon(
+        "--listen", "127.0.0.1:0", "--upstream", slow_engine, "--shutdown-grace", "60"
+    )
+    try:
+        host, port = log_lines(proc, "listening")[-1]["address"].rsplit(":", 1)
+        body = json.dumps(
+            {
+                "model": "mock-model",
+                "stream": True,
+                "max_tokens": 2000,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+        ).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: long-1\r\n"
+                b"x-model: mock-model\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+            )
+            received = b""
+            while b"data: {" not in received:  # the stream is flowing: in flight
+                chunk = client.recv(65536)
+                assert chunk, received
+                received += chunk
+            proc.send_signal(signal.SIGTERM)
+            draining = log_lines(proc, "draining")[-1]
+            assert (draining["http1"], draining["h2"], draining["h3"]) == (1, 0, 0)
+            assert 0 < draining["remaining_s"] <= 60
+            started = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            lines = log_lines(proc, "forced_stop")
+            assert proc.wait(timeout=10) == 128 + signal.SIGINT
+            assert time.monotonic() - started < 10  # not the 60 s grace, nor the 100 s stream
+            forced = lines[-1]
+            assert forced["level"] == "warning" and forced["signal"] == "SIGINT"
+            assert forced["http1"] == 1
+            while client.recv(65536):  # the request was ended: the connection closes
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refusal(
+            run_pylon("serve", "--listen", f"127.0.0.1:{port}", "--upstream", "http://127.0.0.1:9")
+        )
+    assert line.startswith("pylon: cannot start: ") and "address already in use" in line
+
+
+def test_a_refusal_comes_before_any_log_line(files: dict[str, str]) -> None:
+    """Files are checked before logging starts: even with a warning due, the refusal is alone."""
+    result = run_pylon("serve", "--tunnel-token-file", files["missing"], env={"PYLON_LISTN": "x"})
+    assert "--tunnel-token-file" in refusal(result)

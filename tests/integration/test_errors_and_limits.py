@@ -232,7 +232,7 @@ async def test_first_output_timeout_ends_the_stream(make_stack: StackFactory) ->
     assert time.monotonic() - started < engine_ms / 1000 / 4
     # The engine sent its head at once and then nothing: the stream ends with an error event.
     assert status == 200
-    assert terminal_error(events)["type"] == "upstream_timeout"
+    assert terminal_error(events)["code"] == "upstream_timeout"
     assert not [e for e in events if e.startswith("data: {")]
 
 
@@ -243,7 +243,8 @@ async def test_gap_timeout_ends_the_stream_with_an_error_event(make_stack: Stack
     assert status == 200
     assert len(events) == 3
     error = terminal_error(events)
-    assert error["type"] == "upstream_timeout"
+    assert error["code"] == "upstream_timeout"
+    assert error["type"] == "server_error"  # OpenAI's type for a server-side failure
     assert error["request_id"] == "req-1"
 
 
@@ -252,7 +253,7 @@ async def test_engine_drop_mid_stream_ends_with_an_error_event(make_stack: Stack
     await stack.faults([{"drop_after_events": 2, "times": 1}])
     status, events = await sse_events(stack, {**BODY, "max_tokens": 10})
     assert status == 200
-    assert terminal_error(events)["type"] == "upstream_error"
+    assert terminal_error(events)["code"] == "upstream_protocol_error"
     # The broken engine connection is not reused: the next request works.
     assert (await stack.post(CHAT, BODY)).status_code == 200
 
@@ -384,5 +385,5 @@ async def test_stream_that_ends_without_output_is_an_error(make_stack: StackFact
     assert status == 200
     assert events[0] == ": keep-alive comment"
     error = terminal_error(events)
-    assert error["type"] == "upstream_error"
+    assert error["code"] == "upstream_protocol_error"
     assert "before any output" in str(error["message"])

@@ -108,7 +108,7 @@ async def test_booking_is_released_on_engine_faults_and_timeouts(make_stack: Sta
     stack, router = await routed_stack(make_stack, first_output_timeout=0.3)
     await stack.faults([{"drop_after_events": 2, "times": 1}])
     reply = await stack.post(CHAT, chat(True), headers={"x-request-id": "dropped"})
-    assert reply.status_code == 200 and b"upstream_error" in reply.content
+    assert reply.status_code == 200 and b"upstream_protocol_error" in reply.content
     assert router.lives["dropped"] == ["first_output", "release:upstream_protocol_error"]
     await stack.faults([{"stall_after_events": 0, "times": 1}])
     reply = await stack.post(CHAT, chat(True), headers={"x-request-id": "stalled"})

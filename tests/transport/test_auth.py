@@ -16,6 +16,7 @@ from pylon import auth
 from pylon.app import serve
 from pylon.auth import TokenAuth, TokenFileError
 from pylon.logs import configure_logging
+from pylon.preflight import StartupError
 from pylon.settings import load_settings
 from tests.integration.conftest import MODEL, Stack, StackFactory, header_values
 
@@ -175,7 +176,7 @@ async def test_serve_refuses_to_start_without_a_usable_token_file(tmp_path: Path
             "tunnel_token_file": str(tmp_path / "missing"),
         }
     )
-    with pytest.raises(TokenFileError):
+    with pytest.raises(StartupError, match=r"--tunnel-token-file .*missing: no such file"):
         await asyncio.wait_for(serve(settings, handle_signals=False), 5)
 
 

@@ -14,9 +14,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from pydantic import ValidationError
 
-from pylon.settings import load_settings
+from pylon.settings import SettingsError, load_settings
 from pylon.tls import (
     TlsIdentity,
     TlsMaterial,
@@ -57,7 +56,7 @@ def test_invalid_material_is_refused(make: object, reason: str) -> None:
 
 def test_cert_and_key_flags_come_together(tmp_path: Path) -> None:
     cert, _ = write_pair(tmp_path, make_leaf(None))
-    with pytest.raises(ValidationError, match="together"):
+    with pytest.raises(SettingsError, match="together"):
         load_settings({"tls_cert": str(cert)})
     with pytest.raises(TlsMaterialError, match="together"):
         TlsIdentity.from_paths(cert, None)
@@ -171,7 +170,11 @@ async def test_quic_mutual_tls(make_stack: StackFactory, tmp_path: Path) -> None
     ca = make_ca()
     ca_file = tmp_path / "ca.pem"
     ca_file.write_bytes(ca[0].public_bytes(Encoding.PEM))
-    stack = await make_stack("dynamo", tls_client_ca=str(ca_file))
+    # mTLS needs a server certificate (without one the TCP listener would accept anyone).
+    server_cert, server_key = write_pair(tmp_path, make_leaf(None), "server")
+    stack = await make_stack(
+        "dynamo", tls_cert=str(server_cert), tls_key=str(server_key), tls_client_ca=str(ca_file)
+    )
     good_cert, good_key = write_pair(tmp_path, make_leaf(ca, name="gateway"), "good")
     async with stack.connect(client_configuration(good_cert, good_key)) as client:
         assert (await client.request(CHAT, chat())).status == 200

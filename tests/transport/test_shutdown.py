@@ -14,13 +14,17 @@ from typing import Any
 
 import httpx
 import pytest
+from aioquic.asyncio.client import connect
 
 from mock_dynamo.config import MockConfig
 from mock_dynamo.server import start_mock
 from pylon.app import serve
 from pylon.logs import configure_logging
+from pylon.observe import LogObserver
 from pylon.settings import load_settings
 from tests.cancellation import wait_for_record
+from tests.h3client import H3Client, client_configuration, request_headers
+from tests.h3client import chat as h3_chat
 from tests.integration.conftest import MODEL
 
 CHAT = "/v1/chat/completions"
@@ -170,3 +174,111 @@ async def test_grace_period_bounds_the_shutdown(running: Callable[..., Any]) -> 
     record = await pylon.wait_record("too-long", "finished")
     assert record["cancelled_at"] is not None and record["completed_at"] is None
     writer.close()
+
+
+class ProcessEvents(LogObserver):
+    """Keeps the process events (and logs them as usual); `wait_for` is event-driven."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self._changed = asyncio.Event()
+
+    def process_event(self, kind: str, /, **fields: Any) -> None:
+        super().process_event(kind, **fields)
+        self.events.append((kind, fields))
+        self._changed.set()
+
+    async def wait_for(self, kind: str, timeout: float = 5.0) -> dict[str, Any]:
+        async with asyncio.timeout(timeout):
+            while True:
+                for seen, fields in self.events:
+                    if seen == kind:
+                        return fields
+                self._changed.clear()
+                await self._changed.wait()
+
+
+async def test_drain_reports_what_runs_per_transport_and_can_be_forced() -> None:
+    """The drain says what is still running on each transport; `force` (what a second signal
+    sets) ends it at once, long before the grace period."""
+    configure_logging("json", "warning")
+    engine = await start_mock(MockConfig(models=(MODEL,), token_delay_ms=30, num_tokens=2000))
+    observer = ProcessEvents()
+    config = load_settings(
+        {
+            "listen": "127.0.0.1:0",
+            "quic_listen": "127.0.0.1:0",
+            "upstream": engine.base_url,
+            "shutdown_grace": 60,
+        }
+    )
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    quic: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    stop, force = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        serve(
+            config,
+            on_ready=ready.set_result,
+            on_quic_ready=quic.set_result,
+            stop=stop,
+            force=force,
+            handle_signals=False,
+            observer=observer,
+        )
+    )
+    writer: asyncio.StreamWriter | None = None
+    try:
+        host, port = (await asyncio.wait_for(ready, 5)).rsplit(":", 1)
+        quic_host, quic_port = (await asyncio.wait_for(quic, 5)).rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(stream_request("tcp-long", 2000))
+        async with asyncio.timeout(5):
+            await reader.readuntil(b"data: {")
+        async with connect(
+            quic_host,
+            int(quic_port),
+            configuration=client_configuration(),
+            create_protocol=H3Client,
+            wait_connected=True,
+        ) as client:
+            assert isinstance(client, H3Client)
+            body = json.dumps(h3_chat(True, max_tokens=2000)).encode()
+            response = client.send(
+                request_headers(
+                    "POST", CHAT, [("x-request-id", "h3-long"), ("x-model", MODEL)], body
+                ),
+                body,
+            )
+            await client.wait_until(lambda: bool(response.chunks), what="the first h3 output")
+            async with (
+                httpx.AsyncClient(http1=False, http2=True, timeout=10) as h2,
+                h2.stream(
+                    "POST",
+                    f"http://{host}:{port}{CHAT}",
+                    headers={"x-request-id": "h2-long", "x-model": MODEL},
+                    content=body,
+                ) as streamed,
+            ):
+                assert streamed.http_version == "HTTP/2"
+                async for _ in streamed.aiter_raw():
+                    break  # the first output: in flight
+                stop.set()
+                draining = await observer.wait_for("draining")
+                assert (draining["http1"], draining["h2"], draining["h3"]) == (1, 1, 1)
+                started = time.monotonic()
+                force.set()
+                async with asyncio.timeout(5):
+                    assert await task == 1  # forced, not by a signal
+                assert time.monotonic() - started < 5
+            forced = await observer.wait_for("forced_stop")
+            assert forced["signal"] is None
+            assert (forced["http1"], forced["h2"], forced["h3"]) == (1, 1, 1)
+            assert "drained" not in {kind for kind, _ in observer.events}
+    finally:
+        stop.set()
+        force.set()
+        if writer is not None:
+            writer.close()
+        await asyncio.wait_for(task, 10)
+        await engine.stop()

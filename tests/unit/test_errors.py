@@ -17,6 +17,7 @@ from pylon.core.errors import (
     UpstreamError,
     problem_body,
 )
+from pylon.proxy.relay import sse_error_payload
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))
@@ -33,13 +34,49 @@ def test_every_code_has_status_and_title(code: ErrorCode) -> None:
         "detail": "detail text",
         "code": code.value,
         "request_id": "req-9",
+        # OpenAI-style, so OpenAI SDKs show the reason (their APIError reads body["error"]).
+        "error": {
+            "message": "detail text",
+            "type": OPENAI_TYPES[code.status],
+            "code": code.value,
+            "request_id": "req-9",
+        },
     }
+
+
+# Written out: the OpenAI API's error types by status, as its SDKs classify them.
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    431: "invalid_request_error",
+    502: "server_error",
+    503: "service_unavailable",
+    504: "server_error",
+}
 
 
 def test_problem_body_without_request_id() -> None:
     body = json.loads(problem_body(ContractError("x", code=ErrorCode.MISSING_REQUEST_ID), None))
     assert "request_id" not in body
+    assert "request_id" not in body["error"]
     assert body["status"] == 400
+    assert body["error"]["code"] == "missing_request_id"
+
+
+def test_sse_error_payload_is_the_same_error_member() -> None:
+    """A stream that breaks after its head ends with the same `error` object a problem has."""
+    error = UpstreamError("gap too long", code=ErrorCode.UPSTREAM_TIMEOUT, request_id="r-1")
+    payload = json.loads(sse_error_payload(error))
+    assert payload == {"error": json.loads(problem_body(error, "r-1"))["error"]}
+    assert payload["error"] == {
+        "message": "gap too long",
+        "type": "server_error",
+        "code": "upstream_timeout",
+        "request_id": "r-1",
+    }
 
 
 # Written out, not derived from the enum: the server-side codes and the ones a gateway may retry.

@@ -13,6 +13,7 @@ from pylon.core.retry import (
     RETRY_AFTER_MS,
     RETRY_REASON,
     RETRYABLE,
+    SHOULD_RETRY,
     RetryMark,
     RetryPolicy,
     classify_upstream_response,
@@ -135,9 +136,11 @@ def test_parse_retry_after_never_raises(value: bytes) -> None:
 def test_local_connect_failure(retryable: bool) -> None:
     mark = local_connect_failure(RetryPolicy(local_connect_failures_retryable=retryable))
     assert mark == RetryMark(retryable, "local_connect_failure")
+    answer = b"true" if retryable else b"false"
     assert mark.headers() == [
-        (RETRYABLE, b"true" if retryable else b"false"),
+        (RETRYABLE, answer),
         (RETRY_REASON, b"local_connect_failure"),
+        (SHOULD_RETRY, answer),  # the OpenAI SDKs' switch says the same
     ]
 
 
@@ -145,5 +148,6 @@ def test_mark_headers_with_retry_after() -> None:
     assert RetryMark(True, "upstream_admission_rejected", 1500).headers() == [
         (RETRYABLE, b"true"),
         (RETRY_REASON, b"upstream_admission_rejected"),
+        (SHOULD_RETRY, b"true"),
         (RETRY_AFTER_MS, b"1500"),
     ]

@@ -163,6 +163,19 @@ def test_connection_listed_names_are_hop_by_hop() -> None:
     ]
     result = sanitize_request_headers(headers)
     assert result.headers == ((b"x-other", b"3"),)
+    assert result.stripped == ()  # connection management, not client controls
+
+
+def test_denied_names_listed_in_connection_are_still_reported() -> None:
+    headers = [
+        (b"Connection", b"x-dynamo-worker-instance-id, x-app"),
+        (b"x-dynamo-worker-instance-id", b"7"),
+        (b"x-app", b"1"),
+        (b"transfer_encoding", b"chunked"),  # an underscore twin is a client's doing: reported
+    ]
+    result = sanitize_request_headers(headers)
+    assert result.headers == ()
+    assert result.stripped == ("x-dynamo-worker-instance-id", "transfer_encoding")
 
 
 def test_contract_headers_other_than_owned_are_forwarded() -> None:

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pylon.settings import Settings, load_settings, split_host_port
+from pylon.settings import (
+    GROUPS,
+    Settings,
+    SettingsError,
+    load_settings,
+    split_host_port,
+    unknown_env_vars,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +68,7 @@ def test_file_only_applies_to_its_own_load(toml) -> None:
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="config file not found"):
+    with pytest.raises(SettingsError, match="config file not found"):
         load_settings({}, tmp_path / "nope.toml")
 
 
@@ -105,24 +112,104 @@ def test_status_list_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_bad_env_values_raise(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
-    with pytest.raises((ValidationError, ValueError)):
+    with pytest.raises(SettingsError) as refused:
         load_settings({})
+    assert f"({name})" in str(refused.value)  # the error names where the value came from
+    assert_plain(str(refused.value))
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [{"backend": "x"}, {"priority_ceiling": -1}, {"not_a_setting": 1}, {"max_headers": 1}],
+    ("overrides", "needle"),
+    [
+        ({"backend": "x"}, "invalid setting backend (--backend): "),
+        ({"priority_ceiling": -1}, "invalid setting priority_ceiling (--priority-ceiling): "),
+        ({"not_a_setting": 1}, "unknown setting 'not_a_setting'"),
+        ({"max_headers": 1}, "invalid setting max_headers (--max-headers): "),
+        ({"retryable_status_codes": "429,abc"}, "not an HTTP status: 'abc'"),
+        ({"upstream_retry_header": "x retry"}, "not an HTTP header name"),
+        ({"listen": "[zz]:80"}, "not an IPv6 address"),
+    ],
 )
-def test_bad_flags_raise(overrides: dict) -> None:
-    with pytest.raises(ValidationError):
+def test_bad_flags_raise(overrides: dict, needle: str) -> None:
+    with pytest.raises(SettingsError) as refused:
         load_settings(overrides)
+    assert needle in str(refused.value)
+    assert_plain(str(refused.value))
+
+
+def assert_plain(line: str) -> None:
+    """One line for an operator: no pydantic internals, URLs or Python type names."""
+    assert "\n" not in line
+    for leak in ("pydantic", "https://", "Value error", "ValidationError", "int()", "<class"):
+        assert leak not in line, line
 
 
 def test_bad_file_raises(toml) -> None:
-    with pytest.raises(ValidationError):
+    with pytest.raises(SettingsError, match=r"invalid setting backend \(config file .*\.toml\)"):
         load_settings({}, toml('backend = "trtllm"\n'))
-    with pytest.raises(ValidationError):
+    with pytest.raises(SettingsError, match=r"pylon\.toml: unknown setting 'unknown_key'$"):
         load_settings({}, toml("unknown_key = 1\n"))
+    with pytest.raises(SettingsError, match=r"did you mean 'listen'\?"):
+        load_settings({}, toml('lisen = "127.0.0.1:1"\n'))
+    with pytest.raises(SettingsError, match=r"config file .*pylon\.toml is not valid TOML: "):
+        load_settings({}, toml("backend = \n"))
+
+
+def test_unreadable_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="is a directory"):
+        load_settings({}, tmp_path)
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe")
+    with pytest.raises(SettingsError, match=r"binary\.toml is not UTF-8"):
+        load_settings({}, binary)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"tls_client_ca": "/ca.pem"}, "--tls-client-ca needs --tls-cert and --tls-key"),
+        ({"tls_cert": "/c.pem"}, "--tls-cert and --tls-key must be given together"),
+        ({"tls_key": "/k.pem"}, "--tls-cert and --tls-key must be given together"),
+        ({"tls_reload_interval": 5}, "--tls-reload-interval needs --tls-cert"),
+        ({"upstream": "http://user:pass@engine:8000"}, "pylon never sends credentials"),
+        ({"upstream": "http://user@engine:8000"}, "may not carry credentials"),
+    ],
+)
+def test_settings_that_cannot_take_effect_are_refused(overrides: dict, needle: str) -> None:
+    """A TLS or auth setting that would silently do less than asked is a refusal."""
+    with pytest.raises(SettingsError) as refused:
+        load_settings(overrides)
+    assert needle in str(refused.value)
+    assert "secret" not in str(refused.value) and "pass" not in str(refused.value)
+    assert_plain(str(refused.value))
+
+
+def test_tls_settings_that_take_effect_are_accepted() -> None:
+    both = {"tls_cert": "/c.pem", "tls_key": "/k.pem"}
+    assert load_settings({**both, "tls_client_ca": "/ca", "tls_reload_interval": 1}).tls_client_ca
+    assert load_settings({"quic_listen": "127.0.0.1:0"}).tls_cert is None  # self-signed QUIC
+
+
+def test_unknown_env_vars_are_found_with_the_likely_name() -> None:
+    environ = {
+        "PYLON_LISTEN": "x",
+        "PYLON_LISTN": "x",
+        "pylon_upstrem": "x",
+        "PYLON_SOMETHING_ELSE": "x",
+        "OTHER": "x",
+    }
+    assert unknown_env_vars(environ) == [
+        ("PYLON_LISTN", "PYLON_LISTEN"),
+        ("PYLON_SOMETHING_ELSE", None),
+        ("pylon_upstrem", "PYLON_UPSTREAM"),
+    ]
+
+
+def test_every_setting_has_a_topic_and_a_description() -> None:
+    for name, field in Settings.model_fields.items():
+        extra = field.json_schema_extra
+        assert isinstance(extra, dict) and extra["group"] in GROUPS, name
+        assert field.description, name
 
 
 def test_log_level_case_insensitive(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,9 +223,7 @@ def test_settings_are_frozen() -> None:
         s.backend = "vllm"  # type: ignore[misc]
 
 
-def test_upstream_and_redaction() -> None:
-    s = load_settings({"upstream": "http://user:secret@127.0.0.1:8000"})
-    assert "secret" not in str(s.redacted())
+def test_upstream_shown() -> None:
     s = load_settings({"upstream": "http://127.0.0.1:8000"})
     assert s.redacted()["upstream"].startswith("http://127.0.0.1:8000")
 

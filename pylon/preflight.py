@@ -1,0 +1,181 @@
+"""What can be checked before any listener starts, so a configuration never silently does less
+than asked.
+
+- Refusals (`StartupError`, one line; `pylon serve` exits 2): a certificate, key or client CA
+  file that is missing, unreadable, not PEM, mismatched or expired, and a tunnel token file that
+  cannot be used. (Settings that contradict each other are refused earlier, by `Settings`.)
+- Warnings (process events, logged at warning): a listener off loopback that any client may use
+  (`insecure_listener`), an upstream URL whose path ends in `/v1` (`upstream_path_v1`), a setting
+  that has no effect with the others (`setting_ignored`).
+
+Pure checks of files and settings: `pylon.app.start` runs them before it starts anything.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pylon.settings import Settings, split_host_port
+
+
+class StartupError(Exception):
+    """Pylon cannot start as configured; the message is one line for the operator."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartupWarning:
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def check_files(settings: Settings) -> None:
+    """Refuse what the TLS and token files cannot deliver, before any listener starts."""
+    if settings.tunnel_token_file is not None:
+        _check_token_file(settings.tunnel_token_file)
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        _check_identity(settings.tls_cert, settings.tls_key)
+    if settings.tls_client_ca is not None:
+        _check_client_ca(settings.tls_client_ca)
+
+
+def _read(flag: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise StartupError(f"{flag} {path}: no such file") from None
+    except IsADirectoryError:
+        raise StartupError(f"{flag} {path}: is a directory, not a file") from None
+    except PermissionError:
+        raise StartupError(f"{flag} {path}: permission denied") from None
+    except OSError as exc:
+        raise StartupError(f"{flag} {path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def _check_token_file(path: Path) -> None:
+    from pylon.auth import TokenAuth, TokenFileError
+
+    token = _read("--tunnel-token-file", path).strip()
+    if not token:
+        raise StartupError(f"--tunnel-token-file {path}: the file is empty")
+    if b"\n" in token or b"\r" in token:
+        raise StartupError(f"--tunnel-token-file {path}: the token must be a single line")
+    try:
+        TokenAuth(path)  # the same reading the running daemon does
+    except TokenFileError as exc:
+        raise StartupError(f"--tunnel-token-file {path}: {exc}") from None
+
+
+def _check_identity(cert: Path, key: Path) -> None:
+    from pylon.tls import TlsMaterialError, build_server_ssl_context, parse_material
+
+    cert_pem = _read("--tls-cert", cert)
+    key_pem = _read("--tls-key", key)
+    try:
+        material = parse_material(cert_pem, key_pem)
+    except TlsMaterialError as exc:
+        raise StartupError(f"--tls-cert {cert} / --tls-key {key}: {exc}") from None
+    try:
+        build_server_ssl_context(material)  # what OpenSSL will serve on TCP
+    except (ssl.SSLError, OSError) as exc:
+        reason = getattr(exc, "reason", None) or exc.strerror or "refused"
+        raise StartupError(f"--tls-cert {cert} / --tls-key {key}: OpenSSL: {reason}") from None
+
+
+def _check_client_ca(path: Path) -> None:
+    from pylon.tls import TlsMaterialError, check_client_ca
+
+    data = _read("--tls-client-ca", path)
+    try:
+        check_client_ca(data, path)
+    except TlsMaterialError as exc:
+        raise StartupError(f"--tls-client-ca {path}: {exc}") from None
+
+
+# --- warnings -------------------------------------------------------------------------------
+
+_QUIC_TUNING = (
+    "quic_idle_timeout",
+    "quic_max_data",
+    "quic_max_stream_data",
+    "quic_max_concurrent_streams",
+    "quic_retry",
+)
+_RETRY_TUNING = ("require_upstream_retry_header", "upstream_retry_header", "propagate_retry_after")
+
+
+def config_warnings(settings: Settings) -> list[StartupWarning]:
+    """Settings that will not do what they say, short of a refusal."""
+    warnings: list[StartupWarning] = []
+    if settings.upstream is not None:
+        path = (settings.upstream.path or "").rstrip("/")
+        if path.endswith("/v1"):
+            warnings.append(
+                StartupWarning(
+                    "upstream_path_v1",
+                    {
+                        "upstream": str(settings.upstream),
+                        "detail": "pylon appends the request path to the upstream URL, so "
+                        "requests would go to /v1/v1/...; give the engine's base URL without /v1",
+                    },
+                )
+            )
+    chosen = settings.model_fields_set
+
+    def ignored(name: str, reason: str) -> None:
+        if name in chosen:
+            warnings.append(StartupWarning("setting_ignored", {"setting": name, "reason": reason}))
+
+    if settings.quic_listen is None:
+        for name in _QUIC_TUNING:
+            ignored(name, "no --quic-listen: there is no QUIC listener")
+    if settings.backend != "sglang":
+        ignored(
+            "sglang_low_priority_first",
+            f"only the sglang backend reads it (backend is {settings.backend})",
+        )
+    if not settings.derive_priority or settings.backend == "passthrough":
+        for name in ("priority_ceiling", "sglang_low_priority_first"):
+            ignored(name, "no priority is derived (--no-derive-priority or backend passthrough)")
+    if not settings.retryable_status_codes:
+        for name in _RETRY_TUNING:
+            ignored(name, "--retryable-status-codes is empty: no engine status is retryable")
+    return warnings
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach `host` (an unresolved name other than localhost: no)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def insecure_listeners(settings: Settings) -> list[StartupWarning]:
+    """Listeners reachable from other machines that accept any client: neither mTLS nor a
+    tunnel token."""
+    token = settings.tunnel_token_file is not None
+    mtls = settings.tls_client_ca is not None  # Settings makes it imply --tls-cert
+    detail = (
+        "listening beyond loopback with neither --tls-client-ca nor --tunnel-token-file: any "
+        "client that reaches this address can use the engine"
+    )
+    warnings = []
+    listeners = [("tcp", settings.listen)]
+    if settings.quic_listen is not None:
+        listeners.append(("quic", settings.quic_listen))
+    for listener, address in listeners:
+        host, _ = split_host_port(address)
+        if not is_loopback(host) and not token and not mtls:
+            warnings.append(
+                StartupWarning(
+                    "insecure_listener",
+                    {"listener": listener, "address": address, "detail": detail},
+                )
+            )
+    return warnings

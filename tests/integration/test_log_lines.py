@@ -1,0 +1,106 @@
+"""What the log lines about requests say: the request id on every one, and `stripped` listing
+client controls only (hop-by-hop fields are connection management, not controls)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from pylon.observe import LogObserver, RequestRecord
+from tests.integration.conftest import MODEL, StackFactory
+from tests.transport.h2client import H2Client, request_headers
+
+CHAT = "/v1/chat/completions"
+BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+).encode()
+
+
+class Lines(LogObserver):
+    """Keeps what the log lines are built from (and logs them as usual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done_records: list[RequestRecord] = []
+        self.admitted_ids: list[str | None] = []
+        self.transport: list[tuple[str, dict[str, Any]]] = []
+        self._changed = asyncio.Event()
+
+    def admitted(self, record: RequestRecord) -> None:
+        super().admitted(record)
+        self.admitted_ids.append(record.request_id)
+        self._changed.set()
+
+    def done(self, record: RequestRecord) -> None:
+        super().done(record)
+        self.done_records.append(record)
+        self._changed.set()
+
+    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+        super().transport_event(kind, protocol, **fields)
+        self.transport.append((kind, fields))
+        self._changed.set()
+
+    async def wait_for(self, kind: str, timeout: float = 5.0) -> dict[str, Any]:
+        async with asyncio.timeout(timeout):
+            while True:
+                for seen, fields in self.transport:
+                    if seen == kind:
+                        return fields
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def wait_admitted(self, request_id: str, timeout: float = 5.0) -> None:
+        """Until pylon has read (and admitted) the head of `request_id`."""
+        async with asyncio.timeout(timeout):
+            while request_id not in self.admitted_ids:
+                self._changed.clear()
+                await self._changed.wait()
+
+
+async def test_hop_by_hop_fields_are_not_reported_as_stripped(make_stack: StackFactory) -> None:
+    lines = Lines()
+    stack = await make_stack("dynamo", observer=lines)
+    reply = await stack.post(
+        CHAT,
+        json.loads(BODY),
+        headers={
+            "x-request-id": "hop-1",
+            "x-model": MODEL,
+            "connection": "keep-alive, x-app-hop",
+            "keep-alive": "timeout=5",
+            "x-app-hop": "1",
+            "proxy-authorization": "Basic abc",
+            "x-dynamo-worker-instance-id": "7",
+        },
+    )
+    assert reply.status_code == 200
+    assert reply.headers["x-request-id"] == "hop-1"
+    (record,) = lines.done_records
+    assert record.request_id == "hop-1"
+    assert record.stripped == ("x-dynamo-worker-instance-id",)  # the one client control
+    names = [name.lower() for name, _ in (await stack.last_request())["headers"]]
+    assert not {"keep-alive", "x-app-hop", "proxy-authorization"} & set(names)
+
+
+async def test_http2_stream_lines_carry_the_request_id(make_stack: StackFactory) -> None:
+    lines = Lines()
+    stack = await make_stack("dynamo", observer=lines)
+    client = await H2Client.connect(stack.pylon_address)
+    try:
+        # A body shorter than its content-length: the stream is malformed after its head.
+        headers = [*request_headers(request_id="short-body"), (b"content-length", b"100")]
+        reply = await client.response(client.send(headers, BODY))
+        assert reply.status == 400
+        assert reply.header(b"x-request-id") == b"short-body"
+        malformed = await lines.wait_for("stream_malformed")
+        assert malformed["request_id"] == "short-body"
+        # A stream the client resets while its request is still arriving.
+        sid = client.send(request_headers(request_id="reset-me"), BODY[:10], end=False)
+        await lines.wait_admitted("reset-me")
+        client.reset(sid)
+        reset = await lines.wait_for("stream_reset_by_client")
+        assert reset["request_id"] == "reset-me"
+    finally:
+        await client.close()

@@ -1,0 +1,121 @@
+"""Start-up warnings: what pylon says before it serves, from the settings alone."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pylon.preflight import (
+    StartupError,
+    check_files,
+    config_warnings,
+    insecure_listeners,
+    is_loopback,
+)
+from pylon.settings import Settings, load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("PYLON_"):
+            monkeypatch.delenv(name)
+
+
+def settings(**overrides: Any) -> Settings:
+    return load_settings(overrides)
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("node-7.cluster", False),
+    ],
+)
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def open_listeners(config: Settings) -> list[str]:
+    return [w.fields["listener"] for w in insecure_listeners(config)]
+
+
+def test_insecure_listeners(tmp_path: Path) -> None:
+    token = str(tmp_path / "token")
+    ca = {"tls_cert": "/c", "tls_key": "/k", "tls_client_ca": "/ca"}
+    assert open_listeners(settings()) == []
+    assert open_listeners(settings(listen="0.0.0.0:80")) == ["tcp"]
+    assert open_listeners(settings(listen="[::]:80", quic_listen="0.0.0.0:443")) == ["tcp", "quic"]
+    assert open_listeners(settings(quic_listen="10.1.2.3:443")) == ["quic"]
+    # TLS without client certificates authenticates nobody: still open.
+    tls = {"tls_cert": "/c", "tls_key": "/k"}
+    assert open_listeners(settings(listen="0.0.0.0:80", **tls)) == ["tcp"]
+    # Either credential closes both listeners.
+    both = {"listen": "0.0.0.0:80", "quic_listen": "0.0.0.0:443"}
+    assert open_listeners(settings(**both, tunnel_token_file=token)) == []
+    assert open_listeners(settings(**both, **ca)) == []
+    warning = insecure_listeners(settings(listen="0.0.0.0:80"))[0]
+    assert warning.event == "insecure_listener" and warning.fields["address"] == "0.0.0.0:80"
+
+
+def events(config: Settings) -> list[tuple[str, Any]]:
+    return [
+        (w.event, w.fields.get("setting") or w.fields.get("upstream"))
+        for w in config_warnings(config)
+    ]
+
+
+@pytest.mark.parametrize(
+    "upstream", ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/", "http://e/x/v1"]
+)
+def test_upstream_path_ending_in_v1_is_warned_about(upstream: str) -> None:
+    (warning,) = config_warnings(settings(upstream=upstream))
+    assert warning.event == "upstream_path_v1"
+    assert "/v1/v1/" in warning.fields["detail"]
+
+
+@pytest.mark.parametrize("upstream", ["http://127.0.0.1:8000", "http://e/v1x", "http://e/v2"])
+def test_other_upstream_paths_are_fine(upstream: str) -> None:
+    assert config_warnings(settings(upstream=upstream)) == []
+
+
+def test_settings_without_effect_are_named() -> None:
+    assert events(settings(quic_retry=False, quic_max_data=100_000)) == [
+        ("setting_ignored", "quic_max_data"),
+        ("setting_ignored", "quic_retry"),
+    ]
+    assert events(settings(quic_listen="127.0.0.1:0", quic_retry=False)) == []
+    assert events(settings(backend="vllm", sglang_low_priority_first=True)) == [
+        ("setting_ignored", "sglang_low_priority_first")
+    ]
+    assert events(settings(backend="sglang", sglang_low_priority_first=True)) == []
+    assert events(settings(derive_priority=False, priority_ceiling=10)) == [
+        ("setting_ignored", "priority_ceiling")
+    ]
+    assert events(settings(backend="passthrough", priority_ceiling=10)) == [
+        ("setting_ignored", "priority_ceiling")
+    ]
+    assert events(settings(retryable_status_codes="", propagate_retry_after=False)) == [
+        ("setting_ignored", "propagate_retry_after")
+    ]
+    # Defaults are never "ignored": only what the operator chose.
+    assert events(settings(backend="passthrough")) == []
+
+
+def test_check_files_passes_what_can_be_used(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    check_files(settings(tunnel_token_file=str(token)))
+    token.write_text("")
+    with pytest.raises(StartupError, match="the file is empty"):
+        check_files(settings(tunnel_token_file=str(token)))
