@@ -124,7 +124,7 @@ class Http3Protocol(QuicConnectionProtocol):
         super().transmit()
 
     def quic_event_received(self, event: QuicEvent) -> None:
-        if self._refused:
+        if self._refused and not isinstance(event, ConnectionTerminated):
             return
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._http = H3Layer(
