@@ -19,6 +19,7 @@ from pylon.logs import configure_logging
 from pylon.preflight import StartupError
 from pylon.settings import load_settings
 from tests.integration.conftest import MODEL, Stack, StackFactory, header_values
+from tests.stack import PROTOCOLS
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -200,3 +201,41 @@ async def test_unauthenticated_request_is_refused_before_its_body(
     finally:
         writer.close()
     assert (await stack.control())["requests"] == []
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    # Seven characters before the token, like "Bearer ": only the scheme tells them apart.
+    [f"Basic  {TOKEN}", f"Digest {TOKEN}", f"Bearer:{TOKEN}", f"xxxxxxx{TOKEN}"],
+)
+def test_token_under_another_scheme_is_refused(token_file: Path, authorization: str) -> None:
+    checker = TokenAuth(token_file)
+    assert checker.allows([(b"authorization", f"Bearer {TOKEN}".encode())])
+    assert not checker.allows([(b"authorization", authorization.encode())])
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_only_get_and_head_of_exactly_health_skip_the_token(
+    make_stack: StackFactory, token_file: Path, protocol: str
+) -> None:
+    """`/health` is the one unauthenticated route: another method or a longer path is a tunnel
+    request like any other, and needs the token."""
+    stack = await make_stack("dynamo", tunnel_token_file=str(token_file))
+    headers = [("x-request-id", "health-1"), ("x-model", MODEL)]
+    # (aioquic's HTTP/3 client reads a HEAD response's content-length as a body it must get.)
+    probes = ("GET", "HEAD") if protocol != "h3" else ("GET",)
+    for method in probes:
+        reply = await stack.send(protocol, "/health?probe=1", headers, b"", method=method)
+        assert reply.status == 200, (method, reply.status)
+    body = orjson.dumps(BODY)
+    for method, path in [
+        ("POST", "/health"),
+        ("PUT", "/health"),
+        ("GET", "/healthz"),
+        ("GET", "/health/"),
+        ("GET", "/health/../v1/models"),
+    ]:
+        reply = await stack.send(protocol, path, headers, body if method != "GET" else b"", method)
+        assert reply.status == 401, (method, path, reply.status)
+        assert reply.json()["code"] == "unauthorized"
+    assert [record["path"] for record in await stack.records()] == ["/health"] * len(probes)

@@ -69,6 +69,8 @@ def test_ssl_context_for_tcp_listeners(tmp_path: Path) -> None:
     identity = TlsIdentity(self_signed_material(), client_ca=ca_file)
     context = identity.current_ssl_context(("h2", "http/1.1"))
     assert context.verify_mode == ssl.CERT_REQUIRED
+    # pylon's own floor, whatever the system's OpenSSL policy would allow.
+    assert context.minimum_version == ssl.TLSVersion.TLSv1_2
     assert identity.current_ssl_context(("h2", "http/1.1")) is context  # cached per pair
     plain = build_server_ssl_context(self_signed_material(), ["h2"])
     assert plain.verify_mode == ssl.CERT_NONE

@@ -32,9 +32,17 @@ class Answer:
 
 
 async def send(
-    stack: Stack, protocol: str, fields: list[Header], body: bytes, path: bytes = CHAT
+    stack: Stack,
+    protocol: str,
+    fields: list[Header],
+    body: bytes,
+    path: bytes = CHAT,
+    end: bool = True,
 ) -> Answer:
-    """`fields` are regular header fields (lower-case); the request is POST `path`."""
+    """`fields` are regular header fields (lower-case); the request is POST `path`.
+
+    `end=False` leaves the request open after `body` (HTTP/1.1: a content-length in `fields`
+    then says how much is still to come)."""
     if protocol == "http1":
         return await _send_http1(stack, fields, body, path)
     pseudo = [(b":method", b"POST"), (b":scheme", b"https"), (b":path", path)]
@@ -42,13 +50,14 @@ async def send(
     if protocol == "h2":
         client = await H2Client.connect(stack.pylon_address)
         try:
-            reply = await client.response(client.send([*pseudo, *fields], body))
+            sid = client.send([*pseudo, *fields], body if end or body else None, end=end)
+            reply = await client.response(sid)
             status, payload = reply.status, reply.body
         finally:
             await client.close()
     else:
         async with stack.connect() as h3:
-            response = await h3.send([*pseudo, *fields], body).wait(5)
+            response = await h3.send([*pseudo, *fields], body, end=end).wait(5)
             status, payload = response.status, response.body
     return Answer(status, json.loads(payload) if status is not None and payload else None)
 
@@ -135,6 +144,25 @@ async def test_missing_tunnel_token_is_401_on_every_transport(
     assert right.status == 200
     record = (await stack.records())[-1]
     assert "authorization" not in [name.lower() for name, _ in record["headers"]]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_missing_token_is_answered_before_the_declared_body_length(
+    make_stack: StackFactory, protocol: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Section 8's order: the token (401) before the declared body length (413), so a caller
+    without the token learns nothing about the body limit and makes pylon read nothing."""
+    monkeypatch.setattr(auth, "RECHECK_SECONDS", 0.0)
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    stack = await make_stack(tunnel_token_file=str(token), max_body_bytes=100)
+    declared = (b"content-length", b"5000")  # over the limit; the body itself never comes
+    anonymous = await send(stack, protocol, tunnel(b"fault-1", declared), b"", end=False)
+    await assert_answer(stack, anonymous, 401, "unauthorized")
+    # With the token, the same head meets the body limit: the 401 above was not a fluke.
+    bearer = (b"authorization", b"Bearer s3cret")
+    known = await send(stack, protocol, tunnel(b"fault-1", bearer, declared), b"", end=False)
+    await assert_answer(stack, known, 413, "body_too_large")
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
