@@ -119,3 +119,25 @@ async def test_health_bypasses_the_contract(pylon: StackFactory, protocol: str) 
     reply = await stack.send(protocol, "/health", [], b"", method="GET")
     assert reply.status == 200
     assert (await stack.records())[-1]["path"] == "/health"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_engine_sees_only_pylons_host_and_content_length(
+    pylon: StackFactory, protocol: str
+) -> None:
+    """The client's framing never reaches the engine: a second Host or Content-Length beside
+    pylon's would let the engine read the request differently (the body below is re-encoded, so
+    the client's length is wrong for it)."""
+    stack = await pylon("dynamo")
+    body = chat(cache_salt="tenant-b")  # stripped: the forwarded body is shorter
+    headers = tunnel()
+    if protocol == "h3":  # httpx writes its own for HTTP/1.1 and HTTP/2
+        headers.append(("content-length", str(len(body))))
+    reply = await stack.send(protocol, CHAT, headers, body)
+    assert reply.status == 200, reply.body
+    record = (await stack.records())[-1]
+    hosts = [value for name, value in record["headers"] if name.lower() == "host"]
+    lengths = [value for name, value in record["headers"] if name.lower() == "content-length"]
+    assert hosts == [str(stack.mock.base_url).split("://", 1)[1].rstrip("/")]
+    assert "cache_salt" not in record["body"]
+    assert len(lengths) == 1 and int(lengths[0]) < len(body), (lengths, len(body))
