@@ -74,6 +74,9 @@ MALFORMED: dict[str, list[Header]] = {
     "authority_userinfo": replaced(b":authority", b"user@127.0.0.1"),
     "content_length_not_digits": [*BASE, (b"content-length", b"abc")],
     "content_length_conflict": [*BASE, (b"content-length", b"3"), (b"content-length", b"4")],
+    "scheme_not_a_scheme": replaced(b":scheme", b"ht tp"),
+    "missing_authority": without(b":authority"),
+    "two_hosts_no_authority": [*without(b":authority"), (b"host", b"a"), (b"host", b"a")],
 }
 
 

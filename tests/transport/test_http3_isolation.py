@@ -26,6 +26,15 @@ MALFORMED = {
     "missing_authority": [h for h in BASE if h[0] != b":authority"],
     "pseudo_after_regular": [*PSEUDO[:3], *REGULAR, PSEUDO[3]],
     "unknown_pseudo": [*PSEUDO, (b":custom", b"1"), *REGULAR],
+    "method_with_space": [(b":method", b"GET /x"), *BASE[1:]],
+    "scheme_not_a_scheme": [BASE[0], (b":scheme", b"ht tp"), *BASE[2:]],
+    "authority_userinfo": [*BASE[:2], (b":authority", b"user@localhost"), *BASE[3:]],
+    "host_differs": [*BASE, (b"host", b"evil.example")],
+    "two_hosts_no_authority": [
+        *(h for h in BASE if h[0] != b":authority"),
+        (b"host", b"a"),
+        (b"host", b"a"),
+    ],
 }
 
 

@@ -151,6 +151,30 @@ def test_control_characters_and_extended_connect_are_malformed(
         pseudo_head(_h2(extra))
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (b":method", b"GET /x"),
+        (b":method", b"GE\x00T"),
+        (b":method", b""),
+        (b":path", b"/a b"),
+        (b":path", b"/a\r\nhost: evil"),
+        (b":path", b"http://evil.example/x"),
+        (b":path", b"*"),
+        (b":path", b""),
+        (b":scheme", b"ht tp"),
+        (b":scheme", b"1http"),
+    ],
+)
+def test_each_pseudo_header_is_checked_by_the_head_itself(name: bytes, value: bytes) -> None:
+    """Each rule holds in `pseudo_head` on its own, not only because the contract would refuse
+    the request later: a `RequestHead` is what every later layer takes as well-formed."""
+    fields = [(n, value if n == name else v) for n, v in _h2()]
+    with pytest.raises(ContractError) as refused:
+        pseudo_head(fields)
+    assert refused.value.code is ErrorCode.MALFORMED_REQUEST
+
+
 def test_scheme_with_authority_needs_authority_or_host() -> None:
     fields = [f for f in _h2() if f[0] != b":authority"]
     with pytest.raises(ContractError):
