@@ -9,6 +9,7 @@ import json
 
 import pytest
 from h2.errors import ErrorCodes
+from h2.settings import SettingCodes
 from hyperframe.frame import DataFrame, PriorityFrame, WindowUpdateFrame
 
 from pylon.core.flood import RateGuard
@@ -78,6 +79,21 @@ async def test_h2_ping_flood_gets_enhance_your_calm(make_stack: StackFactory) ->
     try:
         for i in range(60):
             h2.conn.ping(i.to_bytes(8, "big"))
+        h2._flush()
+        async with asyncio.timeout(5):
+            await h2.closed.wait()
+        assert h2.terminated is not None
+        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        await h2.close()
+
+
+async def test_h2_settings_flood_gets_enhance_your_calm(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", max_control_frames=30)
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        for i in range(60):
+            h2.conn.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 100 + i})
         h2._flush()
         async with asyncio.timeout(5):
             await h2.closed.wait()

@@ -303,6 +303,22 @@ async def test_silent_connection_is_closed_after_the_header_timeout(
     writer.close()
 
 
+async def test_connection_silent_after_its_preface_is_closed_after_the_header_timeout(
+    make_stack: StackFactory,
+) -> None:
+    """A whole preface and SETTINGS, then nothing: no request ever started, so neither a stream's
+    stall clock nor the idle timer after a response would end it."""
+    stack = await make_stack("dynamo", header_timeout=0.3, client_idle_timeout=60.0)
+    client = await H2Client.connect(stack.pylon_address)
+    try:
+        async with asyncio.timeout(3):
+            await client.closed.wait()
+        assert client.terminated is not None
+        assert client.terminated.error_code == ErrorCodes.NO_ERROR
+    finally:
+        await client.close()
+
+
 async def test_stalled_request_body_is_408_on_that_stream_only(make_stack: StackFactory) -> None:
     stack = await make_stack("dynamo", header_timeout=0.3)
     h2 = await H2Client.connect(stack.pylon_address)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 from pathlib import Path
@@ -148,3 +149,31 @@ async def test_tls_without_alpn_still_sniffs_the_preface(
         reply = await reader.read()
     writer.close()
     assert reply.startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("alpn", ["http/1.1", "h2"])
+async def test_silent_tls_client_is_closed_after_the_header_timeout(
+    make_stack: StackFactory, tmp_path: Path, alpn: str
+) -> None:
+    """With ALPN the protocol is chosen at the handshake, before any byte (no sniffing timer):
+    the chosen protocol's own clock must end a client that then says nothing."""
+    ca = make_ca()
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(ca[0].public_bytes(encoding=Encoding.PEM))
+    cert, key = write_pair(tmp_path, make_leaf(ca))
+    stack = await make_stack(
+        "dynamo", tls_cert=str(cert), tls_key=str(key), header_timeout=0.3, client_idle_timeout=60
+    )
+    context = client_context(ca_file)
+    context.set_alpn_protocols([alpn])
+    reader, writer = await asyncio.open_connection(
+        *stack.pylon_address, ssl=context, server_hostname="localhost"
+    )
+    try:
+        assert writer.get_extra_info("ssl_object").selected_alpn_protocol() == alpn
+        async with asyncio.timeout(3):  # 10x the header timeout; the idle timeout is 60 s
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                while await reader.read(65536):
+                    pass  # HTTP/2: pylon's SETTINGS, then its GOAWAY
+    finally:
+        writer.close()
