@@ -73,6 +73,42 @@ async def _send_http1(stack: Stack, fields: list[Header], body: bytes, path: byt
     return Answer(status, json.loads(payload) if payload.startswith(b"{") else None)
 
 
+async def send_with_trailers(
+    stack: Stack, protocol: str, fields: list[Header], body: bytes, trailers: list[Header]
+) -> Answer:
+    """A request whose body ends with a trailer section (HTTP/1.1: chunked)."""
+    if protocol == "http1":
+        lines = [b"POST " + CHAT + b" HTTP/1.1", b"host: localhost", b"connection: close"]
+        lines += [name + b": " + value for name, value in fields]
+        lines.append(b"transfer-encoding: chunked")
+        chunked = b"%x\r\n%b\r\n0\r\n" % (len(body), body)
+        chunked += b"".join(name + b": " + value + b"\r\n" for name, value in trailers) + b"\r\n"
+        raw = await raw_exchange(*stack.pylon_address, b"\r\n".join(lines) + b"\r\n\r\n" + chunked)
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else None
+        return Answer(status, json.loads(payload) if payload.startswith(b"{") else None)
+    pseudo = [(b":method", b"POST"), (b":scheme", b"https"), (b":path", CHAT)]
+    pseudo.append((b":authority", b"localhost"))
+    if protocol == "h2":
+        client = await H2Client.connect(stack.pylon_address)
+        try:
+            sid = client.send([*pseudo, *fields], body, end=False)
+            client.conn.send_headers(sid, trailers, end_stream=True)
+            client._flush()
+            reply = await client.response(sid)
+            status, payload = reply.status, bytes(reply.body)
+        finally:
+            await client.close()
+    else:
+        async with stack.connect() as h3:
+            response = h3.send([*pseudo, *fields], body, end=False)
+            h3.http.send_headers(response.stream_id, trailers, end_stream=True)
+            h3.transmit()
+            await response.wait(5)
+            status, payload = response.status, response.body
+    return Answer(status, json.loads(payload) if status is not None and payload else None)
+
+
 def tunnel(request_id: bytes = b"fault-1", *extra: Header) -> list[Header]:
     return [(b"x-request-id", request_id), (b"x-model", MODEL.encode()), *extra]
 
@@ -117,6 +153,24 @@ async def test_too_many_header_fields_is_431(make_stack: StackFactory, protocol:
     assert answer.status == 431 and answer.problem is not None
     assert answer.problem["code"] == "headers_too_large"
     assert (await stack.records()) == []
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_trailers_over_the_header_limits_are_431(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    """Trailers are never forwarded, but they are read: they count against the same limits."""
+    stack = await make_stack(max_headers=10)
+    many = [(f"x-t{i}".encode(), b"v") for i in range(20)]
+    answer = await send_with_trailers(stack, protocol, tunnel(), BODY, many)
+    await assert_answer(stack, answer, 431, "headers_too_large")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_pseudo_header_in_trailers_is_400(make_stack: StackFactory, protocol: str) -> None:
+    stack = await make_stack()
+    answer = await send_with_trailers(stack, protocol, tunnel(), BODY, [(b":path", b"/other")])
+    await assert_answer(stack, answer, 400, "malformed_request")
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
