@@ -247,3 +247,54 @@ async def test_a_body_in_tiny_chunks_costs_its_bytes_not_its_pieces(
     assert reply.startswith(b"HTTP/1.1 200 ")
     record = await stack.wait_record("tiny-1", "finished")
     assert base64.b64decode(record["body_b64"]) == body
+
+
+def valid(request_id: str) -> bytes:
+    return request(f"host: x\r\ncontent-length: {len(BODY)}\r\n", BODY).replace(
+        b"x-request-id: r", f"x-request-id: {request_id}".encode()
+    )
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        # answered at the head: admission (the contract) refuses it
+        request(f"host: x\r\ncontent-length: {len(BODY)}\r\n", BODY).replace(b"x-model", b"x-m"),
+        # answered at the head: the declared body is over the limit; the body follows anyway
+        request("host: x\r\ncontent-length: 300\r\n", b"{" + b" " * 298 + b"}"),
+        # answered inside the body: chunked, so the size is only known as it arrives
+        request(
+            "host: x\r\ntransfer-encoding: chunked\r\n",
+            b"12c\r\n{" + b" " * 298 + b"}\r\n0\r\n\r\n",
+        ),
+    ],
+    ids=["contract_error", "declared_body_over_limit", "streamed_body_over_limit"],
+)
+async def test_nothing_behind_a_refused_request_is_read(
+    make_stack: StackFactory, refused: bytes
+) -> None:
+    """Once pylon has answered a request it did not take, it reads nothing more from the
+    connection: the bytes that follow (here a well-formed request) never become a request."""
+    stack = await make_stack("dynamo", max_body_bytes=100)
+    reply = await raw_exchange(*stack.pylon_address, refused + valid("behind"))
+    assert reply.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 413 ")), reply[:120]
+    assert reply.count(b"HTTP/1.1 ") == 1, reply
+    assert (await stack.control())["requests"] == []
+
+
+async def test_upgrade_ends_the_connection(make_stack: StackFactory) -> None:
+    """pylon speaks no other protocol on the connection: after an Upgrade request nothing more is
+    read from it (the bytes that follow would be the new protocol's), and it is closed."""
+    stack = await make_stack("dynamo", client_idle_timeout=60.0, header_timeout=60.0)
+    raw = (
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-request-id: up\r\nx-model: mock-model\r\n"
+        b"connection: upgrade\r\nupgrade: websocket\r\n\r\n" + valid("tunnelled")
+    )
+    reply = await raw_exchange(*stack.pylon_address, raw)  # returns at pylon's close
+    assert reply.startswith(b"HTTP/1.1 "), reply[:120]
+    assert reply.count(b"HTTP/1.1 200 ") <= 1
+    paths = [(r["method"], r["path"]) for r in await stack.records()]
+    assert ("POST", CHAT) not in paths, "bytes after the Upgrade were read as a request"
+    assert b"upgrade" not in b"".join(
+        name.lower().encode() for r in await stack.records() for name, _ in r["headers"]
+    )
