@@ -52,7 +52,7 @@ async def send(
         try:
             sid = client.send([*pseudo, *fields], body if end or body else None, end=end)
             reply = await client.response(sid)
-            status, payload = reply.status, reply.body
+            status, payload = reply.status, bytes(reply.body)
         finally:
             await client.close()
     else:
