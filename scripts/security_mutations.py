@@ -708,7 +708,7 @@ MUTATIONS: list[Mutation] = [
             "        False\n",
         ),
         {
-            "http1": (f"{ERRORS_T}::test_malformed_http_is_400_and_closes[*]",),
+            "http1": (f"{H1_T}::test_smuggling_shapes_are_400_and_close[absolute_form_target]",),
             "core": (f"{CONTRACT_T}::test_only_origin_form_targets[*]",),
         },
     ),
@@ -717,6 +717,11 @@ MUTATIONS: list[Mutation] = [
         "`//authority` target accepted",
         edit(CONTRACT, '        or target.startswith(b"//")\n', ""),
         {
+            "http1": (f"{H1_T}::test_smuggling_shapes_are_400_and_close[network_path_target]",),
+            "h2": (
+                f"{H2L_T}::test_malformed_header_block_is_a_400_on_that_stream_only[network_path]",
+            ),
+            "h3": (f"{H3ISO_T}::test_malformed_request_costs_only_its_stream[network_path]",),
             "core": (f"{CONTRACT_T}::test_only_origin_form_targets[*]",),
         },
     ),

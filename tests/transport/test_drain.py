@@ -22,7 +22,7 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
-from pylon.observe import LogObserver, RequestRecord
+from tests.observers import SeenObserver
 from tests.stack import MODEL, Stack, StackFactory
 
 CHAT = "/v1/chat/completions"
@@ -32,15 +32,6 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 REFUSED_STREAM = 0x7
 # Long enough that no close seen below can come from a connection timer.
 QUIET = {"header_timeout": 60.0, "client_idle_timeout": 60.0}
-
-
-class AdmissionObserver(LogObserver):
-    def __init__(self) -> None:
-        super().__init__()
-        self.admitted_event = asyncio.Event()
-
-    def admitted(self, record: RequestRecord) -> None:
-        self.admitted_event.set()
 
 
 def http1_request(request_id: str, body: bytes = BODY, path: str = CHAT) -> bytes:
@@ -91,7 +82,7 @@ async def test_h1_request_completed_during_the_drain_is_answered_with_connection
 ) -> None:
     """Admitted before the drain, its body complete after: it is served, as the connection's
     last response, and says so."""
-    observer = AdmissionObserver()
+    observer = SeenObserver()
     stack = await make_stack("dynamo", observer=observer, **QUIET)
     reader, writer = await asyncio.open_connection(*stack.pylon_address)
     request = http1_request("late-body")  # keep-alive, as HTTP/1.1 is by default

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.integration.conftest import MODEL, StackFactory, raw_exchange
+from tests.observers import SeenObserver
 
 CHAT = "/v1/chat/completions"
 HEAD = f"POST {CHAT} HTTP/1.1\r\nx-request-id: r\r\nx-model: {MODEL}\r\n"
@@ -60,6 +61,17 @@ def request(extra: str, body: bytes = b"", head: str = HEAD) -> bytes:
         request("host: x\r\nx-a: a\x01b\r\n"),
         # whitespace or a tab inside a field name
         request("host: x\r\nx\ta: 1\r\n"),
+        # a target naming another host: absolute form, or a network-path reference
+        request(
+            f"host: x\r\ncontent-length: {len(BODY)}\r\n",
+            BODY,
+            head=HEAD.replace(CHAT, f"http://evil.example{CHAT}"),
+        ),
+        request(
+            f"host: x\r\ncontent-length: {len(BODY)}\r\n",
+            BODY,
+            head=HEAD.replace(CHAT, f"//evil.example{CHAT}"),
+        ),
     ],
     ids=[
         "two_hosts",
@@ -78,6 +90,8 @@ def request(extra: str, body: bytes = b"", head: str = HEAD) -> bytes:
         "bare_cr_in_value",
         "ctl_in_value",
         "tab_in_name",
+        "absolute_form_target",
+        "network_path_target",
     ],
 )
 async def test_smuggling_shapes_are_400_and_close(make_stack: StackFactory, raw: bytes) -> None:
@@ -275,10 +289,14 @@ async def test_nothing_behind_a_refused_request_is_read(
 ) -> None:
     """Once pylon has answered a request it did not take, it reads nothing more from the
     connection: the bytes that follow (here a well-formed request) never become a request."""
-    stack = await make_stack("dynamo", max_body_bytes=100)
+    observer = SeenObserver()
+    stack = await make_stack("dynamo", max_body_bytes=100, observer=observer)
     reply = await raw_exchange(*stack.pylon_address, refused + valid("behind"))
     assert reply.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 413 ")), reply[:120]
     assert reply.count(b"HTTP/1.1 ") == 1, reply
+    # Not even read: the close that follows would cancel it before it reached the engine, so
+    # only the intake's record can show it was.
+    assert "behind" not in observer.ids(), observer.seen
     assert (await stack.control())["requests"] == []
 
 

@@ -77,6 +77,7 @@ MALFORMED: dict[str, list[Header]] = {
     "scheme_not_a_scheme": replaced(b":scheme", b"ht tp"),
     "missing_authority": without(b":authority"),
     "two_hosts_no_authority": [*without(b":authority"), (b"host", b"a"), (b"host", b"a")],
+    "network_path": replaced(b":path", b"//evil.example/v1/models"),
 }
 
 

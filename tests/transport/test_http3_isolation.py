@@ -30,6 +30,7 @@ MALFORMED = {
     "scheme_not_a_scheme": [BASE[0], (b":scheme", b"ht tp"), *BASE[2:]],
     "authority_userinfo": [*BASE[:2], (b":authority", b"user@localhost"), *BASE[3:]],
     "host_differs": [*BASE, (b"host", b"evil.example")],
+    "network_path": [*BASE[:3], (b":path", b"//evil.example/v1/models"), *BASE[4:]],
     "two_hosts_no_authority": [
         *(h for h in BASE if h[0] != b":authority"),
         (b"host", b"a"),

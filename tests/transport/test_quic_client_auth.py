@@ -19,8 +19,6 @@ from aioquic.quic.events import ProtocolNegotiated, QuicEvent
 from aioquic.tls import SessionTicket
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from pylon.core.errors import PylonError
-from pylon.observe import LogObserver, RequestRecord
 from pylon.server.http3 import Http3Protocol
 from tests.certs import make_ca, make_leaf, write_pair
 from tests.h3client import (
@@ -32,24 +30,11 @@ from tests.h3client import (
     client_configuration,
     request_headers,
 )
+from tests.observers import SeenObserver
 from tests.stack import Stack, StackFactory
 
 CERTIFICATE_REQUIRED = 0x100 + 116  # QUIC CRYPTO_ERROR + TLS alert certificate_required
 BODY = json.dumps(chat()).encode()
-
-
-class SeenObserver(LogObserver):
-    """Notes every request the intake admitted or answered itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, str | None]] = []
-
-    def admitted(self, record: RequestRecord) -> None:
-        self.seen.append(("admitted", record.request_id))
-
-    def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        self.seen.append(("rejected", record.request_id))
 
 
 class EagerClient(H3Client):
