@@ -114,46 +114,34 @@ def per_transport(spec: str, transports: Sequence[str] = TRANSPORTS) -> dict[str
     return {t: (f"{spec}[*{t}*]",) for t in transports}
 
 
-# Each transport's wiring: the admission and limits handed to its StreamTable, in one place each.
-_H1_CONN = (
-    "return live.add(Http1Connection(core.proxy, core.admission, core.limits, core.lifecycle))"
-)
-_H2_CONN = (
-    "return live.add(Http2Connection(core.proxy, core.admission, core.limits, core.lifecycle))"
-)
-_H3_SERVER = (
-    "core.proxy, core.admission, core.limits, core.lifecycle, identity, quic_options(settings)"
-)
-_NO_AUTH = "ProxyAdmission(core.lifecycle, None)"
-_H1_TABLE = 'StreamTable("http1", self, proxy, admission, limits, self._loop, serial=True)'
-_H2_TABLE = 'StreamTable("h2", self, proxy, admission, limits, self.loop)'
-_H3_TABLE = '"h3", self, server.proxy, server.admission, server.limits, self._loop'
+# Each transport's wiring: the injected `Ingress` (proxy, admission, limits, lifecycle, budget)
+# handed to its StreamTable, in one place each. A mutation hands one transport's table a changed
+# copy, as a transport wired to the wrong part would have.
+_TABLES = {
+    "http1": (HTTP1, 'StreamTable("http1", self, ingress, self._loop, serial=True)', "ingress"),
+    "h2": (HTTP2, 'StreamTable("h2", self, ingress, self.loop)', "ingress"),
+    "h3": (HTTP3, 'StreamTable("h3", self, server.ingress, self._loop)', "server.ingress"),
+}
+_REPLACE = '__import__("dataclasses").replace'
 
 
-def _loose(limits: str, **changes: str) -> str:
-    """`limits` with some fields changed, as an expression (no import needed in the module)."""
-    args = ", ".join(f"{name}={value}" for name, value in changes.items())
-    return f'__import__("dataclasses").replace({limits}, {args})'
+def _table_ingress(transport: str, changes: str) -> tuple[Edit, ...]:
+    path, table, ingress = _TABLES[transport]
+    return edit(path, table, table.replace(f" {ingress},", f" {_REPLACE}({ingress}, {changes}),"))
 
 
 def table_limits(transport: str, **changes: str) -> tuple[Edit, ...]:
     """One transport's StreamTable gets looser limits than the process has configured."""
-    if transport == "http1":
-        return edit(
-            HTTP1, _H1_TABLE, _H1_TABLE.replace(" limits,", f" {_loose('limits', **changes)},")
-        )
-    if transport == "h2":
-        return edit(
-            HTTP2, _H2_TABLE, _H2_TABLE.replace(" limits,", f" {_loose('limits', **changes)},")
-        )
-    loose = _loose("server.limits", **changes)
-    return edit(HTTP3, _H3_TABLE, _H3_TABLE.replace(" server.limits,", f" {loose},"))
+    ingress = _TABLES[transport][2]
+    args = ", ".join(f"{name}={value}" for name, value in changes.items())
+    return _table_ingress(transport, f"limits={_REPLACE}({ingress}.limits, {args})")
 
 
 def without_auth(transport: str) -> tuple[Edit, ...]:
-    """One transport's connections get an admission without the token check."""
-    line = {"http1": _H1_CONN, "h2": _H2_CONN, "h3": _H3_SERVER}[transport]
-    return edit(APP, line, line.replace("core.admission", _NO_AUTH))
+    """One transport's StreamTable gets an admission without the token check."""
+    ingress = _TABLES[transport][2]
+    admission = '__import__("pylon.proxy", fromlist=["_"]).ProxyAdmission'
+    return _table_ingress(transport, f"admission={admission}({ingress}.lifecycle, None)")
 
 
 MUTATIONS: list[Mutation] = [
@@ -167,7 +155,7 @@ MUTATIONS: list[Mutation] = [
     *(
         Mutation(
             "tunnel token auth",
-            f"skipped on {t} only (its connections get an admission without auth)",
+            f"skipped on {t} only (its stream table gets an admission without auth)",
             without_auth(t),
             {t: (f"{SAME}::test_missing_tunnel_token_is_401_on_every_transport[{t}]",)},
         )
@@ -963,8 +951,8 @@ MUTATIONS: list[Mutation] = [
         edit(
             HTTP2,
             "        if len(self._streams) >= self._limits.max_streams:\n"
-            "            self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)",
-            "        if False:\n            self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)",
+            "            # Over the advertised limit",
+            "        if False:\n            # Over the advertised limit",
         ),
         {"h2": (f"{H2L_T}::test_streams_past_the_concurrency_limit_are_refused",)},
     ),
@@ -1228,7 +1216,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "SSE event size cap",
         "an engine's SSE event may grow without bound",
-        never("pylon/core/sse.py", "len(self._buffer) > self.max_event_bytes"),
+        never("pylon/core/sse.py", "len(self._pending) > self.max_event_bytes"),
         {"core": (f"{ERRORS_T}::test_oversized_sse_event_ends_the_stream",)},
     ),
     # --- QPACK ---
@@ -1402,7 +1390,13 @@ def main() -> None:
     problems = []
     for m in mutations:
         apply(m)  # exits if an edit no longer matches exactly once
-        restore()
+        try:
+            for change in m.edits:  # a mutant that does not even compile would prove nothing
+                compile(Path(change.path).read_text(encoding="utf-8"), change.path, "exec")
+        except SyntaxError as exc:
+            problems.append(f"{m.label}: the mutant does not compile: {exc}")
+        finally:
+            restore()
         for t, specs in m.tests.items():
             for spec in specs:
                 if not expand(spec, known) and not args.full:
