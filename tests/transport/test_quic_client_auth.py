@@ -62,7 +62,11 @@ async def mtls_stack(
     ca = make_ca()
     ca_file = tmp_path / "ca.pem"
     ca_file.write_bytes(ca[0].public_bytes(Encoding.PEM))
-    stack = await make_stack("dynamo", tls_client_ca=str(ca_file), **settings)
+    # mTLS needs a server certificate (without one the TCP listener would accept anyone).
+    cert, key = write_pair(tmp_path, make_leaf(None), "server")
+    stack = await make_stack(
+        "dynamo", tls_cert=str(cert), tls_key=str(key), tls_client_ca=str(ca_file), **settings
+    )
     rogue = write_pair(tmp_path, make_leaf(make_ca("rogue"), name="gateway"), "rogue")
     return stack, rogue
 
