@@ -696,22 +696,14 @@ MUTATIONS: list[Mutation] = [
             "        False\n",
         ),
         {
-            "http1": (f"{H1_T}::test_smuggling_shapes_are_400_and_close[absolute_form_target]",),
             "core": (f"{CONTRACT_T}::test_only_origin_form_targets[*]",),
         },
     ),
     Mutation(
         "request target",
-        "`//authority` target accepted",
-        edit(CONTRACT, '        or target.startswith(b"//")\n', ""),
-        {
-            "http1": (f"{H1_T}::test_smuggling_shapes_are_400_and_close[network_path_target]",),
-            "h2": (
-                f"{H2L_T}::test_malformed_header_block_is_a_400_on_that_stream_only[network_path]",
-            ),
-            "h3": (f"{H3ISO_T}::test_malformed_request_costs_only_its_stream[network_path]",),
-            "core": (f"{CONTRACT_T}::test_only_origin_form_targets[*]",),
-        },
+        "ambiguous path accepted (dot or empty segments, encoded separators, fragment)",
+        never(CONTRACT, 'b"#" in target or _AMBIGUOUS_PATH.search(target.split(b"?", 1)[0])'),
+        per_transport(f"{SAME}::test_an_ambiguous_request_path_is_400"),
     ),
     Mutation(
         "request target",
