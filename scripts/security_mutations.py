@@ -954,6 +954,60 @@ MUTATIONS: list[Mutation] = [
         edit(HTTP3, "        limit_peer_bidi_streams(quic, self._limits.max_quic_streams)\n", ""),
         {"h3": (f"{H3ISO_T}::test_concurrent_streams_are_capped_by_quic_max_streams",)},
     ),
+    Mutation(
+        "flood guard",
+        "HTTP/2 refused-stream flood not counted",
+        never(HTTP2, "self._refused.hit(self.loop.time())"),
+        {"h2": (f"{FLOODS_T}::test_h2_refused_stream_flood_gets_enhance_your_calm",)},
+    ),
+    Mutation(
+        "flood guard",
+        "HTTP/2 empty DATA flood not counted",
+        never(
+            HTTP2,
+            "not event.data and event.stream_ended is None and self._empty.hit(self.loop.time())",
+        ),
+        {"h2": (f"{FLOODS_T}::test_h2_cheap_frame_floods_get_enhance_your_calm[empty_data]",)},
+    ),
+    Mutation(
+        "flood guard",
+        "HTTP/2 PRIORITY and unknown-frame flood not counted",
+        edit(
+            HTTP2,
+            "        elif isinstance(event, PriorityUpdated | UnknownFrameReceived):\n"
+            "            if self._control.hit(self.loop.time()):",
+            "        elif isinstance(event, PriorityUpdated | UnknownFrameReceived):\n"
+            "            if False:",
+        ),
+        {"h2": (f"{FLOODS_T}::test_h2_cheap_frame_floods_get_enhance_your_calm[priority]",)},
+    ),
+    Mutation(
+        "flood guard",
+        "HTTP/2 WINDOW_UPDATE flood not counted",
+        never(
+            HTTP2, "self._window_updates > 2 * self._data_frames_sent + _WINDOW_UPDATE_ALLOWANCE"
+        ),
+        {"h2": (f"{FLOODS_T}::test_h2_cheap_frame_floods_get_enhance_your_calm[window_update]",)},
+    ),
+    # --- body budgets ---
+    Mutation(
+        "body budget",
+        "a connection may hold any number of bodies at once",
+        never(STREAMS, "self._held + size > self._limits.max_connection_body_bytes"),
+        {"h2": (f"{SAME}::test_one_connection_cannot_hold_more_than_its_body_budget",)},
+    ),
+    Mutation(
+        "body budget",
+        "the process budget never refuses",
+        never(STREAMS, "not self._budget.take(size)"),
+        per_transport(f"{SAME}::test_the_process_body_budget_bounds_every_transport"),
+    ),
+    Mutation(
+        "content encoding",
+        "a content-encoded body is admitted (the engine would read other bytes)",
+        never(ADMISSION, "encoding is not None"),
+        per_transport(f"{SAME}::test_a_content_encoded_body_is_415"),
+    ),
     # --- lifecycle ---
     Mutation(
         "drain",
@@ -1197,6 +1251,18 @@ MUTATIONS: list[Mutation] = [
                 f"{RESP_T}::test_engine_control_and_hop_by_hop_headers_never_reach_the_client"
             ),
         },
+    ),
+    Mutation(
+        "response headers",
+        "engine's x-should-retry and x-request-id relayed (pylon-owned)",
+        edit(
+            SANITIZE,
+            'frozenset({b"x-request-id", b"x-should-retry"})',
+            "frozenset()",
+        ),
+        per_transport(
+            f"{RESP_T}::test_engine_control_and_hop_by_hop_headers_never_reach_the_client"
+        ),
     ),
     # --- the engine side: what an engine can make pylon hold ---
     Mutation(

@@ -21,6 +21,9 @@ FORGED = (
     b"x-stargate-retryable: true\r\n"
     b"X-Stargate-Retry-Reason: engine_says_so\r\n"
     b"x-stargate-retry-after-ms: 1\r\n"
+    # pylon's own on the way back: the client's retry hint and the request's id
+    b"x-should-retry: true\r\n"
+    b"x-request-id: engine-made\r\n"
     # hop-by-hop, and a name made hop-by-hop by Connection
     b"connection: keep-alive, x-engine-secret\r\n"
     b"x-engine-secret: for-the-hop-only\r\n"
@@ -46,5 +49,8 @@ async def test_engine_control_and_hop_by_hop_headers_never_reach_the_client(
     # A 200 gets no retry marking from pylon, so any x-stargate-* here is the engine's.
     assert not [name for name in names if name.startswith("x-stargate-")], names
     assert not names & {"x-engine-secret", "keep-alive", "proxy-authenticate", "trailer"}, names
+    # A 200 gets no retry hint from pylon either, and the request's own id, once.
+    assert "x-should-retry" not in names, reply.headers
+    assert reply.headers.get("x-request-id") == "resp-1", reply.headers
     # HTTP/1.1: pylon's own `connection: close` is the only Connection allowed.
     assert reply.headers.get("connection", "close") == "close", reply.headers

@@ -173,3 +173,25 @@ async def test_h2_streams_over_the_limit_are_refused_and_the_connection_lives(
         assert after.status == 200
     finally:
         await h2.close()
+
+
+async def test_h2_refused_stream_flood_gets_enhance_your_calm(make_stack: StackFactory) -> None:
+    """Opening stream after stream past the advertised limit costs pylon a reset each, as a
+    rapid reset does: past the reset allowance the connection goes."""
+    stack = await make_stack(
+        "dynamo", mock={"ttft_ms": 300}, h2_max_concurrent_streams=2, max_stream_resets=20
+    )
+    h2 = await H2Client.connect(stack.pylon_address)
+    try:
+        h2.ignore_stream_limit()
+        for i in range(60):
+            h2.send(h2_request_headers(request_id=f"over-{i}"), BODY)
+            if h2.closed.is_set():
+                break
+        async with asyncio.timeout(5):
+            await h2.closed.wait()
+        assert h2.terminated is not None
+        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        await h2.close()
+    await assert_others_unaffected(stack)
