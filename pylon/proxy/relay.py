@@ -154,10 +154,15 @@ async def relay_raw(
     sink.start(exchange.status, headers, content_length(exchange.headers))
     gap = limits.output_gap_timeout
     try:
-        watchdog.arm_for(gap, "the response body stopped arriving")
-        while (chunk := await exchange.next_chunk()) is not None:
+        while True:
+            if not exchange.ready:
+                # Only a wait needs the clock: a small body that came with its head (the
+                # common case) never arms a timer.
+                watchdog.arm_for(gap, "the response body stopped arriving")
+            chunk = await exchange.next_chunk()
+            if chunk is None:
+                break
             sink.write(chunk)
-            watchdog.arm_for(gap, "the response body stopped arriving")
             if sink.paused:
                 await drain_within(sink, watchdog, limits, "the response body stopped arriving")
     except UpstreamTimeout:

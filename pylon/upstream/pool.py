@@ -88,6 +88,11 @@ class Exchange:
     async def wait_head(self) -> None:
         await self._head_waiter
 
+    @property
+    def ready(self) -> bool:
+        """`next_chunk` would return at once (bytes buffered, or the body ended or broke)."""
+        return bool(self._chunks) or self._done or self._error is not None
+
     async def next_chunk(self) -> bytes | None:
         """All body bytes received so far and not yet read; None at the end of the body.
 
