@@ -52,7 +52,7 @@ def _raw_fields(name: str, keys: list[str]) -> type[msgspec.Struct]:
 
 # Everything sanitize_body can remove or look into, and `stream`: nothing else is built.
 _TOP_KEYS = sorted({*DENIED_BODY_FIELDS, *CONTAINER_KEYS, "stream", "model"})
-_TOP_INDEX = {key: index for index, key in enumerate(_TOP_KEYS)}
+_TOP_SLOT = {key: f"f{index}" for index, key in enumerate(_TOP_KEYS)}
 _TOP_DECODER = msgspec.json.Decoder(_raw_fields("_TopLevel", _TOP_KEYS))
 _RAW_DECODER = msgspec.json.Decoder(msgspec.Raw)
 _ANY_DECODER = msgspec.json.Decoder()
@@ -90,7 +90,8 @@ _SMALL_OBJECT_BYTES = 64 * 1024
 _UTF8_CHUNK = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
+# Slotted, not frozen: one per request on the hot path (see `pylon.core.head.RequestHead`).
+@dataclass(slots=True)
 class BodyView:
     """What pylon read from a JSON object body."""
 
@@ -115,12 +116,11 @@ def inspect_body(body: bytes) -> BodyView:
     top = _decode(_TOP_DECODER, body)
     _check_utf8(body)  # msgspec checks the strings it decodes, not the ones it skips
     keys = _top_level_keys(body)
-    values = msgspec.structs.astuple(top)
     fields: dict[str, Any] = {}
     for key in dict.fromkeys(keys):  # the client's order, so `stripped` lists paths as sent
-        index = _TOP_INDEX.get(key)
-        if index is not None:
-            fields[key] = values[index]
+        slot = _TOP_SLOT.get(key)
+        if slot is not None:
+            fields[key] = getattr(top, slot)  # only the few present: no tuple of all fields
     containers: dict[str, dict[str, msgspec.Raw]] = {}
     for key in CONTAINER_KEYS:
         raw = fields.get(key)
