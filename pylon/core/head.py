@@ -46,6 +46,8 @@ class RequestHead:
     target: bytes
     headers: list[Header]
     content_length: int | None  # declared body length; None = not declared
+    expects_continue: bool = False  # `expect: 100-continue`
+    content_coding: bytes | None = None  # a `content-encoding` other than identity
 
 
 def malformed(reason: str) -> ContractError:
@@ -113,7 +115,27 @@ def _finish(method: bytes, target: bytes, headers: list[Header]) -> RequestHead:
     reason = wire_unsafe(headers)
     if reason is not None:
         raise malformed(reason)
-    return RequestHead(method, target, headers, declared_length(headers))
+    # One pass for the fields later steps ask about (matched by length first: most names are
+    # none of them, and a length compare is cheaper than lower-casing).
+    length: bytes | None = None
+    expects = False
+    coding: bytes | None = None
+    for name, value in headers:
+        size = len(name)
+        if size == 14 and name.lower() == b"content-length":
+            value = value.strip(b" \t")
+            if not value.isdigit() or (length is not None and value != length):
+                raise malformed("invalid content-length")
+            length = value
+        elif size == 6 and name.lower() == b"expect":
+            expects = expects or value.strip(b" \t").lower() == b"100-continue"
+        elif size == 16 and name.lower() == b"content-encoding":
+            declared = value.strip(b" \t").lower()
+            if declared and declared != b"identity":
+                coding = declared
+    return RequestHead(
+        method, target, headers, None if length is None else int(length), expects, coding
+    )
 
 
 def _add_pseudo(pseudo: dict[bytes, bytes], name: bytes, value: bytes, after_regular: bool) -> None:

@@ -194,9 +194,9 @@ def sanitize_request_headers(
     `Connection` are connection management, not controls: dropped without a report, like the
     pylon-owned ones. `consumed` names (lower-case) are dropped silently too: pylon used them.
     """
-    listed = _connection_tokens(headers)
     kept: list[Header] = []
     stripped: list[str] = []
+    has_connection = False
     for raw_name, value in headers:
         name = raw_name.strip(_OWS).lower()
         if name in PYLON_OWNED_REQUEST_HEADERS or name in consumed:
@@ -205,10 +205,17 @@ def sanitize_request_headers(
         if reason is not None and reason != HOP_BY_HOP_REASON:
             stripped.append(name.decode("latin-1"))  # a client control: reported
             continue
-        if reason is not None or name in listed:
+        if reason is not None:
+            has_connection = has_connection or name == b"connection"
             continue  # connection management, not a client control: dropped unreported
         kept.append((raw_name, value))
+    if has_connection:  # rare: a second pass only when there is a Connection header
+        kept = _without_listed(kept, _connection_tokens(headers))
     return SanitizedHeaders(tuple(kept), tuple(stripped))
+
+
+def _without_listed(headers: list[Header], listed: frozenset[bytes]) -> list[Header]:
+    return [(name, value) for name, value in headers if name.strip(_OWS).lower() not in listed]
 
 
 def sanitize_response_headers(
@@ -216,16 +223,18 @@ def sanitize_response_headers(
 ) -> list[Header]:
     """Engine -> gateway: drop hop-by-hop, framing, any retry metadata the engine made up and
     the headers pylon writes itself."""
-    listed = _connection_tokens(headers)
     kept: list[Header] = []
+    has_connection = False
     for raw_name, value in headers:
         name = raw_name.strip(_OWS).lower()
         if b"_" in name:
             # Underscore twins (`x_stargate_retryable`): the gateway's stack may read `_` as `-`.
             name = name.replace(b"_", b"-")
+        if name == b"connection":
+            has_connection = True
+            continue
         if (
             name in HOP_BY_HOP
-            or name in listed
             or name == b"content-length"
             or name in extra_denied
             or name in PYLON_OWNED_RESPONSE_HEADERS
@@ -233,6 +242,8 @@ def sanitize_response_headers(
         ):
             continue
         kept.append((raw_name, value))
+    if has_connection:
+        kept = _without_listed(kept, _connection_tokens(headers))
     return kept
 
 

@@ -154,7 +154,7 @@ class Http1Connection(asyncio.Protocol):
         if stream.intake.state is State.REJECTED:
             self._stop_reading()
             raise _StopParsing
-        if stream.intake.state is State.RECEIVING and _expects_continue(head.headers):
+        if stream.intake.state is State.RECEIVING and head.expects_continue:
             # RFC 9110 15.2: an interim response belongs to its own request, after every
             # response before it; a pipelined request gets its 100 when its turn comes.
             self._continue_owed = True
@@ -398,10 +398,3 @@ class Http1Responder:
 
     def abort(self) -> None:
         self._conn.abort()
-
-
-def _expects_continue(headers: list[Header]) -> bool:
-    return any(
-        name.lower() == b"expect" and value.strip().lower() == b"100-continue"
-        for name, value in headers
-    )
