@@ -14,11 +14,13 @@ class UpstreamTarget:
     base_path: str  # "" or "/prefix" without a trailing slash
     # Derived once: the pool looks targets up and frames a Host line on every request.
     host_header: bytes = field(init=False, compare=False, repr=False)
+    label: str = field(init=False, compare=False, repr=False)  # how logs name this target
     _hash: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         host = f"[{self.host}]" if ":" in self.host else self.host
         object.__setattr__(self, "host_header", f"{host}:{self.port}".encode("ascii"))
+        object.__setattr__(self, "label", f"{host}:{self.port}{self.base_path}")
         object.__setattr__(self, "_hash", hash((self.host, self.port, self.base_path)))
 
     def __hash__(self) -> int:
@@ -33,8 +35,3 @@ class UpstreamTarget:
         if not sep or not port.isdigit() or (host.startswith("[") != host.endswith("]")):
             host, port = authority, "80"
         return cls(host=host.strip("[]"), port=int(port), base_path=("/" + path).rstrip("/"))
-
-    @property
-    def label(self) -> str:
-        """How logs name this target."""
-        return self.host_header.decode("ascii") + self.base_path

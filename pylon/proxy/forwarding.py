@@ -162,7 +162,7 @@ class Proxy:
                 self._observer.dispatched(record, plan)
             watchdog.attach(exchange)
             try:
-                await exchange.wait_head()
+                await exchange.head
             except UpstreamBroken:
                 if fresh or not exchange.stale_connection:
                     self._pool.finish(exchange)

@@ -85,8 +85,11 @@ class Exchange:
         self._done = False
         self._error: BaseException | None = None
 
-    async def wait_head(self) -> None:
-        await self._head_waiter
+    @property
+    def head(self) -> asyncio.Future[None]:
+        """Done when the response head arrived (raises what broke the exchange). Awaited as it
+        is: a coroutine wrapped around it would cost a frame per request."""
+        return self._head_waiter
 
     @property
     def ready(self) -> bool:

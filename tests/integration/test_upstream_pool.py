@@ -86,7 +86,7 @@ def plan_for(target: UpstreamTarget) -> ForwardPlan:
 
 async def exchange(pool: UpstreamPool, target: UpstreamTarget) -> int:
     ex = await pool.send(plan_for(target))
-    await ex.wait_head()
+    await ex.head
     while await ex.next_chunk() is not None:
         pass
     pool.finish(ex)
