@@ -22,6 +22,14 @@ Header = tuple[bytes, bytes]
 BODY = json.dumps({"model": "mock-model", "messages": [], "max_tokens": 2}).encode()
 
 
+async def assert_calmed(h2: H2Client) -> None:
+    """The abusive connection got GOAWAY ENHANCE_YOUR_CALM and was closed."""
+    async with asyncio.timeout(5):
+        await h2.closed.wait()
+    assert h2.terminated is not None
+    assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+
+
 async def assert_others_unaffected(stack: Stack) -> None:
     """Only the abusive connection paid: a fresh one is served as usual."""
     fresh = await H2Client.connect(stack.pylon_address)
@@ -48,10 +56,7 @@ async def test_h2_rapid_reset_gets_enhance_your_calm(make_stack: StackFactory) -
             h2.reset(sid)
             if h2.closed.is_set():
                 break
-        async with asyncio.timeout(5):
-            await h2.closed.wait()
-        assert h2.terminated is not None
-        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+        await assert_calmed(h2)
     finally:
         await h2.close()
     # Other clients are unaffected.
@@ -80,10 +85,7 @@ async def test_h2_ping_flood_gets_enhance_your_calm(make_stack: StackFactory) ->
         for i in range(60):
             h2.conn.ping(i.to_bytes(8, "big"))
         h2._flush()
-        async with asyncio.timeout(5):
-            await h2.closed.wait()
-        assert h2.terminated is not None
-        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+        await assert_calmed(h2)
     finally:
         await h2.close()
 
@@ -95,10 +97,7 @@ async def test_h2_settings_flood_gets_enhance_your_calm(make_stack: StackFactory
         for i in range(60):
             h2.conn.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 100 + i})
         h2._flush()
-        async with asyncio.timeout(5):
-            await h2.closed.wait()
-        assert h2.terminated is not None
-        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+        await assert_calmed(h2)
     finally:
         await h2.close()
 
@@ -146,10 +145,7 @@ async def test_h2_cheap_frame_floods_get_enhance_your_calm(
     }[kind]
     h2 = await _flood(stack.pylon_address, frames, h2_request_headers(request_id="flood"))
     try:
-        async with asyncio.timeout(5):
-            await h2.closed.wait()
-        assert h2.terminated is not None
-        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+        await assert_calmed(h2)
     finally:
         await h2.close()
     await assert_others_unaffected(stack)
@@ -188,10 +184,7 @@ async def test_h2_refused_stream_flood_gets_enhance_your_calm(make_stack: StackF
             h2.send(h2_request_headers(request_id=f"over-{i}"), BODY)
             if h2.closed.is_set():
                 break
-        async with asyncio.timeout(5):
-            await h2.closed.wait()
-        assert h2.terminated is not None
-        assert h2.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+        await assert_calmed(h2)
     finally:
         await h2.close()
     await assert_others_unaffected(stack)
