@@ -211,10 +211,11 @@ def main_options(
 def serve(**kwargs: Any) -> None:
     """Run pylon in front of an engine (or an embedded mock_dynamo when --upstream is unset)."""
     settings = _build(kwargs)
-    from pylon.preflight import StartupError, check_files
+    from pylon.preflight import StartupError, check_files, check_tracing
 
     try:
         check_files(settings)  # first, so a refusal is the only line (start() checks again)
+        check_tracing(settings)
     except StartupError as exc:
         _die(str(exc))
     observer = _start_logging(settings)

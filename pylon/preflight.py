@@ -2,8 +2,9 @@
 than asked.
 
 - Refusals (`StartupError`, one line; `pylon serve` exits 2): a certificate, key or client CA
-  file that is missing, unreadable, not PEM, mismatched or expired, and a tunnel token file that
-  cannot be used. (Settings that contradict each other are refused earlier, by `Settings`.)
+  file that is missing, unreadable, not PEM, mismatched or expired, a tunnel token file that
+  cannot be used, and tracing asked for without the OpenTelemetry packages installed.
+  (Settings that contradict each other are refused earlier, by `Settings`.)
 - Warnings (process events, logged at warning): a listener off loopback that any client may use
   (`insecure_listener`), an upstream URL whose path ends in `/v1` (`upstream_path_v1`), a setting
   that has no effect with the others (`setting_ignored`).
@@ -13,6 +14,7 @@ Pure checks of files and settings: `pylon.app.start` runs them before it starts 
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 import ssl
 from dataclasses import dataclass, field
@@ -40,6 +42,28 @@ def check_files(settings: Settings) -> None:
         _check_identity(settings.tls_cert, settings.tls_key)
     if settings.tls_client_ca is not None:
         _check_client_ca(settings.tls_client_ca)
+
+
+# What `pylon.otel` imports: the SDK and the OTLP/HTTP exporter (the `otel` extra).
+_TRACING_MODULES = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
+
+
+def check_tracing(settings: Settings) -> None:
+    """Refuse tracing that cannot export: an OTLP endpoint without the packages to reach it."""
+    if settings.otel_endpoint is None:
+        return
+    for module in _TRACING_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise StartupError(
+                f"--otel-endpoint {settings.otel_endpoint} (or OTEL_EXPORTER_OTLP_ENDPOINT): "
+                f"tracing needs the OpenTelemetry SDK and OTLP exporter, and {module} cannot be "
+                f"imported ({exc}); install them with: pip install 'pylon[otel]'"
+            ) from None
 
 
 def _read(flag: str, path: Path) -> bytes:
@@ -140,6 +164,11 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
     if not settings.derive_priority or settings.backend == "passthrough":
         for name in ("priority_ceiling", "sglang_low_priority_first"):
             ignored(name, "no priority is derived (--no-derive-priority or backend passthrough)")
+    if settings.otel_endpoint is None:
+        ignored(
+            "otel_service_name",
+            "no --otel-endpoint (nor OTEL_EXPORTER_OTLP_ENDPOINT): there is no tracing",
+        )
     if not settings.retryable_status_codes:
         for name in _RETRY_TUNING:
             ignored(name, "--retryable-status-codes is empty: no engine status is retryable")

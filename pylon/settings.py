@@ -1,6 +1,8 @@
 """Pylon's settings: one model, built once at start-up, passed down. No env reads elsewhere.
 
-Precedence: command-line flag > environment (`PYLON_<NAME>`) > `--config FILE` (TOML) > default.
+Precedence: command-line flag > environment (`PYLON_<NAME>`, then for the two tracing settings
+OpenTelemetry's standard `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_SERVICE_NAME`) > `--config FILE`
+(TOML) > default.
 
 Every field names its topic (`group`): `pylon serve --help` shows the flags by topic and
 docs/operations.md tables them the same way. `load_settings` turns every failure into one
@@ -46,7 +48,18 @@ HTTP2 = "HTTP/2"
 QUIC = "HTTP/3 / QUIC"
 FLOODS = "Flood guards"
 LOGGING = "Logging"
-GROUPS = (LISTENERS, ENGINE, LIMITS, TIMEOUTS, TLS_AUTH, HTTP2, QUIC, FLOODS, LOGGING)
+TRACING = "Tracing"
+GROUPS = (LISTENERS, ENGINE, LIMITS, TIMEOUTS, TLS_AUTH, HTTP2, QUIC, FLOODS, LOGGING, TRACING)
+# The OpenTelemetry standard variables pylon reads, each for one setting. They rank below the
+# setting's own PYLON_* variable and above the config file (see `settings_customise_sources`).
+STANDARD_OTEL_ENV = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "otel_endpoint",
+    "OTEL_SERVICE_NAME": "otel_service_name",
+}
+# pylon's exporter speaks OTLP over HTTP with protobuf bodies, nothing else.
+OTLP_PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+OTLP_PROTOCOL = "http/protobuf"
+OTLP_TRACES_PATH = "v1/traces"
 
 
 def group(topic: str, metavar: str | None = None) -> dict[str, Any]:
@@ -336,6 +349,20 @@ class Settings(BaseSettings):
         description="validate client addresses with a QUIC Retry before any handshake",
         json_schema_extra=group(QUIC),
     )
+    # --- tracing (OpenTelemetry) ---
+    otel_endpoint: AnyHttpUrl | None = Field(
+        None,
+        description="OTLP/HTTP collector base URL: one span per engine exchange goes to "
+        "URL/v1/traces (also read from OTEL_EXPORTER_OTLP_ENDPOINT); unset = no tracing at all "
+        "(needs the otel extra: pip install 'pylon[otel]')",
+        json_schema_extra=group(TRACING),
+    )
+    otel_service_name: str = Field(
+        "pylon",
+        min_length=1,
+        description="service.name of pylon's spans (also read from OTEL_SERVICE_NAME)",
+        json_schema_extra=group(TRACING, "NAME"),
+    )
 
     @field_validator("listen")
     @classmethod
@@ -393,6 +420,19 @@ class Settings(BaseSettings):
             raise ValueError("the upstream URL may not carry a query or fragment")
         return value
 
+    @field_validator("otel_endpoint", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # An empty variable means "not configured", as the OpenTelemetry SDKs read it.
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("otel_endpoint")
+    @classmethod
+    def _collector_url(cls, value: AnyHttpUrl | None) -> AnyHttpUrl | None:
+        if value is not None and (value.query or value.fragment):
+            raise ValueError("the OTLP endpoint may not carry a query or fragment")
+        return value
+
     @field_validator("quic_listen")
     @classmethod
     def _valid_quic_listen(cls, value: str | None) -> str | None:
@@ -441,7 +481,11 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources: list[PydanticBaseSettingsSource] = [
+            init_settings,
+            env_settings,
+            InitSettingsSource(settings_cls, init_kwargs=standard_otel_values(os.environ)),
+        ]
         if _FILE_VALUES is not None:
             sources.append(InitSettingsSource(settings_cls, init_kwargs=dict(_FILE_VALUES)))
         return tuple(sources)
@@ -465,6 +509,15 @@ class Settings(BaseSettings):
             local_connect_failures_retryable=self.local_connect_failures_retryable,
         )
 
+    @property
+    def otel_traces_url(self) -> str | None:
+        """Where the OTLP exporter posts spans: the endpoint with `/v1/traces` appended (as the
+        OpenTelemetry specification says for OTEL_EXPORTER_OTLP_ENDPOINT), unless it is there."""
+        if self.otel_endpoint is None:
+            return None
+        base = str(self.otel_endpoint).rstrip("/")
+        return base if base.endswith("/" + OTLP_TRACES_PATH) else f"{base}/{OTLP_TRACES_PATH}"
+
     def redacted(self) -> dict[str, Any]:
         """Effective settings for display. No secret is a setting (the tunnel token lives in its
         file, URL credentials are refused); kept as the one place display goes through."""
@@ -477,6 +530,28 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
 _FILE_VALUES: Mapping[str, Any] | None = None
 
 
+def standard_otel_values(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings given by OpenTelemetry's standard variables (`STANDARD_OTEL_ENV`); an empty
+    variable counts as unset."""
+    return {
+        name: environ[variable].strip()
+        for variable, name in STANDARD_OTEL_ENV.items()
+        if environ.get(variable, "").strip()
+    }
+
+
+def check_otlp_protocol(environ: Mapping[str, str]) -> None:
+    """With tracing on, refuse an OTLP protocol pylon's exporter does not speak (it would
+    export nothing)."""
+    for variable in OTLP_PROTOCOL_ENV:
+        value = environ.get(variable, "").strip()
+        if value and value.lower() != OTLP_PROTOCOL:
+            raise SettingsError(
+                f"{variable}={value}: pylon exports traces over OTLP/HTTP ({OTLP_PROTOCOL}) "
+                "only; unset it, or point --otel-endpoint at the collector's HTTP port (4318)"
+            )
+
+
 def load_settings(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
     """Build the one Settings object: flags (overrides) > env > config file > defaults.
 
@@ -486,13 +561,16 @@ def load_settings(overrides: dict[str, Any], config_file: Path | None = None) ->
     file_values = read_config_file(config_file) if config_file is not None else None
     _FILE_VALUES = file_values
     try:
-        return Settings(**overrides)
+        settings = Settings(**overrides)
     except ValidationError as exc:
         raise SettingsError(
             describe_error(exc, overrides, os.environ, file_values, config_file)
         ) from None
     finally:
         _FILE_VALUES = None
+    if settings.otel_endpoint is not None:
+        check_otlp_protocol(os.environ)
+    return settings
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -577,6 +655,9 @@ def _source(
     env_name = ENV_PREFIX + name.upper()
     if any(key.upper() == env_name for key in environ):
         return env_name
+    for variable, field in STANDARD_OTEL_ENV.items():
+        if field == name and environ.get(variable, "").strip():
+            return variable
     if file_values is not None and name in file_values:
         return f"config file {config_file}"
     return "default"

@@ -27,10 +27,12 @@ PYLON = [sys.executable, "-m", "pylon"]
 ENGINE = [sys.executable, "-m", "mock_dynamo"]
 
 
-def run_pylon(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYLON_")}
+def run_pylon(
+    *args: str, env: dict[str, str] | None = None, python: list[str] = PYLON
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYLON_", "OTEL_"))}
     return subprocess.run(
-        [*PYLON, *args],
+        [*python, *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -455,3 +457,35 @@ def test_a_refusal_comes_before_any_log_line(files: dict[str, str]) -> None:
     """Files are checked before logging starts: even with a warning due, the refusal is alone."""
     result = run_pylon("serve", "--tunnel-token-file", files["missing"], env={"PYLON_LISTN": "x"})
     assert "--tunnel-token-file" in refusal(result)
+
+
+def test_otel_endpoint_from_flag_and_standard_env() -> None:
+    config = effective("--otel-endpoint", "http://127.0.0.1:4318")
+    assert config["otel_endpoint"] == "http://127.0.0.1:4318/"
+    config = effective(
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_SERVICE_NAME": "n1"}
+    )
+    assert config["otel_endpoint"] == "http://collector:4318/"
+    assert config["otel_service_name"] == "n1"
+    assert effective()["otel_endpoint"] is None
+
+
+# `pylon` as installed without the otel extra: the exporter cannot be imported.
+WITHOUT_OTEL = [
+    sys.executable,
+    "-c",
+    "import sys; sys.modules['opentelemetry.exporter.otlp.proto.http.trace_exporter'] = None; "
+    "from pylon.cli import main; sys.argv[0] = 'pylon'; main()",
+]
+
+
+def test_tracing_without_the_otel_extra_refuses_to_start() -> None:
+    result = run_pylon(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"},
+        python=WITHOUT_OTEL,
+    )
+    line = refusal(result)
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in line and "pip install 'pylon[otel]'" in line

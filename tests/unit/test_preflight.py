@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from pylon.preflight import (
     StartupError,
     check_files,
+    check_tracing,
     config_warnings,
     insecure_listeners,
     is_loopback,
@@ -21,7 +23,7 @@ from pylon.settings import Settings, load_settings
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
-        if name.upper().startswith("PYLON_"):
+        if name.upper().startswith(("PYLON_", "OTEL_")):
             monkeypatch.delenv(name)
 
 
@@ -119,3 +121,20 @@ def test_check_files_passes_what_can_be_used(tmp_path: Path) -> None:
     token.write_text("")
     with pytest.raises(StartupError, match="the file is empty"):
         check_files(settings(tunnel_token_file=str(token)))
+
+
+def test_tracing_without_the_packages_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_tracing(settings())  # off: nothing is imported, nothing is needed
+    traced = settings(otel_endpoint="http://127.0.0.1:4318")
+    check_tracing(traced)  # the packages are installed here
+    # `None` in sys.modules makes an import fail, as on a pylon installed without the extra.
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    with pytest.raises(StartupError, match=r"pip install 'pylon\[otel\]'") as refused:
+        check_tracing(traced)
+    assert "\n" not in str(refused.value)
+    assert "--otel-endpoint http://127.0.0.1:4318/" in str(refused.value)
+
+
+def test_service_name_without_tracing_is_named() -> None:
+    assert events(settings(otel_service_name="svc")) == [("setting_ignored", "otel_service_name")]
+    assert events(settings(otel_service_name="svc", otel_endpoint="http://c:4318")) == []

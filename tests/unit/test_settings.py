@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from pylon.settings import (
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
-        if name.upper().startswith("PYLON_"):
+        if name.upper().startswith(("PYLON_", "OTEL_")):
             monkeypatch.delenv(name)
 
 
@@ -240,3 +241,74 @@ def test_split_host_port(value: str, expected: tuple[str, int]) -> None:
 def test_split_host_port_rejects(value: str) -> None:
     with pytest.raises(ValueError):
         split_host_port(value)
+
+
+# --- tracing: the OTLP endpoint and service name, also from OpenTelemetry's standard env ------
+
+
+def test_tracing_is_off_by_default() -> None:
+    s = load_settings({})
+    assert s.otel_endpoint is None and s.otel_traces_url is None
+    assert s.otel_service_name == "pylon"
+
+
+def test_otel_endpoint_from_flag_env_and_standard_env(
+    monkeypatch: pytest.MonkeyPatch, toml
+) -> None:
+    path = toml('otel_endpoint = "http://file:4318"\notel_service_name = "from-file"\n')
+    assert load_settings({}, path).otel_traces_url == "http://file:4318/v1/traces"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://standard:4318")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "standard-name")
+    s = load_settings({}, path)  # the standard variables beat the file
+    assert s.otel_traces_url == "http://standard:4318/v1/traces"
+    assert s.otel_service_name == "standard-name"
+    monkeypatch.setenv("PYLON_OTEL_ENDPOINT", "https://pylon-env:4318/prefix")
+    monkeypatch.setenv("PYLON_OTEL_SERVICE_NAME", "pylon-env-name")
+    s = load_settings({}, path)  # pylon's own variables beat the standard ones
+    assert s.otel_traces_url == "https://pylon-env:4318/prefix/v1/traces"
+    assert s.otel_service_name == "pylon-env-name"
+    s = load_settings({"otel_endpoint": "http://flag:4318/v1/traces/", "otel_service_name": "f"})
+    assert s.otel_traces_url == "http://flag:4318/v1/traces"  # already the traces path: kept
+    assert s.otel_service_name == "f"
+
+
+def test_empty_otel_endpoint_turns_tracing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    assert load_settings({}).otel_endpoint is None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://standard:4318")
+    monkeypatch.setenv("PYLON_OTEL_ENDPOINT", "")  # pylon's own, empty: off despite the standard
+    assert load_settings({}).otel_endpoint is None
+    assert load_settings({"otel_endpoint": "http://flag:4318"}).otel_endpoint is not None
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "needle"),
+    [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318", "(OTEL_EXPORTER_OTLP_ENDPOINT)"),
+        ("PYLON_OTEL_ENDPOINT", "grpc://collector:4317", "(PYLON_OTEL_ENDPOINT)"),
+        ("PYLON_OTEL_ENDPOINT", "http://c:4318/?a=1", "query or fragment"),
+        ("OTEL_SERVICE_NAME", "", None),  # empty: unset, the default applies
+    ],
+)
+def test_bad_otel_values_name_their_source(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, needle: str | None
+) -> None:
+    monkeypatch.setenv(variable, value)
+    if needle is None:
+        assert load_settings({}).otel_service_name == "pylon"
+        return
+    with pytest.raises(SettingsError, match=re.escape(needle)):
+        load_settings({})
+
+
+def test_an_otlp_protocol_pylon_cannot_speak_is_refused_when_tracing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    load_settings({})  # no tracing: the variable concerns someone else
+    with pytest.raises(SettingsError, match="OTLP/HTTP"):
+        load_settings({"otel_endpoint": "http://c:4318"})
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json"):
+        load_settings({"otel_endpoint": "http://c:4318"})
