@@ -1,8 +1,8 @@
 """Process wiring, the one place parts are built: Settings in, listeners running, until stopped.
 
 `build_core` assembles the transport-neutral parts (lifecycle, observer, admission, pool, router,
-proxy) from Settings; the listeners get them injected. Nothing below this module reads Settings
-for itself, except through the frozen values built here.
+tracer, proxy) from Settings; the listeners get them injected. Nothing below this module reads
+Settings for itself, except through the frozen values built here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pylon.core.plan import Planner
 from pylon.core.target import UpstreamTarget
 from pylon.lifecycle import Lifecycle
 from pylon.observe import LogObserver, Observer
-from pylon.preflight import check_files, config_warnings, insecure_listeners
+from pylon.preflight import check_files, check_tracing, config_warnings, insecure_listeners
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
 from pylon.server.budget import BodyBudget
@@ -31,9 +31,12 @@ from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import Http2Connection, ProtocolSwitch
 from pylon.server.streams import Ingress
 from pylon.settings import Settings, split_host_port
+from pylon.tracing import ExchangeTracer
 from pylon.upstream.pool import UpstreamPool
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from pylon.server.http3 import Http3Server, QuicOptions
     from pylon.tls import TlsIdentity
 
@@ -59,6 +62,7 @@ class Core:
     pool: UpstreamPool
     limits: IngressLimits
     ingress: Ingress  # what every client connection shares
+    tracer: ExchangeTracer | None = None  # None: tracing is off
 
 
 def ingress_limits(settings: Settings) -> IngressLimits:
@@ -85,10 +89,13 @@ def build_core(
     observer: Observer | None = None,
     lifecycle: Lifecycle | None = None,
     router: Router | None = None,
+    span_exporter: SpanExporter | None = None,
 ) -> Core:
     """Assemble the proxy and its parts. Must run inside the event loop (the pool binds it).
 
     `router`: who picks the engine worker; default, every request to `upstream`.
+    `span_exporter`: where spans go instead of the OTLP collector (tests); tracing is on when
+    it is given or `settings.otel_endpoint` is set, and nothing of it is built otherwise.
     """
     observer = observer or LogObserver()
     lifecycle = lifecycle or Lifecycle()
@@ -105,6 +112,11 @@ def build_core(
         build_adapter(settings.backend, settings.adapter_options, derive=settings.derive_priority),
         consumed=auth.consumed if auth is not None else frozenset(),
     )
+    tracer: ExchangeTracer | None = None
+    if settings.otel_endpoint is not None or span_exporter is not None:
+        from pylon.otel import OtelTracer
+
+        tracer = OtelTracer.build(settings, pool.loop.time, span_exporter)
     proxy = Proxy(
         planner=planner,
         router=router or SingleUpstream(UpstreamTarget.from_url(upstream)),
@@ -117,13 +129,14 @@ def build_core(
             client_send_timeout=settings.client_send_timeout,
         ),
         retry=settings.retry_policy,
+        tracer=tracer,
     )
     admission = ProxyAdmission(lifecycle, auth)
     limits = ingress_limits(settings)
     ingress = Ingress(
         proxy, admission, limits, lifecycle, BodyBudget(settings.max_total_body_bytes)
     )
-    return Core(lifecycle, observer, admission, proxy, pool, limits, ingress)
+    return Core(lifecycle, observer, admission, proxy, pool, limits, ingress, tracer)
 
 
 async def _embedded_mock(settings: Settings, stack: AsyncExitStack, observer: Observer) -> str:
@@ -308,14 +321,26 @@ class Running:
             self.h3.close_connections()
 
 
+async def _close_tracer(tracer: ExchangeTracer) -> None:
+    """Flush the spans not exported yet, off the event loop (the export may take a while)."""
+    await asyncio.sleep(0)  # requests cancelled at close end their spans first
+    await asyncio.to_thread(tracer.close)
+
+
 @asynccontextmanager
 async def start(
-    settings: Settings, observer: Observer | None = None, router: Router | None = None
+    settings: Settings,
+    observer: Observer | None = None,
+    router: Router | None = None,
+    span_exporter: SpanExporter | None = None,
 ) -> AsyncIterator[Running]:
-    """Start every listener of `settings`; exiting the context closes everything at once."""
+    """Start every listener of `settings`; exiting the context closes everything at once.
+
+    `span_exporter`: see `build_core`."""
     loop = asyncio.get_running_loop()
     observer = observer or LogObserver()
     check_files(settings)  # StartupError before anything starts
+    check_tracing(settings)
     for warning in config_warnings(settings):
         observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:
@@ -324,7 +349,16 @@ async def start(
             if settings.upstream
             else await _embedded_mock(settings, stack, observer)
         )
-        core = build_core(settings, upstream, observer=observer, router=router)
+        core = build_core(
+            settings, upstream, observer=observer, router=router, span_exporter=span_exporter
+        )
+        if core.tracer is not None:  # closed last, once every exchange has ended
+            stack.push_async_callback(_close_tracer, core.tracer)
+            observer.process_event(
+                "tracing",
+                endpoint=settings.otel_traces_url,
+                service_name=settings.otel_service_name,
+            )
         stack.callback(core.pool.close)
         host, port = settings.listen_host_port
         identity = _tls_identity(settings, stack)

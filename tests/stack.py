@@ -12,7 +12,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -29,6 +29,9 @@ from pylon.settings import Settings, load_settings
 from pylon.tls import TlsIdentity
 from tests.cancellation import wait_for_record
 from tests.h3client import H3Client, client_configuration, request_headers
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 FLAVOR = {"dynamo": "dynamo", "passthrough": "dynamo", "vllm": "vllm", "sglang": "sglang"}
 MODEL = "mock-model"
@@ -191,7 +194,9 @@ StackFactory = Callable[..., Awaitable[Stack]]
 
 @pytest.fixture
 async def make_stack() -> AsyncIterator[StackFactory]:
-    """Start mock_dynamo and pylon with the given settings; everything stops at teardown."""
+    """Start mock_dynamo and pylon with the given settings; everything stops at teardown.
+
+    `span_exporter`: trace every engine exchange into it (see `pylon.app.build_core`)."""
     configure_logging("json", "warning")
     async with contextlib.AsyncExitStack() as exits:
 
@@ -200,6 +205,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             mock: dict[str, Any] | None = None,
             observer: Observer | None = None,
             router: Router | None = None,
+            span_exporter: SpanExporter | None = None,
             **settings: Any,
         ) -> Stack:
             engine = await start_mock(
@@ -218,7 +224,9 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                     **{key: value for key, value in settings.items()},
                 }
             )
-            running = await exits.enter_async_context(start(config, observer, router))
+            running = await exits.enter_async_context(
+                start(config, observer, router, span_exporter)
+            )
             client = httpx.AsyncClient(timeout=10)
             exits.push_async_callback(client.aclose)
             return Stack(running, engine, client, config)

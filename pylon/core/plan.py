@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from pylon.core.body import BodyView, inspect_body, rewrite_body
-from pylon.core.contract import HealthRequest, TunnelRequest
+from pylon.core.contract import HealthRequest, TraceContext, TunnelRequest
 from pylon.core.errors import BodyError, ErrorCode
 from pylon.core.http import Header
 from pylon.core.priority import PriorityAdapter, PriorityWrite
@@ -55,12 +55,22 @@ class ForwardPlan:
     priority: PriorityWrite
     upstream: UpstreamTarget | None = None
 
-    def routed(self, upstream: UpstreamTarget, headers: tuple[Header, ...] = ()) -> ForwardPlan:
-        """This plan bound for `upstream`, with the router's trusted headers (worker pins)."""
+    def routed(
+        self,
+        upstream: UpstreamTarget,
+        headers: tuple[Header, ...] = (),
+        trace: TraceContext | None = None,
+    ) -> ForwardPlan:
+        """This plan bound for `upstream`, with the router's trusted headers (worker pins).
+
+        `trace`: when pylon traces the exchange, the context the engine continues (pylon's span
+        as its parent); it replaces the client's `traceparent`/`tracestate`. None keeps them.
+        """
+        own = self.headers if trace is None else with_trace(self.headers, trace)
         return ForwardPlan(
             self.method,
             self.target,
-            self.headers + headers if headers else self.headers,
+            own + headers if headers else own,
             self.body,
             self.request_id,
             self.model,
@@ -69,6 +79,24 @@ class ForwardPlan:
             self.priority,
             upstream,
         )
+
+
+_TRACE_FIELDS = frozenset({b"traceparent", b"tracestate"})
+
+
+def trace_headers(trace: TraceContext) -> tuple[Header, ...]:
+    """The W3C trace-context fields of `trace`, as they go to the engine."""
+    parent = (b"traceparent", trace.traceparent.encode("ascii"))
+    if trace.tracestate is None:
+        return (parent,)
+    return parent, (b"tracestate", trace.tracestate.encode("ascii"))
+
+
+def with_trace(headers: tuple[Header, ...], trace: TraceContext) -> tuple[Header, ...]:
+    """`headers` with their trace-context fields replaced by `trace`'s, in the planner's place
+    for them (after `x-request-id`, the first field)."""
+    kept = tuple(field for field in headers if field[0] not in _TRACE_FIELDS)
+    return kept[:1] + trace_headers(trace) + kept[1:]
 
 
 class Planner:
@@ -88,9 +116,7 @@ class Planner:
         new_body, body_stripped, stream = self._rewrite_body(request, body, write)
         headers: list[Header] = [(b"x-request-id", request.request_id.encode("ascii"))]
         if request.trace is not None:
-            headers.append((b"traceparent", request.trace.traceparent.encode("ascii")))
-            if request.trace.tracestate is not None:
-                headers.append((b"tracestate", request.trace.tracestate.encode("ascii")))
+            headers.extend(trace_headers(request.trace))
         headers.extend(sanitized.headers)
         headers.extend(write.headers)
         return ForwardPlan(

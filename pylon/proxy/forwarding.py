@@ -3,7 +3,8 @@
 Every transport hands an admitted request and its body to `Proxy.handle` with a `ResponseSink`;
 everything after that (strip, adapt, route, forward, relay, timeouts, retry marking, observation)
 happens here, once, for all of them. The parts are injected: the planner (contract -> plan), the
-router (plan -> booking), the upstream pool, the observer, the relay limits.
+router (plan -> booking), the upstream pool, the observer, the relay limits, and the tracer
+(None when tracing is off).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pylon.proxy.relay import (
 )
 from pylon.proxy.sink import ResponseSink, echo_request_id, send_problem
 from pylon.routing import Booking, NoWorker, Router
+from pylon.tracing import ExchangeTracer
 from pylon.upstream.pool import (
     Exchange,
     UpstreamBroken,
@@ -48,6 +50,7 @@ class Proxy:
         observer: Observer,
         relay: RelayLimits,
         retry: RetryPolicy,
+        tracer: ExchangeTracer | None = None,
     ) -> None:
         self._planner = planner
         self._router = router
@@ -57,6 +60,7 @@ class Proxy:
         self._retry = retry
         self._retry_header = frozenset({retry.upstream_retry_header})
         self._loop = pool.loop
+        self._tracer = tracer
 
     @property
     def observer(self) -> Observer:
@@ -86,11 +90,36 @@ class Proxy:
             self.reject(sink, UpstreamError(str(exc), code=ErrorCode.NO_WORKER), record)
             return
         record.worker = booking.target.label
+        if self._tracer is not None and isinstance(request, TunnelRequest):
+            await self._traced(self._tracer, request, plan, booking, sink, record)
+            return
         try:
             await self._forward(plan.routed(booking.target, booking.headers), booking, sink, record)
         finally:
             booking.release(record.outcome)
             record.done_at = self._loop.time()
+            self._observer.done(record)
+
+    async def _traced(
+        self,
+        tracer: ExchangeTracer,
+        request: TunnelRequest,
+        plan: ForwardPlan,
+        booking: Booking,
+        sink: ResponseSink,
+        record: RequestRecord,
+    ) -> None:
+        """`handle`'s exchange inside a span: the plan carries the span's trace context to the
+        engine (not the client's), and the span ends with the exchange, on every exit path."""
+        span = tracer.start(request, plan, record)
+        try:
+            await self._forward(
+                plan.routed(booking.target, booking.headers, span.trace), booking, sink, record
+            )
+        finally:
+            booking.release(record.outcome)
+            record.done_at = self._loop.time()
+            span.end(record)
             self._observer.done(record)
 
     def reject(self, sink: ResponseSink, error: PylonError, record: RequestRecord) -> None:

@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pylon.adapters import AdapterOptions, build_adapter
-from pylon.core.contract import HealthRequest, parse_request
+from pylon.core.contract import HealthRequest, TraceContext, parse_request
+from pylon.core.http import Header
 from pylon.core.plan import BODY_PRIORITY_PATHS, Planner, append_member
+from pylon.core.target import UpstreamTarget
 
 from .helpers import TRACEPARENT, tunnel
 
@@ -155,3 +157,48 @@ def test_append_member(obj: dict, ws: bytes, value: int) -> None:
     body = ws + json.dumps(obj).encode() + ws
     appended = append_member(body, "priority", value)
     assert json.loads(appended) == {**obj, "priority": value}
+
+
+OURS = TraceContext("00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01", "a=1")
+
+
+@pytest.mark.parametrize(
+    ("incoming", "ours", "expected"),
+    [
+        # The client's context is replaced by pylon's (in its place, right after x-request-id).
+        (
+            [(b"traceparent", TRACEPARENT), (b"tracestate", b"a=1")],
+            OURS,
+            [(b"traceparent", OURS.traceparent.encode()), (b"tracestate", b"a=1")],
+        ),
+        # No context in: pylon's starts the trace (no tracestate to carry).
+        (
+            [],
+            TraceContext(OURS.traceparent, None),
+            [(b"traceparent", OURS.traceparent.encode())],
+        ),
+        # No trace from the tracer (tracing off): the client's context, unchanged.
+        (
+            [(b"traceparent", TRACEPARENT), (b"tracestate", b"a=1")],
+            None,
+            [(b"traceparent", TRACEPARENT), (b"tracestate", b"a=1")],
+        ),
+    ],
+)
+def test_routed_plan_carries_the_trace_context_the_engine_continues(
+    incoming: list[Header], ours: TraceContext | None, expected: list[Header]
+) -> None:
+    plan = planner("dynamo").plan(tunnel(*incoming, (b"Accept", b"*/*")), b"{}")
+    pin = (b"x-worker-pin", b"7")
+    routed = plan.routed(UpstreamTarget("127.0.0.1", 8000, ""), (pin,), ours)
+    assert routed.headers == (
+        (b"x-request-id", b"req-1"),
+        *expected,
+        (b"x-model", b"m"),
+        (b"Accept", b"*/*"),
+        (b"x-dynamo-request-priority", b"0"),
+        (b"x-dynamo-request-strict-priority", b"0"),
+        pin,
+    )
+    if ours is None:
+        assert routed.headers == (*plan.headers, pin)

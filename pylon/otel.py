@@ -1,0 +1,180 @@
+"""The tracing seam (`pylon.tracing`) on the OpenTelemetry SDK: OTLP/HTTP export.
+
+Imported only when tracing is on (`--otel-endpoint` / `OTEL_EXPORTER_OTLP_ENDPOINT`); needs the
+`otel` extra (`pip install 'pylon[otel]'`), which `pylon.preflight.check_tracing` asks for.
+
+One span per engine exchange, named `pylon.forward`, kind CLIENT: it stands for pylon's request
+to the engine, and its context is the one the engine continues, so the engine's SERVER span is
+its child (the CLIENT -> SERVER pair trace back ends use to draw the pylon -> engine edge). Its
+parent is the client's W3C `traceparent` when the request carried a valid one; otherwise it
+starts a new trace. Its clock readings are the request's `RequestRecord`'s: it starts when the
+request head arrived and ends when the exchange is over, with events when the request was
+written to the engine and when the engine's response head came back.
+
+Nothing here is process-global: the provider is pylon's own (not the OpenTelemetry global one)
+and is shut down, flushing the batch, when pylon stops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
+from opentelemetry.util.types import AttributeValue
+
+from pylon.adapters import engine_priority
+from pylon.core.contract import TraceContext
+from pylon.tracing import SPAN_NAME, ExchangeSpan, ExchangeTracer, exchange_error
+
+if TYPE_CHECKING:
+    from pylon.core.contract import TunnelRequest
+    from pylon.core.plan import ForwardPlan
+    from pylon.observe import RequestRecord
+    from pylon.settings import Settings
+
+_NO_PARENT = Context()  # a root span: never the ambient (contextvars) context
+_NS = 1_000_000_000
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pylon")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def remote_parent(traceparent: str) -> Context:
+    """The context of a (contract-validated) W3C traceparent: `vv-trace_id-parent_id-flags`."""
+    parent = SpanContext(
+        trace_id=int(traceparent[3:35], 16),
+        span_id=int(traceparent[36:52], 16),
+        is_remote=True,
+        trace_flags=TraceFlags(int(traceparent[53:55], 16)),
+    )
+    return set_span_in_context(NonRecordingSpan(parent), _NO_PARENT)
+
+
+class OtelExchange:
+    """One exchange's span and the trace context the engine gets."""
+
+    __slots__ = ("_offset", "_span", "trace")
+
+    def __init__(self, span: Span, trace: TraceContext | None, offset: int) -> None:
+        self._span = span
+        self.trace = trace
+        self._offset = offset  # epoch ns minus loop-clock ns, read once at the start
+
+    def _ns(self, loop_time: float) -> int:
+        return self._offset + int(loop_time * _NS)
+
+    def end(self, record: RequestRecord) -> None:
+        span = self._span
+        if not span.is_recording():  # not sampled: nothing to fill in
+            span.end()
+            return
+        attributes: dict[str, AttributeValue] = {"pylon.outcome": record.outcome or "unknown"}
+        if record.dispatched_at is not None:
+            span.add_event("pylon.dispatched", timestamp=self._ns(record.dispatched_at))
+        if record.first_byte_at is not None:  # the engine answered: its status
+            attributes["http.response.status_code"] = record.status
+            span.add_event("pylon.response_head", timestamp=self._ns(record.first_byte_at))
+        error = exchange_error(record)
+        if error is not None:
+            attributes["error.type"] = error
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.set_attributes(attributes)
+        done = record.done_at
+        span.end(end_time=self._ns(done) if done is not None else None)
+
+
+class OtelTracer:
+    """`ExchangeTracer` on an OpenTelemetry tracer provider of pylon's own."""
+
+    __slots__ = ("_backend", "_clock", "_provider", "_tracer")
+
+    def __init__(self, provider: TracerProvider, backend: str, clock: Callable[[], float]) -> None:
+        self._provider = provider
+        self._tracer = provider.get_tracer("pylon", _version())
+        self._backend = backend
+        self._clock = clock  # the clock of the RequestRecord readings (the event loop's)
+
+    @classmethod
+    def build(
+        cls,
+        settings: Settings,
+        clock: Callable[[], float],
+        exporter: SpanExporter | None = None,
+    ) -> OtelTracer:
+        """Spans to the OTLP/HTTP collector of `settings`, batched; or, when `exporter` is
+        given (tests), to it, each as it ends."""
+        resource = Resource.create({SERVICE_NAME: settings.otel_service_name})
+        provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otel_traces_url))
+            )
+        else:
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return cls(provider, settings.backend, clock)
+
+    def start(
+        self, request: TunnelRequest, plan: ForwardPlan, record: RequestRecord
+    ) -> OtelExchange:
+        offset = time.time_ns() - int(self._clock() * _NS)
+        incoming = request.trace
+        attributes: dict[str, AttributeValue] = {
+            "pylon.request_id": request.request_id,
+            "pylon.model": request.model,
+            "pylon.backend": self._backend,
+            "pylon.transport": record.transport,
+            "http.request.method": request.method,
+            "url.path": record.path,
+        }
+        if record.worker is not None:
+            attributes["pylon.worker"] = record.worker
+        if request.priority is not None:
+            attributes["pylon.priority"] = request.priority
+        priority = engine_priority(plan.priority)
+        if priority is not None:
+            attributes["pylon.engine_priority"] = priority
+        span = self._tracer.start_span(
+            SPAN_NAME,
+            _NO_PARENT if incoming is None else remote_parent(incoming.traceparent),
+            SpanKind.CLIENT,
+            attributes,
+            start_time=offset + int(record.head_at * _NS),
+        )
+        context = span.get_span_context()
+        if context is None or not context.is_valid:  # the SDK is disabled (OTEL_SDK_DISABLED)
+            return OtelExchange(span, None, offset)
+        trace = TraceContext(
+            traceparent=f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+            f"{context.trace_flags:02x}",
+            tracestate=incoming.tracestate if incoming is not None else None,
+        )
+        return OtelExchange(span, trace, offset)
+
+    def close(self) -> None:
+        self._provider.shutdown()
+
+
+_: type[ExchangeTracer] = OtelTracer
+__: type[ExchangeSpan] = OtelExchange
