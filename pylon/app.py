@@ -116,7 +116,7 @@ def build_core(
     if settings.otel_endpoint is not None or span_exporter is not None:
         from pylon.otel import OtelTracer
 
-        tracer = OtelTracer.build(settings, pool.loop.time, span_exporter)
+        tracer = OtelTracer.build(settings, pool.loop, observer, span_exporter)
     proxy = Proxy(
         planner=planner,
         router=router or SingleUpstream(UpstreamTarget.from_url(upstream)),

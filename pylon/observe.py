@@ -115,6 +115,7 @@ _WARNING_EVENTS = frozenset(
         "setting_ignored",
         "unknown_env_var",
         "forced_stop",
+        "tracing_error",
     }
 )
 # The start and stop lines: written at info whatever --log-level says (see pylon.logs).

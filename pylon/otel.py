@@ -11,12 +11,18 @@ starts a new trace. Its clock readings are the request's `RequestRecord`'s: it s
 request head arrived and ends when the exchange is over, with events when the request was
 written to the engine and when the engine's response head came back.
 
-Nothing here is process-global: the provider is pylon's own (not the OpenTelemetry global one)
-and is shut down, flushing the batch, when pylon stops.
+The provider is pylon's own (not the OpenTelemetry global one) and is shut down, flushing the
+batch, when pylon stops. The SDK's own log records (an export that failed, a full queue) are
+turned into `tracing_error` process events on the event loop, so they reach pylon's JSON log
+like every other line instead of stderr as plain text.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import logging
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -45,7 +51,7 @@ from pylon.tracing import SPAN_NAME, ExchangeSpan, ExchangeTracer, exchange_erro
 if TYPE_CHECKING:
     from pylon.core.contract import TunnelRequest
     from pylon.core.plan import ForwardPlan
-    from pylon.observe import RequestRecord
+    from pylon.observe import Observer, RequestRecord
     from pylon.settings import Settings
 
 _NO_PARENT = Context()  # a root span: never the ambient (contextvars) context
@@ -103,26 +109,67 @@ class OtelExchange:
         span.end(end_time=self._ns(done) if done is not None else None)
 
 
+_SDK_LOGGER = logging.getLogger("opentelemetry")
+
+
+class SdkLogBridge(logging.Handler):
+    """The SDK's warnings and errors (its threads log them) as `tracing_error` process events,
+    handed to the event loop: the observer is only ever called there."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, observer: Observer) -> None:
+        super().__init__(logging.WARNING)
+        self._loop = loop
+        self._observer = observer
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = functools.partial(
+            self._observer.process_event,
+            "tracing_error",
+            logger=record.name,
+            detail=record.getMessage(),
+        )
+        # A closed loop: pylon is gone, there is nobody to tell.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(event)
+
+    def attach(self) -> None:
+        _SDK_LOGGER.addHandler(self)
+        _SDK_LOGGER.propagate = False  # not to the root logger (plain text on stderr)
+
+    def detach(self) -> None:
+        _SDK_LOGGER.removeHandler(self)
+        if not _SDK_LOGGER.handlers:
+            _SDK_LOGGER.propagate = True
+
+
 class OtelTracer:
     """`ExchangeTracer` on an OpenTelemetry tracer provider of pylon's own."""
 
-    __slots__ = ("_backend", "_clock", "_provider", "_tracer")
+    __slots__ = ("_backend", "_bridge", "_clock", "_provider", "_tracer")
 
-    def __init__(self, provider: TracerProvider, backend: str, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        provider: TracerProvider,
+        backend: str,
+        clock: Callable[[], float],
+        bridge: SdkLogBridge | None = None,
+    ) -> None:
         self._provider = provider
         self._tracer = provider.get_tracer("pylon", _version())
         self._backend = backend
         self._clock = clock  # the clock of the RequestRecord readings (the event loop's)
+        self._bridge = bridge
 
     @classmethod
     def build(
         cls,
         settings: Settings,
-        clock: Callable[[], float],
+        loop: asyncio.AbstractEventLoop,
+        observer: Observer,
         exporter: SpanExporter | None = None,
     ) -> OtelTracer:
         """Spans to the OTLP/HTTP collector of `settings`, batched; or, when `exporter` is
-        given (tests), to it, each as it ends."""
+        given (tests), to it, each as it ends. The SDK's log records go to `observer`."""
         resource = Resource.create({SERVICE_NAME: settings.otel_service_name})
         provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         if exporter is None:
@@ -133,7 +180,9 @@ class OtelTracer:
             )
         else:
             provider.add_span_processor(SimpleSpanProcessor(exporter))
-        return cls(provider, settings.backend, clock)
+        bridge = SdkLogBridge(loop, observer)
+        bridge.attach()
+        return cls(provider, settings.backend, loop.time, bridge)
 
     def start(
         self, request: TunnelRequest, plan: ForwardPlan, record: RequestRecord
@@ -173,7 +222,11 @@ class OtelTracer:
         return OtelExchange(span, trace, offset)
 
     def close(self) -> None:
-        self._provider.shutdown()
+        try:
+            self._provider.shutdown()
+        finally:
+            if self._bridge is not None:
+                self._bridge.detach()
 
 
 _: type[ExchangeTracer] = OtelTracer

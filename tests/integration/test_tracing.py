@@ -25,6 +25,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from mock_dynamo.server import MockConfig, start_mock
 from pylon.app import start
 from pylon.core.target import UpstreamTarget
+from pylon.logs import configure_logging
+from pylon.observe import LogObserver
 from pylon.settings import load_settings
 from pylon.tracing import SPAN_NAME
 from tests.integration.conftest import MODEL, Stack, StackFactory, header_values
@@ -270,8 +272,11 @@ async def test_tracing_off_builds_nothing_and_forwards_the_callers_context(
 
 
 @contextlib.asynccontextmanager
-async def otlp_collector() -> AsyncIterator[tuple[str, list[ExportTraceServiceRequest]]]:
-    """A minimal OTLP/HTTP collector on 127.0.0.1: keeps every decoded export request."""
+async def otlp_collector(
+    status: int = 200,
+) -> AsyncIterator[tuple[str, list[ExportTraceServiceRequest]]]:
+    """A minimal OTLP/HTTP collector on 127.0.0.1: keeps every decoded export request and
+    answers `status`."""
     received: list[ExportTraceServiceRequest] = []
 
     async def traces(request: web.Request) -> web.Response:
@@ -279,7 +284,7 @@ async def otlp_collector() -> AsyncIterator[tuple[str, list[ExportTraceServiceRe
         message = ExportTraceServiceRequest()
         message.ParseFromString(await request.read())
         received.append(message)
-        return web.Response(body=b"", content_type="application/x-protobuf")
+        return web.Response(status=status, body=b"", content_type="application/x-protobuf")
 
     app = web.Application()
     app.router.add_post("/v1/traces", traces)
@@ -332,6 +337,48 @@ async def test_otlp_export_is_flushed_when_pylon_stops() -> None:
             assert traceparent_of(record)[2] == span.span_id.hex()
     finally:
         await engine.stop()
+
+
+class ProcessEvents(LogObserver):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def process_event(self, kind: str, /, **fields: Any) -> None:
+        self.events.append((kind, fields))
+        super().process_event(kind, **fields)
+
+
+async def test_a_failed_export_is_a_pylon_log_event_not_sdk_text(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The SDK logs a refused export from its own thread; pylon's observer gets it, on the
+    loop, as `tracing_error`, and nothing else reaches stderr as plain text."""
+    configure_logging("json", "warning")
+    engine = await start_mock(MockConfig(models=(MODEL,)), host="127.0.0.1", port=0)
+    observer = ProcessEvents()
+    try:
+        async with otlp_collector(status=400) as (endpoint, received):
+            settings = load_settings(
+                {"listen": "127.0.0.1:0", "upstream": engine.base_url, "otel_endpoint": endpoint}
+            )
+            async with start(settings, observer) as running, httpx.AsyncClient() as client:
+                headers = {"x-request-id": "refused-export", "x-model": MODEL}
+                reply = await client.post(f"{running.url}{CHAT}", content=chat(), headers=headers)
+                assert reply.status_code == 200
+            assert len(received) == 1  # the flush at stop tried, and the collector said no
+    finally:
+        await engine.stop()
+    kinds = [kind for kind, _ in observer.events]
+    assert kinds[kinds.index("listening") - 1] == "tracing"
+    errors = [fields for kind, fields in observer.events if kind == "tracing_error"]
+    assert errors and "400" in errors[0]["detail"], observer.events
+    assert errors[0]["logger"].startswith("opentelemetry")
+    captured = capfd.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if "export" in line]
+    assert lines  # the warning was logged...
+    for line in lines:
+        assert json.loads(line)["event"] == "tracing_error"  # ...as pylon's JSON line only
 
 
 async def engine_records(base_url: str) -> list[dict[str, Any]]:
