@@ -29,7 +29,7 @@ from pylon.proxy.relay import (
 )
 from pylon.proxy.sink import ResponseSink, echo_request_id, send_problem
 from pylon.routing import Booking, NoWorker, Router
-from pylon.tracing import ExchangeTracer
+from pylon.tracing import ExchangeSpan, ExchangeTracer
 from pylon.upstream.pool import (
     Exchange,
     UpstreamBroken,
@@ -111,15 +111,17 @@ class Proxy:
     ) -> None:
         """`handle`'s exchange inside a span: the plan carries the span's trace context to the
         engine (not the client's), and the span ends with the exchange, on every exit path."""
-        span = tracer.start(request, plan, record)
+        span: ExchangeSpan | None = None
         try:
+            span = tracer.start(request, plan, record)
             await self._forward(
                 plan.routed(booking.target, booking.headers, span.trace), booking, sink, record
             )
         finally:
-            booking.release(record.outcome)
+            booking.release(record.outcome)  # whatever happened, the booking is freed
             record.done_at = self._loop.time()
-            span.end(record)
+            if span is not None:
+                span.end(record)
             self._observer.done(record)
 
     def reject(self, sink: ResponseSink, error: PylonError, record: RequestRecord) -> None:

@@ -220,6 +220,32 @@ async def test_engine_breaking_the_stream_is_a_span_error(make_stack: StackFacto
     assert attributes(span)["http.response.status_code"] == 200
 
 
+async def test_a_client_that_leaves_ends_the_span_without_an_error(
+    make_stack: StackFactory,
+) -> None:
+    """The client goes away mid-stream: the span still ends (the cancelled exchange's exit
+    path), says how, and is not an engine failure."""
+    stack, exporter = await traced_stack(make_stack, quic_listen=None)
+    await stack.knobs(num_tokens=400, token_delay_ms=50)
+    host, port = stack.pylon_address
+    reader, writer = await asyncio.open_connection(host, port)
+    body = chat(stream=True)
+    writer.write(
+        f"POST {CHAT} HTTP/1.1\r\nhost: x\r\nx-request-id: leaver\r\nx-model: {MODEL}\r\n"
+        f"traceparent: {TRACEPARENT}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    seen = b""
+    while seen.count(b"data:") < 2:
+        seen += await asyncio.wait_for(reader.read(4096), 5)
+    writer.transport.abort()
+    span = await exporter.span("leaver")
+    assert attributes(span)["pylon.outcome"] == "client_disconnected"
+    assert attributes(span)["http.response.status_code"] == 200
+    assert "error.type" not in attributes(span)
+    assert span.status.status_code is StatusCode.UNSET
+
+
 def _closed_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
