@@ -46,8 +46,12 @@ class Booking(Protocol):
 
 
 class Router(Protocol):
-    async def book(self, plan: ForwardPlan) -> Booking:
-        """Choose a worker for `plan` and reserve it; raises `NoWorker`."""
+    def book(self, plan: ForwardPlan) -> Booking:
+        """Choose a worker for `plan` and reserve it; raises `NoWorker`.
+
+        Synchronous: choosing is a computation over what the router already knows (loads, cache
+        views), never a wait; a request that no worker can take now is answered at once (503
+        retryable), and waiting for a connection to the chosen worker is the pool's job."""
         ...
 
 
@@ -78,7 +82,7 @@ class SingleUpstream:
     def __init__(self, target: UpstreamTarget) -> None:
         self._booking = StaticBooking(target)
 
-    async def book(self, plan: ForwardPlan) -> Booking:
+    def book(self, plan: ForwardPlan) -> Booking:
         return self._booking
 
 

@@ -473,7 +473,8 @@ def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(popen.pid, sig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (also read by tests/unit/test_container_files.py)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--http-port", type=int, default=8787)
     ap.add_argument("--workers", type=int, default=2)
@@ -486,7 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         "--router-queue-threshold", type=float, default=0.0, help="negative disables queueing"
     )
     ap.add_argument("--state-dir", default=None, help="default: a fresh temp dir (removed at exit)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     stack = DynamoStack(
         num_workers=args.workers,

@@ -85,7 +85,7 @@ class Proxy:
             return
         record.stripped = plan.stripped
         try:
-            booking = await self._router.book(plan)
+            booking = self._router.book(plan)
         except NoWorker as exc:
             self.reject(sink, UpstreamError(str(exc), code=ErrorCode.NO_WORKER), record)
             return
@@ -139,15 +139,38 @@ class Proxy:
     async def _forward(
         self, plan: ForwardPlan, booking: Booking, sink: ResponseSink, record: RequestRecord
     ) -> None:
+        """Send the plan, wait for the response head, relay the response.
+
+        A request written into a kept-alive connection that the engine had just closed (no
+        response byte at all) is sent once more on a new connection: the engine never read it.
+        (One coroutine, not one per step: this runs for every request.)
+        """
         watchdog = Watchdog(self._loop)
         exchange: Exchange | None = None
         record.outcome = "ok"
         try:
             if plan.stream_requested:
                 watchdog.arm_for(self._relay.first_output_timeout, "no response head in time")
-            exchange = await self._open_exchange(plan, sink, watchdog, record)
-            if exchange is None:
-                return
+            fresh = False
+            while True:
+                try:
+                    exchange = await self._pool.send(plan, fresh=fresh)
+                except UpstreamConnectError as exc:
+                    self._answer_connect_failure(sink, plan, exc, record)
+                    return
+                record.dispatched_at = self._loop.time()
+                if not fresh:
+                    self._observer.dispatched(record, plan)
+                watchdog.attach(exchange)
+                try:
+                    await exchange.head
+                    break
+                except UpstreamBroken:
+                    if fresh or not exchange.stale_connection:
+                        raise
+                    self._pool.finish(exchange)
+                    exchange = None
+                    fresh = True
             await self._relay_response(plan, exchange, booking, sink, watchdog, record)
         except AlreadyAnswered as cut:
             record.outcome = cut.outcome
@@ -172,39 +195,6 @@ class Proxy:
             watchdog.cancel()
             if exchange is not None:
                 self._pool.finish(exchange)
-
-    async def _open_exchange(
-        self, plan: ForwardPlan, sink: ResponseSink, watchdog: Watchdog, record: RequestRecord
-    ) -> Exchange | None:
-        """Send the plan and wait for the response head; None when a problem was answered.
-
-        A request written into a kept-alive connection that the engine had just closed (no
-        response byte at all) is sent once more on a new connection: the engine never read it.
-        """
-        fresh = False
-        while True:
-            try:
-                exchange = await self._pool.send(plan, fresh=fresh)
-            except UpstreamConnectError as exc:
-                self._answer_connect_failure(sink, plan, exc, record)
-                return None
-            record.dispatched_at = self._loop.time()
-            if not fresh:
-                self._observer.dispatched(record, plan)
-            watchdog.attach(exchange)
-            try:
-                await exchange.head
-            except UpstreamBroken:
-                if fresh or not exchange.stale_connection:
-                    self._pool.finish(exchange)
-                    raise
-                self._pool.finish(exchange)
-                fresh = True
-                continue
-            except BaseException:
-                self._pool.finish(exchange)
-                raise
-            return exchange
 
     def _answer_connect_failure(
         self,

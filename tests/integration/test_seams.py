@@ -45,7 +45,7 @@ class RecordingRouter:
         self.target: UpstreamTarget | None = None
         self.lives: dict[str, list[str]] = {}
 
-    async def book(self, plan: ForwardPlan) -> Booking:
+    def book(self, plan: ForwardPlan) -> Booking:
         assert self.target is not None and plan.request_id is not None
         return RecordingBooking(self.target, self.lives.setdefault(plan.request_id, []))
 
