@@ -12,7 +12,8 @@ COPY pyproject.toml README.md ./
 COPY pylon ./pylon
 COPY mock_dynamo ./mock_dynamo
 COPY router_ffi ./router_ffi
-RUN pip install . && useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin pylon
+# The otel extra: --otel-endpoint works in the image (pylon refuses to start without it).
+RUN pip install '.[otel]' && useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin pylon
 
 # --- dynamo: + the Dynamo 1.6.1 frontend and mocker, and the loopback stack launcher ---
 # ai-dynamo goes in with --no-deps: its aisimulate dependency downloads from NVIDIA's own index
