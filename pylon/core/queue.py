@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import IntEnum, StrEnum
+from enum import StrEnum
 
 from pylon.core.contract import TunnelRequest
 from pylon.core.errors import QueueMismatchError
@@ -103,7 +103,9 @@ class QueuePolicy:
         return max(expected_ms + self.min_delta_ms, math.ceil(expected_ms * self.factor))
 
 
-@dataclass(frozen=True, slots=True)
+# Slotted but not frozen: one is built per request that carries the header, and a frozen
+# dataclass's __init__ pays an object.__setattr__ per field. Nothing mutates a decision.
+@dataclass(slots=True)
 class QueueDecision:
     """One decision on a request that carried `x-stargate-expected-queue-ms`."""
 
@@ -132,11 +134,11 @@ class QueueDecision:
         )
 
 
-class Phase(IntEnum):
-    PENDING = 0
-    PREFILL = 1
-    DECODE = 2
-    GONE = 3
+# An entry's phase (plain ints: this is read on every lifecycle event).
+PENDING = 0
+PREFILL = 1
+DECODE = 2
+GONE = 3  # released, or refused (never in the table)
 
 
 class ModelQueue:
@@ -278,40 +280,40 @@ class QueueEntry:
         self._busy = False  # counted in the model's busy time
         self.decision = decision
         if decision is not None and decision.rejected:
-            self.phase = Phase.GONE  # never in the table
+            self.phase = GONE  # never in the table
         else:
-            self.phase = Phase.PENDING
+            self.phase = PENDING
             queue._add_pending(level, tokens)
 
     def dispatched(self, now: float) -> None:
         """The request was written to the engine: its prefill interval starts."""
-        if self._sampled and not self._busy and self.phase is not Phase.GONE:
+        if self._sampled and not self._busy and self.phase != GONE:
             self._busy = True
             self._queue._start_busy(now)
 
     def head(self) -> None:
         """The engine's response head arrived: the engine is working on it."""
-        if self.phase is Phase.PENDING:
+        if self.phase == PENDING:
             queue = self._queue
             queue._remove_pending(self.level, self.tokens)
             queue.prefill += 1
             queue.prefill_tokens += self.tokens
-            self.phase = Phase.PREFILL
+            self.phase = PREFILL
 
     def first_output(self, now: float, sample: bool) -> None:
         """The first output (or, for a response that is not an event stream, its head).
         `sample`: the output ended a successful prefill, so it measures throughput."""
         phase = self.phase
-        if phase is Phase.DECODE or phase is Phase.GONE:
+        if phase >= DECODE:  # DECODE or GONE
             return
         queue = self._queue
-        if phase is Phase.PENDING:
+        if phase == PENDING:
             queue._remove_pending(self.level, self.tokens)
         else:
             queue.prefill -= 1
             queue.prefill_tokens -= self.tokens
         queue.decode += 1
-        self.phase = Phase.DECODE
+        self.phase = DECODE
         if self._busy:
             self._busy = False
             queue._stop_busy(now, self.tokens if sample else 0)
@@ -319,17 +321,17 @@ class QueueEntry:
     def release(self, now: float) -> None:
         """The exchange is over, however it ended. Idempotent."""
         phase = self.phase
-        if phase is Phase.GONE:
+        if phase == GONE:
             return
         queue = self._queue
-        if phase is Phase.PENDING:
+        if phase == PENDING:
             queue._remove_pending(self.level, self.tokens)
-        elif phase is Phase.PREFILL:
+        elif phase == PREFILL:
             queue.prefill -= 1
             queue.prefill_tokens -= self.tokens
         else:
             queue.decode -= 1
-        self.phase = Phase.GONE
+        self.phase = GONE
         if self._busy:
             self._busy = False
             queue._stop_busy(now, 0)
@@ -447,8 +449,10 @@ class QueueAdmission:
         enter it as pending. `entry.decision` says what was decided (None: nothing to decide);
         a refused entry is not in the table, and `decision.error` is its answer."""
         level = self._adapter.queue_level(request.priority)
-        tokens = input_tokens_of(request, body_size)
-        queue = self._table.queue_for(request.model)
+        tokens = request.input_tokens
+        if tokens is None:
+            tokens = -(-body_size // BYTES_PER_TOKEN)  # as `input_tokens_of`, inlined
+        queue = self._table._models.get(request.model) or self._table.queue_for(request.model)
         expected = request.expected_queue_ms
         decision = None if expected is None else self._decide(request.model, queue, level, expected)
         sampled = stream or request.path in PREFILL_ONLY_PATHS

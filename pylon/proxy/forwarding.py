@@ -106,10 +106,12 @@ class Proxy:
             finally:
                 booking.release(record.outcome)
                 record.done_at = self._loop.time()
+                if entry is not None:
+                    entry.release(record.done_at)  # before `done`: observers see it gone
                 self._observer.done(record)
         finally:
             if entry is not None:
-                entry.release(self._loop.time())
+                entry.release(self._loop.time())  # refused or cancelled before the exchange
 
     def reject(self, sink: ResponseSink, error: PylonError, record: RequestRecord) -> None:
         """Answer with pylon's own problem response; the engine never sees the request."""

@@ -16,9 +16,10 @@ from pylon.core.contract import TunnelRequest
 from pylon.core.errors import ErrorCode, QueueMismatchError, problem_body
 from pylon.core.queue import (
     BYTES_PER_TOKEN,
+    GONE,
     MIN_SAMPLES,
+    PENDING,
     WINDOW,
-    Phase,
     QueueAdmission,
     QueueEntry,
     QueuePolicy,
@@ -149,7 +150,7 @@ def test_settings_build_the_policy() -> None:
 def test_no_header_means_no_decision_but_a_place_in_the_table() -> None:
     queue = admission()
     entry = admit(queue, tokens=7)
-    assert entry.decision is None and entry.phase is Phase.PENDING
+    assert entry.decision is None and entry.phase == PENDING
     (snap,) = queue.table.snapshot()
     assert (snap.pending, snap.pending_tokens) == (1, 7)
 
@@ -170,7 +171,7 @@ def test_disabled_admits_but_still_estimates() -> None:
     entry = admit(queue, tokens=1, expected=0)
     assert entry.decision is not None and entry.decision.result is Result.DISABLED
     assert entry.decision.estimate_ms == 1_000_000
-    assert entry.phase is Phase.PENDING  # in the table like any admitted request
+    assert entry.phase == PENDING  # in the table like any admitted request
 
 
 def test_a_refused_request_never_enters_the_table() -> None:
@@ -178,7 +179,7 @@ def test_a_refused_request_never_enters_the_table() -> None:
     first = admit(queue, tokens=1000)
     refused = admit(queue, tokens=5, expected=0)
     assert refused.decision is not None and refused.decision.rejected
-    assert refused.phase is Phase.GONE
+    assert refused.phase == GONE
     refused.release(1.0)  # harmless
     (snap,) = queue.table.snapshot()
     assert (snap.pending, snap.pending_tokens) == (1, 1000)
