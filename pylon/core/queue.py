@@ -61,13 +61,6 @@ PREFILL_ONLY_PATHS = frozenset({"/v1/embeddings"})  # the response head ends the
 _MAX_MS = 2**63 - 1  # estimates are capped here (a tiny throughput cannot overflow them)
 
 
-def input_tokens_of(request: TunnelRequest, body_size: int) -> int:
-    """The request's input work: `x-input-tokens`, else estimated from the body size."""
-    if request.input_tokens is not None:
-        return request.input_tokens
-    return -(-body_size // BYTES_PER_TOKEN)
-
-
 def queue_ms(tokens: int, tps: float) -> int:
     """Milliseconds to process `tokens` input tokens at `tps` tokens per second, rounded up."""
     if tokens <= 0:
@@ -451,7 +444,7 @@ class QueueAdmission:
         level = self._adapter.queue_level(request.priority)
         tokens = request.input_tokens
         if tokens is None:
-            tokens = -(-body_size // BYTES_PER_TOKEN)  # as `input_tokens_of`, inlined
+            tokens = -(-body_size // BYTES_PER_TOKEN)  # no x-input-tokens: body bytes / 4
         queue = self._table._models.get(request.model) or self._table.queue_for(request.model)
         expected = request.expected_queue_ms
         decision = None if expected is None else self._decide(request.model, queue, level, expected)
