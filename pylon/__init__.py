@@ -13,7 +13,9 @@ How a request flows (each layer only knows the one below it):
 - Planner (`pylon.core.plan`, `pylon.core.sanitize`, `pylon.adapters`): strip every client
   steering control, derive the engine priority per backend; a `ForwardPlan` that is exactly what
   goes to the engine.
-- Proxy (`pylon.proxy`): assembled from injected parts: planner, router (`pylon.routing`: a
+- Proxy (`pylon.proxy`): assembled from injected parts: planner, queue admission
+  (`pylon.core.queue`: a live per-model request table; a request clearly slower here than the
+  gateway expected gets a retryable 429 before the engine sees it), router (`pylon.routing`: a
   booking per request, released when the exchange ends), upstream pool (`pylon.upstream`:
   connections per target, capped), observer (`pylon.observe`) and relay limits. Relays SSE event
   by event with output timeouts, marks retries.

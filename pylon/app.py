@@ -1,8 +1,8 @@
 """Process wiring, the one place parts are built: Settings in, listeners running, until stopped.
 
 `build_core` assembles the transport-neutral parts (lifecycle, observer, admission, pool, router,
-tracer, proxy) from Settings; the listeners get them injected. Nothing below this module reads
-Settings for itself, except through the frozen values built here.
+tracer, queue admission, proxy) from Settings; the listeners get them injected. Nothing below
+this module reads Settings for itself, except through the frozen values built here.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pylon.adapters import build_adapter
 from pylon.auth import TokenAuth
 from pylon.core.intake import IngressLimits
 from pylon.core.plan import Planner
+from pylon.core.queue import QueueAdmission, QueueTable
 from pylon.core.target import UpstreamTarget
 from pylon.lifecycle import Lifecycle
 from pylon.observe import LogObserver, Observer
@@ -62,6 +63,7 @@ class Core:
     pool: UpstreamPool
     limits: IngressLimits
     ingress: Ingress  # what every client connection shares
+    queue: QueueAdmission  # the live request tables and queue estimates (`queue.table`)
     tracer: ExchangeTracer | None = None  # None: tracing is off
 
 
@@ -108,10 +110,11 @@ def build_core(
         max_connections=settings.upstream_max_connections,
         queue_timeout=settings.upstream_queue_timeout,
     )
-    planner = Planner(
-        build_adapter(settings.backend, settings.adapter_options, derive=settings.derive_priority),
-        consumed=auth.consumed if auth is not None else frozenset(),
+    adapter = build_adapter(
+        settings.backend, settings.adapter_options, derive=settings.derive_priority
     )
+    planner = Planner(adapter, consumed=auth.consumed if auth is not None else frozenset())
+    queue = QueueAdmission(QueueTable(settings.initial_input_tps), settings.queue_policy, adapter)
     tracer: ExchangeTracer | None = None
     if settings.otel_endpoint is not None or span_exporter is not None:
         from pylon.otel import OtelTracer
@@ -130,13 +133,14 @@ def build_core(
         ),
         retry=settings.retry_policy,
         tracer=tracer,
+        queue=queue,
     )
     admission = ProxyAdmission(lifecycle, auth)
     limits = ingress_limits(settings)
     ingress = Ingress(
         proxy, admission, limits, lifecycle, BodyBudget(settings.max_total_body_bytes)
     )
-    return Core(lifecycle, observer, admission, proxy, pool, limits, ingress, tracer)
+    return Core(lifecycle, observer, admission, proxy, pool, limits, ingress, queue, tracer)
 
 
 async def _embedded_mock(settings: Settings, stack: AsyncExitStack, observer: Observer) -> str:

@@ -16,6 +16,7 @@ from pylon.logs import get_lifecycle_logger, get_logger
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
     from pylon.core.plan import ForwardPlan
+    from pylon.core.queue import QueueDecision
     from pylon.core.retry import RetryMark
 
 
@@ -69,6 +70,12 @@ class Observer(Protocol):
 
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         """Pylon answered with its own problem; the engine never saw the request."""
+        ...
+
+    def queue_admission(self, record: RequestRecord, decision: QueueDecision) -> None:
+        """Queue admission decided on a request that carried `x-stargate-expected-queue-ms`
+        (`decision.result`: accepted, rejected, unknown_estimate or disabled), before any
+        engine saw it. A rejection is then also reported as `rejected`."""
         ...
 
     def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None: ...
@@ -147,6 +154,20 @@ class LogObserver:
             code=error.code.value,
             detail=error.detail,
             duration_ms=record.duration_ms(),
+        )
+
+    def queue_admission(self, record: RequestRecord, decision: QueueDecision) -> None:
+        if not self._log.is_enabled_for(logging.DEBUG):
+            return  # one line per decision only when asked for; rejections log as rejected
+        self._log.debug(
+            "queue_admission",
+            request_id=record.request_id,
+            model=decision.model,
+            result=decision.result.value,
+            level=decision.level,
+            expected_ms=decision.expected_ms,
+            estimate_ms=decision.estimate_ms,
+            threshold_ms=decision.threshold_ms,
         )
 
     def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:

@@ -129,6 +129,11 @@ _QUIC_TUNING = (
     "quic_retry",
 )
 _RETRY_TUNING = ("require_upstream_retry_header", "upstream_retry_header", "propagate_retry_after")
+_QUEUE_TUNING = (
+    "queue_admission_min_delta_ms",
+    "queue_admission_factor",
+    "queue_admission_retry_after_ms",
+)
 
 
 def config_warnings(settings: Settings) -> list[StartupWarning]:
@@ -172,6 +177,9 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
     if not settings.retryable_status_codes:
         for name in _RETRY_TUNING:
             ignored(name, "--retryable-status-codes is empty: no engine status is retryable")
+    if not settings.queue_admission:
+        for name in _QUEUE_TUNING:
+            ignored(name, "--no-queue-admission: no request is refused for its queue estimate")
     return warnings
 
 

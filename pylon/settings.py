@@ -31,6 +31,7 @@ from pydantic_settings import (
 
 from pylon.adapters import ADAPTERS, AdapterOptions
 from pylon.adapters.base import I32_MAX
+from pylon.core.queue import QueuePolicy
 from pylon.core.retry import RetryPolicy
 
 MiB = 1024 * 1024
@@ -41,6 +42,7 @@ ENV_PREFIX = "PYLON_"
 # The topics of `pylon serve --help` and of docs/operations.md, in the order they are shown.
 LISTENERS = "Listeners"
 ENGINE = "Engine"
+QUEUE = "Queue admission"
 LIMITS = "Limits"
 TIMEOUTS = "Timeouts"
 TLS_AUTH = "TLS and auth"
@@ -49,7 +51,19 @@ QUIC = "HTTP/3 / QUIC"
 FLOODS = "Flood guards"
 LOGGING = "Logging"
 TRACING = "Tracing"
-GROUPS = (LISTENERS, ENGINE, LIMITS, TIMEOUTS, TLS_AUTH, HTTP2, QUIC, FLOODS, LOGGING, TRACING)
+GROUPS = (
+    LISTENERS,
+    ENGINE,
+    QUEUE,
+    LIMITS,
+    TIMEOUTS,
+    TLS_AUTH,
+    HTTP2,
+    QUIC,
+    FLOODS,
+    LOGGING,
+    TRACING,
+)
 # The OpenTelemetry standard variables pylon reads, each for one setting. They rank below the
 # setting's own PYLON_* variable and above the config file (see `settings_customise_sources`).
 STANDARD_OTEL_ENV = {
@@ -222,6 +236,43 @@ class Settings(BaseSettings):
         False,
         description="mark engine connect failures retryable",
         json_schema_extra=group(ENGINE),
+    )
+    # --- queue admission ---
+    queue_admission: bool = Field(
+        True,
+        description="kill switch for queue admission: answer 429 queue_estimate_mismatch "
+        "(retryable) before the engine sees a request whose local queue estimate is above "
+        "what the gateway expected (x-stargate-expected-queue-ms)",
+        json_schema_extra=group(QUEUE),
+    )
+    queue_admission_min_delta_ms: int = Field(
+        25,
+        ge=0,
+        description="additive tolerance: a request is refused only when the local estimate "
+        "exceeds max(expected + this, ceil(expected * --queue-admission-factor))",
+        json_schema_extra=group(QUEUE, "MS"),
+    )
+    queue_admission_factor: float = Field(
+        1.25,
+        ge=1,
+        allow_inf_nan=False,
+        description="multiplicative tolerance over the gateway's expected queue time (>= 1)",
+        json_schema_extra=group(QUEUE, "FACTOR"),
+    )
+    queue_admission_retry_after_ms: int | None = Field(
+        None,
+        ge=0,
+        description="x-stargate-retry-after-ms sent with a queue_estimate_mismatch 429; "
+        "unset = none (retry elsewhere at once)",
+        json_schema_extra=group(QUEUE, "MS"),
+    )
+    initial_input_tps: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="input tokens per second assumed for every model until pylon has measured "
+        "its own (5 prefill samples); unset = unknown until then, and unknown admits",
+        json_schema_extra=group(QUEUE, "TOKENS/S"),
     )
     shutdown_grace: float = Field(
         30.0,
@@ -498,6 +549,15 @@ class Settings(BaseSettings):
     @property
     def adapter_options(self) -> AdapterOptions:
         return AdapterOptions(self.priority_ceiling, self.sglang_low_priority_first)
+
+    @property
+    def queue_policy(self) -> QueuePolicy:
+        return QueuePolicy(
+            enabled=self.queue_admission,
+            min_delta_ms=self.queue_admission_min_delta_ms,
+            factor=self.queue_admission_factor,
+            retry_after_ms=self.queue_admission_retry_after_ms,
+        )
 
     @property
     def retry_policy(self) -> RetryPolicy:

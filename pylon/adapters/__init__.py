@@ -32,6 +32,9 @@ class _DisabledAdapter:
     def derive(self, rank: int | None) -> PriorityWrite:
         return NO_WRITE
 
+    def queue_level(self, rank: int | None) -> int:
+        return 0  # the engine is told no priority: arrival order for everyone
+
 
 _: type[PriorityAdapter] = _DisabledAdapter
 

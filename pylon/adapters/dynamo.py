@@ -28,7 +28,14 @@ class DynamoAdapter:
     def derive(self, rank: int | None) -> PriorityWrite:
         if rank is None:
             return self._unconfigured
-        return self._write(max(0, self._ceiling - clamp_rank(rank, self._ceiling)))
+        return self._write(self._value(rank))
+
+    def queue_level(self, rank: int | None) -> int:
+        # Dynamo serves higher values first: invert, so that a lower level runs first.
+        return self._ceiling - (0 if rank is None else self._value(rank))
+
+    def _value(self, rank: int) -> int:
+        return max(0, self._ceiling - clamp_rank(rank, self._ceiling))
 
     @staticmethod
     def _write(value: int) -> PriorityWrite:

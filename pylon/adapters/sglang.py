@@ -20,11 +20,17 @@ class SglangAdapter:
         self._low_first = options.sglang_low_priority_first
 
     def derive(self, rank: int | None) -> PriorityWrite:
+        return PriorityWrite(body_priority=self._value(rank))
+
+    def queue_level(self, rank: int | None) -> int:
+        value = self._value(rank)
+        # Low-first: the value is the order. Otherwise higher values run first: invert.
+        return value if self._low_first else self._ceiling - value
+
+    def _value(self, rank: int | None) -> int:
         if self._low_first:
-            value = self._ceiling if rank is None else clamp_rank(rank, self._ceiling)
-        else:
-            value = 0 if rank is None else self._ceiling - clamp_rank(rank, self._ceiling)
-        return PriorityWrite(body_priority=value)
+            return self._ceiling if rank is None else clamp_rank(rank, self._ceiling)
+        return 0 if rank is None else self._ceiling - clamp_rank(rank, self._ceiling)
 
 
 _: type[PriorityAdapter] = SglangAdapter

@@ -18,8 +18,11 @@ class VllmAdapter:
         self._ceiling = options.ceiling
 
     def derive(self, rank: int | None) -> PriorityWrite:
-        value = self._ceiling if rank is None else clamp_rank(rank, self._ceiling)
-        return PriorityWrite(body_priority=value)
+        return PriorityWrite(body_priority=self.queue_level(rank))
+
+    def queue_level(self, rank: int | None) -> int:
+        # vLLM serves lower values first: the body value is the order itself.
+        return self._ceiling if rank is None else clamp_rank(rank, self._ceiling)
 
 
 _: type[PriorityAdapter] = VllmAdapter

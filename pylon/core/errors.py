@@ -5,7 +5,9 @@
     │   ├── ContractError    a tunnel header is missing or malformed
     │   ├── BodyError        the body is not what the route needs
     │   └── LimitError       a size limit was exceeded
-    └── UpstreamError        the engine could not be used (5xx)
+    ├── UpstreamError        the engine could not be used (5xx)
+    └── QueueMismatchError   the engine's queue is clearly longer than the gateway expected
+                             (429, retryable; `pylon.core.queue`); nothing reached the engine
 
 Every error carries an `ErrorCode`; `ErrorCode.status` is the single place that turns a code into
 an HTTP status, and `problem_body` the single place that renders the body: RFC 9457 members
@@ -45,6 +47,7 @@ class ErrorCode(StrEnum):
     UPSTREAM_BUSY = "upstream_busy"
     NO_WORKER = "no_worker"
     BODY_BUDGET_EXCEEDED = "body_budget_exceeded"
+    QUEUE_ESTIMATE_MISMATCH = "queue_estimate_mismatch"
 
     @property
     def status(self) -> int:
@@ -78,6 +81,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.BODY_TOO_LARGE: 413,
     ErrorCode.HEADERS_TOO_LARGE: 431,
+    ErrorCode.QUEUE_ESTIMATE_MISMATCH: 429,
     ErrorCode.UPSTREAM_PROTOCOL_ERROR: 502,
     ErrorCode.UPSTREAM_UNAVAILABLE: 503,
     ErrorCode.SHUTTING_DOWN: 503,
@@ -105,6 +109,7 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.REQUEST_TIMEOUT: "Request timeout",
     ErrorCode.BODY_TOO_LARGE: "Request body too large",
     ErrorCode.HEADERS_TOO_LARGE: "Request header fields too large",
+    ErrorCode.QUEUE_ESTIMATE_MISMATCH: "Queue estimate mismatch",
     ErrorCode.UPSTREAM_PROTOCOL_ERROR: "Bad response from the engine",
     ErrorCode.UPSTREAM_UNAVAILABLE: "Engine unavailable",
     ErrorCode.SHUTTING_DOWN: "Shutting down",
@@ -122,6 +127,7 @@ _RETRYABLE = frozenset(
         ErrorCode.UPSTREAM_BUSY,
         ErrorCode.NO_WORKER,
         ErrorCode.BODY_BUDGET_EXCEEDED,
+        ErrorCode.QUEUE_ESTIMATE_MISMATCH,
     }
 )
 
@@ -133,6 +139,8 @@ class PylonError(Exception):
     """Base of every error pylon answers with its own problem response."""
 
     code: ClassVar[ErrorCode] = ErrorCode.MALFORMED_REQUEST
+    # `x-stargate-retry-after-ms` on the problem response, where pylon has a hint to give.
+    retry_after_ms: int | None = None
 
     def __init__(
         self, detail: str, *, code: ErrorCode | None = None, request_id: str | None = None
@@ -146,6 +154,10 @@ class PylonError(Exception):
     @property
     def status(self) -> int:
         return self.code.status
+
+    def extensions(self) -> dict[str, object] | None:
+        """Extra problem members for machines (RFC 9457 extension members); None: none."""
+        return None
 
 
 class ClientError(PylonError):
@@ -168,10 +180,42 @@ class UpstreamError(PylonError):
     code = ErrorCode.UPSTREAM_UNAVAILABLE
 
 
+class QueueMismatchError(PylonError):
+    """The local queue estimate for the request is clearly above what the gateway expected; the
+    gateway may retry it on another node. The problem carries the three figures."""
+
+    code = ErrorCode.QUEUE_ESTIMATE_MISMATCH
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        expected_queue_ms: int,
+        actual_queue_ms: int,
+        threshold_ms: int,
+        retry_after_ms: int | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(detail, request_id=request_id)
+        self.expected_queue_ms = expected_queue_ms
+        self.actual_queue_ms = actual_queue_ms
+        self.threshold_ms = threshold_ms
+        self.retry_after_ms = retry_after_ms
+
+    def extensions(self) -> dict[str, object]:
+        return {
+            "expected_queue_ms": self.expected_queue_ms,
+            "actual_queue_ms": self.actual_queue_ms,
+            "threshold_ms": self.threshold_ms,
+        }
+
+
 def openai_error_type(status: int) -> str:
     """The OpenAI API's error `type` for a status, so OpenAI SDKs classify pylon's errors."""
     if status == 503:
         return "service_unavailable"
+    if status == 429:
+        return "rate_limit_error"
     if status >= 500:
         return "server_error"
     return "invalid_request_error"
@@ -202,5 +246,8 @@ def problem_body(error: PylonError, request_id: str | None) -> bytes:
     }
     if request_id is not None:
         problem["request_id"] = request_id
+    extensions = error.extensions()
+    if extensions is not None:
+        problem.update(extensions)
     problem["error"] = openai_error(error, request_id)
     return orjson.dumps(problem)

@@ -1,8 +1,9 @@
 """The transport-neutral forwarding core: plan, book a worker, send, relay, release.
 
 Every transport hands an admitted request and its body to `Proxy.handle` with a `ResponseSink`;
-everything after that (strip, adapt, route, forward, relay, timeouts, retry marking, observation)
-happens here, once, for all of them. The parts are injected: the planner (contract -> plan), the
+everything after that (strip, adapt, queue admission, route, forward, relay, timeouts, retry
+marking, observation) happens here, once, for all of them. The parts are injected: the planner
+(contract -> plan), the queue admission (plan -> entry in the live request table, or a 429), the
 router (plan -> booking), the upstream pool, the observer, the relay limits, and the tracer
 (None when tracing is off).
 """
@@ -15,6 +16,7 @@ import time
 from pylon.core.contract import HealthRequest, TunnelRequest
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.plan import ForwardPlan, Planner
+from pylon.core.queue import QueueAdmission, QueueEntry
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import sanitize_response_headers
 from pylon.observe import Observer, RequestRecord
@@ -50,9 +52,11 @@ class Proxy:
         observer: Observer,
         relay: RelayLimits,
         retry: RetryPolicy,
+        queue: QueueAdmission,
         tracer: ExchangeTracer | None = None,
     ) -> None:
         self._planner = planner
+        self._queue = queue
         self._router = router
         self._pool = pool
         self._observer = observer
@@ -84,45 +88,42 @@ class Proxy:
             self.reject(sink, error, record)
             return
         record.stripped = plan.stripped
+        entry: QueueEntry | None = None
+        if isinstance(request, TunnelRequest):
+            entry = self._queue.admit(request, len(plan.body), plan.stream_requested)
+            decision = entry.decision
+            if decision is not None:
+                self._observer.queue_admission(record, decision)
+                if decision.rejected:
+                    self.reject(sink, self._queue.refusal(decision, request.request_id), record)
+                    return
         try:
-            booking = self._router.book(plan)
-        except NoWorker as exc:
-            self.reject(sink, UpstreamError(str(exc), code=ErrorCode.NO_WORKER), record)
-            return
-        record.worker = booking.target.label
-        if self._tracer is not None and isinstance(request, TunnelRequest):
-            await self._traced(self._tracer, request, plan, booking, sink, record)
-            return
-        try:
-            await self._forward(plan.routed(booking.target, booking.headers), booking, sink, record)
+            try:
+                booking = self._router.book(plan)
+            except NoWorker as exc:
+                self.reject(sink, UpstreamError(str(exc), code=ErrorCode.NO_WORKER), record)
+                return
+            record.worker = booking.target.label
+            span: ExchangeSpan | None = None
+            try:
+                trace = None
+                if self._tracer is not None and isinstance(request, TunnelRequest):
+                    # The plan carries the span's trace context to the engine, not the client's.
+                    span = self._tracer.start(request, plan, record)
+                    trace = span.trace
+                routed = plan.routed(booking.target, booking.headers, trace)
+                await self._forward(routed, booking, entry, sink, record)
+            finally:
+                booking.release(record.outcome)  # whatever happened, the booking is freed
+                record.done_at = self._loop.time()
+                if entry is not None:
+                    entry.release(record.done_at)  # before `done`: observers see it gone
+                if span is not None:
+                    span.end(record)
+                self._observer.done(record)
         finally:
-            booking.release(record.outcome)
-            record.done_at = self._loop.time()
-            self._observer.done(record)
-
-    async def _traced(
-        self,
-        tracer: ExchangeTracer,
-        request: TunnelRequest,
-        plan: ForwardPlan,
-        booking: Booking,
-        sink: ResponseSink,
-        record: RequestRecord,
-    ) -> None:
-        """`handle`'s exchange inside a span: the plan carries the span's trace context to the
-        engine (not the client's), and the span ends with the exchange, on every exit path."""
-        span: ExchangeSpan | None = None
-        try:
-            span = tracer.start(request, plan, record)
-            await self._forward(
-                plan.routed(booking.target, booking.headers, span.trace), booking, sink, record
-            )
-        finally:
-            booking.release(record.outcome)  # whatever happened, the booking is freed
-            record.done_at = self._loop.time()
-            if span is not None:
-                span.end(record)
-            self._observer.done(record)
+            if entry is not None:
+                entry.release(self._loop.time())  # refused or cancelled before the exchange
 
     def reject(self, sink: ResponseSink, error: PylonError, record: RequestRecord) -> None:
         """Answer with pylon's own problem response; the engine never sees the request."""
@@ -137,7 +138,12 @@ class Proxy:
         self._observer.rejected(record, error)
 
     async def _forward(
-        self, plan: ForwardPlan, booking: Booking, sink: ResponseSink, record: RequestRecord
+        self,
+        plan: ForwardPlan,
+        booking: Booking,
+        entry: QueueEntry | None,
+        sink: ResponseSink,
+        record: RequestRecord,
     ) -> None:
         """Send the plan, wait for the response head, relay the response.
 
@@ -158,8 +164,10 @@ class Proxy:
                 except UpstreamConnectError as exc:
                     self._answer_connect_failure(sink, plan, exc, record)
                     return
-                record.dispatched_at = self._loop.time()
+                record.dispatched_at = now = self._loop.time()
                 if not fresh:
+                    if entry is not None:
+                        entry.dispatched(now)
                     self._observer.dispatched(record, plan)
                 watchdog.attach(exchange)
                 try:
@@ -171,7 +179,7 @@ class Proxy:
                     self._pool.finish(exchange)
                     exchange = None
                     fresh = True
-            await self._relay_response(plan, exchange, booking, sink, watchdog, record)
+            await self._relay_response(plan, exchange, booking, entry, sink, watchdog, record)
         except AlreadyAnswered as cut:
             record.outcome = cut.outcome
         except ClientStalled:
@@ -217,6 +225,7 @@ class Proxy:
         plan: ForwardPlan,
         exchange: Exchange,
         booking: Booking,
+        entry: QueueEntry | None,
         sink: ResponseSink,
         watchdog: Watchdog,
         record: RequestRecord,
@@ -231,6 +240,8 @@ class Proxy:
             self._observer.upstream_status(record, mark)
         record.first_byte_at = self._loop.time()
         if status == 200 and is_event_stream(exchange.headers):
+            if entry is not None:
+                entry.head()
             sink.start(200, headers, None)
             failure = await relay_sse(
                 exchange,
@@ -238,15 +249,21 @@ class Proxy:
                 watchdog,
                 self._relay,
                 plan.request_id,
-                lambda: self._first_output(booking, record),
+                lambda: self._first_output(booking, entry, record, True),
             )
             if failure is not None:
                 record.outcome = failure.code.value
                 self._observer.upstream_failed(record, failure, after_head=True)
         else:
-            self._first_output(booking, record)
+            # The head of a whole response: prefill (and generation) is over. It measures the
+            # input throughput only where it ends a prefill: a successful non-stream request.
+            self._first_output(booking, entry, record, status == 200 and not plan.stream_requested)
             await relay_raw(exchange, sink, headers, watchdog, self._relay)
 
-    def _first_output(self, booking: Booking, record: RequestRecord) -> None:
+    def _first_output(
+        self, booking: Booking, entry: QueueEntry | None, record: RequestRecord, sample: bool
+    ) -> None:
+        if entry is not None:
+            entry.first_output(self._loop.time(), sample)
         booking.first_output()
         self._observer.first_output(record)

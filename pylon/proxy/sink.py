@@ -51,7 +51,9 @@ def send_problem(sink: ResponseSink, error: PylonError, mark: RetryMark | None =
     body = problem_body(error, error.request_id)
     headers = list(PROBLEM_HEADERS)
     headers += echo_request_id(error.request_id)
-    headers += (mark or RetryMark(error.code.retryable, error.code.value)).headers()
+    if mark is None:
+        mark = RetryMark(error.code.retryable, error.code.value, error.retry_after_ms)
+    headers += mark.headers()
     sink.start(error.status, headers, len(body))
     sink.write(body)
     sink.end()

@@ -143,6 +143,33 @@ def test_monotonic_bounded_absent_least_urgent(
     assert urgency(ceiling, 0) >= urgency(ceiling, a)
 
 
+@pytest.mark.parametrize(("backend", "low_first"), sorted(POLARITY))
+@FAST
+@given(ceiling=ceilings, a=ranks, b=ranks)
+def test_queue_level_is_the_engine_order(
+    backend: str, low_first: bool, ceiling: int, a: int | None, b: int | None
+) -> None:
+    """Queue admission's level sorts requests exactly as the engine schedules the values pylon
+    writes for them: a lower level exactly when the engine serves it earlier."""
+    urgency = POLARITY[(backend, low_first)]
+    level = adapter(backend, ceiling, low_first=low_first).queue_level
+    assert 0 <= level(a) <= ceiling
+    assert level(None) == ceiling  # absent: the least urgent, as the engine sees it
+    assert (level(a) < level(b)) == (urgency(ceiling, a) > urgency(ceiling, b))
+    assert (level(a) == level(b)) == (urgency(ceiling, a) == urgency(ceiling, b))
+
+
+@pytest.mark.parametrize("backend", sorted(ADAPTERS))
+@FAST
+@given(ceiling=ceilings, rank=ranks)
+def test_queue_level_is_flat_when_no_priority_is_written(
+    backend: str, ceiling: int, rank: int | None
+) -> None:
+    """Told no priority, the engine serves in arrival order: one level for everybody."""
+    assert adapter(backend, ceiling, derive=False).queue_level(rank) == 0
+    assert adapter("passthrough", ceiling).queue_level(rank) == 0
+
+
 # --- worked examples (also in docs/api-contract.md) -------------------------------------------
 
 EXAMPLES = [  # rank, dynamo, vllm, sglang, sglang low-first; C = 3600

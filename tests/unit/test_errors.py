@@ -14,6 +14,7 @@ from pylon.core.errors import (
     ErrorCode,
     LimitError,
     PylonError,
+    QueueMismatchError,
     UpstreamError,
     problem_body,
 )
@@ -51,6 +52,7 @@ OPENAI_TYPES = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",
     431: "invalid_request_error",
     502: "server_error",
     503: "service_unavailable",
@@ -90,7 +92,14 @@ SERVER_SIDE = {
     "no_worker",
     "body_budget_exceeded",
 }
-RETRYABLE = {"shutting_down", "not_ready", "upstream_busy", "no_worker", "body_budget_exceeded"}
+RETRYABLE = {
+    "shutting_down",
+    "not_ready",
+    "upstream_busy",
+    "no_worker",
+    "body_budget_exceeded",
+    "queue_estimate_mismatch",  # 429: the engine never saw it; another node may be less busy
+}
 
 
 def test_client_codes_are_4xx_and_server_side_codes_5xx() -> None:
@@ -111,6 +120,11 @@ def test_only_answers_before_any_engine_are_retryable() -> None:
         (UpstreamError("x"), ErrorCode.UPSTREAM_UNAVAILABLE, 503),
         (UpstreamError("x", code=ErrorCode.UPSTREAM_TIMEOUT), ErrorCode.UPSTREAM_TIMEOUT, 504),
         (ContractError("x"), ErrorCode.MALFORMED_REQUEST, 400),
+        (
+            QueueMismatchError("x", expected_queue_ms=1, actual_queue_ms=2, threshold_ms=1),
+            ErrorCode.QUEUE_ESTIMATE_MISMATCH,
+            429,
+        ),
     ],
 )
 def test_class_defaults(error: PylonError, code: ErrorCode, status: int) -> None:

@@ -110,6 +110,10 @@ def test_settings_without_effect_are_named() -> None:
     assert events(settings(retryable_status_codes="", propagate_retry_after=False)) == [
         ("setting_ignored", "propagate_retry_after")
     ]
+    assert events(
+        settings(queue_admission=False, queue_admission_factor=2, initial_input_tps=100)
+    ) == [("setting_ignored", "queue_admission_factor")]
+    assert events(settings(queue_admission_min_delta_ms=0, queue_admission_factor=2)) == []
     # Defaults are never "ignored": only what the operator chose.
     assert events(settings(backend="passthrough")) == []
 
