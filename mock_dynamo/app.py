@@ -24,13 +24,30 @@ Test-control API (not recorded itself; errors are OpenAI-style JSON bodies):
 - `POST /test-control/reset`: forget records, counters and faults; restore the
   configured models and a healthy `/health`. Knobs survive.
 - `PUT /test-control/knobs`: partial update of `ttft_ms`, `token_delay_ms`,
-  `num_tokens`.
+  `num_tokens`, `prefill_tokens_per_s`.
 - `PUT /test-control/models` `{"models": [names]}`: the served models (what
   `/v1/models` and `/health` list; other names get 404). Empty list allowed.
 - `PUT /test-control/health` `{"status": 200|400-599, "delay_ms": 0}` (partial
   update): `/health` waits `delay_ms` then answers 200 with its usual payload or
   `status` with an error body (before faults are consulted).
 - `PUT /test-control/faults` [fault...] / `DELETE /test-control/faults`.
+- `GET /test-control/kv`: the engine model (see `mock_dynamo.engine`): `{"enabled": cache on,
+  "tokenizer": "hf:<dir>" | "words" | null}` plus, with a cache, `block_size`, `capacity`,
+  `blocks` (held now), `requests`, `hits` / `misses` (full prompt blocks found / not found in
+  the cache), `hit_rate` (hits / (hits + misses)), `prompt_tokens`, `cached_tokens`,
+  `token_hit_rate`, `stored`, `evicted`, `clears`, and `events`: null, or the KV-event socket's
+  `{"endpoint": "tcp://127.0.0.1:PORT", "encoding", "next_seq", "messages", "dropped",
+  "subscribers"}`. `?wait_subscribers=N&timeout=S` first long-polls until N subscriptions
+  reached that socket (408 after S seconds, default 5, at most 30; 400 without a socket): a
+  test's SUB (or a router's) is then sure to get every event sent afterwards.
+- `DELETE /test-control/kv`: empty the cache (one `AllBlocksCleared` event); counters stay.
+  `POST /test-control/reset` empties it too and zeroes its counters.
+
+A record's `kv` is the engine model's view of that generation request while the model is on
+(else null): `{"prompt_tokens", "cached_tokens" (null without a cache), "hit_blocks",
+"miss_blocks", "queue_s", "prefill_s"}`. Replies then carry
+`usage.prompt_tokens_details.cached_tokens` (`/v1/responses`:
+`usage.input_tokens_details.cached_tokens`) when there is a cache.
 
 Fault semantics (`PUT /test-control/faults`, first matching fault wins):
 - `path`/`model`: match filters. A fault without `path` only matches the four

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -387,3 +388,39 @@ async def test_cli_refuses_bad_engine_flags_in_one_line(
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mock-dynamo: error:")
     assert message in lines[0]
+
+
+NO_EXTRA = """
+import asyncio, sys
+for name in ("xxhash", "zmq", "jinja2", "tokenizers"):
+    sys.modules[name] = None  # as if the mock-kv extra were not installed
+from mock_dynamo.server import MockConfig, start_mock
+
+async def main():
+    server = await start_mock(MockConfig(prefill_tokens_per_s=1000))
+    await server.stop()
+    for config in (MockConfig(kv_cache_blocks=4), MockConfig(tokenizer=".")):
+        try:
+            await start_mock(config)
+        except ValueError as exc:
+            print(exc)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_mock_starts_without_the_extra_and_says_what_a_flag_needs() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        NO_EXTRA,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    assert lines == [
+        "--kv-cache-blocks needs the 'xxhash' package: pip install -e '.[mock-kv]'",
+        "--tokenizer needs the 'tokenizers' package: pip install -e '.[mock-kv]'",
+    ]
