@@ -2,5 +2,6 @@
 
 `http` (header vocabulary, wire safety), `head` (one request head for every transport), `intake`
 (one request's way in), `contract` (tunnel headers), `sanitize` and `plan` (what reaches the
-engine), `priority` (what an adapter may write), `retry`, `sse`, `errors` (one taxonomy), `flood`.
+engine), `priority` (what an adapter may write), `retry`, `sse`, `errors` (one taxonomy), `flood`,
+`kv_events` (engines' KV-cache events off ZMQ, decoded; sequence gaps).
 """
