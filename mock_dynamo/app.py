@@ -24,13 +24,30 @@ Test-control API (not recorded itself; errors are OpenAI-style JSON bodies):
 - `POST /test-control/reset`: forget records, counters and faults; restore the
   configured models and a healthy `/health`. Knobs survive.
 - `PUT /test-control/knobs`: partial update of `ttft_ms`, `token_delay_ms`,
-  `num_tokens`.
+  `num_tokens`, `prefill_tokens_per_s`.
 - `PUT /test-control/models` `{"models": [names]}`: the served models (what
   `/v1/models` and `/health` list; other names get 404). Empty list allowed.
 - `PUT /test-control/health` `{"status": 200|400-599, "delay_ms": 0}` (partial
   update): `/health` waits `delay_ms` then answers 200 with its usual payload or
   `status` with an error body (before faults are consulted).
 - `PUT /test-control/faults` [fault...] / `DELETE /test-control/faults`.
+- `GET /test-control/kv`: the engine model (see `mock_dynamo.engine`): `{"enabled": cache on,
+  "tokenizer": "hf:<dir>" | "words" | null}` plus, with a cache, `block_size`, `capacity`,
+  `blocks` (held now), `requests`, `hits` / `misses` (full prompt blocks found / not found in
+  the cache), `hit_rate` (hits / (hits + misses)), `prompt_tokens`, `cached_tokens`,
+  `token_hit_rate`, `stored`, `evicted`, `clears`, and `events`: null, or the KV-event socket's
+  `{"endpoint": "tcp://127.0.0.1:PORT", "encoding", "next_seq", "messages", "dropped",
+  "subscribers"}`. `?wait_subscribers=N&timeout=S` first long-polls until N subscriptions
+  reached that socket (408 after S seconds, default 5, at most 30; 400 without a socket): a
+  test's SUB (or a router's) is then sure to get every event sent afterwards.
+- `DELETE /test-control/kv`: empty the cache (one `AllBlocksCleared` event); counters stay.
+  `POST /test-control/reset` empties it too and zeroes its counters.
+
+A record's `kv` is the engine model's view of that generation request while the model is on
+(else null): `{"prompt_tokens", "cached_tokens" (null without a cache), "hit_blocks",
+"miss_blocks", "queue_s", "prefill_s"}`. Replies then carry
+`usage.prompt_tokens_details.cached_tokens` (`/v1/responses`:
+`usage.input_tokens_details.cached_tokens`) when there is a cache.
 
 Fault semantics (`PUT /test-control/faults`, first matching fault wins):
 - `path`/`model`: match filters. A fault without `path` only matches the four
@@ -97,6 +114,8 @@ class ChangeSignal:
 
 STATE_KEY = web.AppKey("mock_state", MockState)
 SIGNAL_KEY = web.AppKey("mock_signal", ChangeSignal)
+# Fired when the KV-event socket gains or loses a subscription.
+KV_SIGNAL_KEY = web.AppKey("mock_kv_signal", ChangeSignal)
 RECORD_KEY = web.RequestKey("mock_record", RequestRecord)
 BODY_KEY = web.RequestKey("mock_body", object)
 
@@ -370,20 +389,41 @@ def _int_field(body: dict[str, Any], *names: str) -> int | None:
     return None
 
 
-def make_plan(state: MockState, body: dict[str, Any], model: str) -> replies.ReplyPlan:
+def make_plan(
+    state: MockState, body: dict[str, Any], model: str, endpoint: str = "chat"
+) -> replies.ReplyPlan:
+    """The reply to a generation request; admits its prompt to the engine model (which may
+    store blocks and publish KV events). `endpoint`: "chat", "completions" or "responses"."""
     knobs = state.knobs
     limit = _int_field(body, "max_completion_tokens", "max_tokens", "max_output_tokens")
     n_tokens = knobs.num_tokens if limit is None else min(limit, knobs.num_tokens)
     prompt = [body.get(k) for k in ("messages", "prompt", "input", "instructions")]
     options = body.get("stream_options")
+    ttft_s = knobs.ttft_ms / 1000
+    engine = state.engine
+    prompt_plan = None
+    if engine.active(knobs.prefill_tokens_per_s):
+        prompt_plan = engine.plan(
+            endpoint,
+            body,
+            now=time.monotonic(),
+            prefill_tokens_per_s=knobs.prefill_tokens_per_s,
+            word_count=lambda: replies.count_words(prompt),
+        )
+        prompt_tokens = prompt_plan.prompt_tokens
+        ttft_s += prompt_plan.first_token_delay_s
+    else:
+        prompt_tokens = max(1, replies.count_words(prompt))
     return replies.ReplyPlan(
         model=model,
         n_tokens=n_tokens,
         finish_reason="length" if limit is not None and limit <= knobs.num_tokens else "stop",
-        prompt_tokens=max(1, replies.count_words(prompt)),
-        ttft_s=knobs.ttft_ms / 1000,
+        prompt_tokens=prompt_tokens,
+        ttft_s=ttft_s,
         token_delay_s=knobs.token_delay_ms / 1000,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        cached_tokens=None if prompt_plan is None else prompt_plan.cached_tokens,
+        prompt=prompt_plan,
     )
 
 
@@ -404,7 +444,7 @@ def _validate(request: web.Request) -> tuple[dict[str, Any], str] | web.Response
     return body, model
 
 
-def _generation_route(body_fn: BodyFn, stream_fn: StreamFn) -> Handler:
+def _generation_route(body_fn: BodyFn, stream_fn: StreamFn, endpoint: str) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         checked = _validate(request)
         if isinstance(checked, web.Response):
@@ -412,9 +452,11 @@ def _generation_route(body_fn: BodyFn, stream_fn: StreamFn) -> Handler:
         body, model = checked
         state = request.app[STATE_KEY]
         try:
-            plan = make_plan(state, body, model)
+            plan = make_plan(state, body, model, endpoint)
         except ValueError as exc:
             return error_response(400, str(exc))
+        if plan.prompt is not None:
+            request[RECORD_KEY].kv = plan.prompt.to_json()
         fault = state.faults.take(request.path, model, inference=True)
         if body.get("stream") is True:
             return await stream_reply(request, stream_fn(plan), fault)
@@ -597,9 +639,82 @@ def _wait_timeout(
 
 async def _wake_waiters_on_shutdown(app: web.Application) -> None:
     # Pending long polls answer 503 at once instead of holding up the shutdown.
-    signal = app[SIGNAL_KEY]
-    signal.closing = True
-    signal.fire()
+    for key in (SIGNAL_KEY, KV_SIGNAL_KEY):
+        signal = app[key]
+        signal.closing = True
+        signal.fire()
+
+
+def _kv_wait_params(request: web.Request) -> tuple[int, float]:
+    """(subscribers, timeout_s) of a `GET /test-control/kv` query, or ValueError."""
+    query = request.query
+    unknown = set(query) - {"wait_subscribers", "timeout"}
+    if unknown:
+        raise ValueError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
+    try:
+        wanted = int(query.get("wait_subscribers", "0"))
+        timeout = float(query.get("timeout", str(WAIT_DEFAULT_TIMEOUT_S)))
+    except ValueError:
+        raise ValueError("wait_subscribers must be an integer, timeout a number") from None
+    if wanted < 0:
+        raise ValueError("wait_subscribers must be >= 0")
+    if not (math.isfinite(timeout) and 0 <= timeout <= WAIT_MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be between 0 and {WAIT_MAX_TIMEOUT_S:g} seconds")
+    return wanted, timeout
+
+
+async def control_kv(request: web.Request) -> web.StreamResponse:
+    """The engine model's cache view; with `wait_subscribers=N`, first wait (up to `timeout`
+    seconds) until N subscriptions reached the KV-event socket."""
+    try:
+        wanted, timeout = _kv_wait_params(request)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    engine = request.app[STATE_KEY].engine
+    if wanted and engine.events is None:
+        return error_response(400, "wait_subscribers needs --kv-events-port")
+    signal = request.app[KV_SIGNAL_KEY]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while wanted:
+        changed = signal.next_change()
+        view = engine.view()
+        if view["events"]["subscribers"] >= wanted:
+            break
+        if signal.closing:
+            return error_response(503, "mock engine is shutting down")
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return error_response(408, f"{wanted} KV-event subscriber(s) not seen in {timeout:g} s")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), remaining)
+    return json_ok(engine.view())
+
+
+async def control_kv_clear(request: web.Request) -> web.StreamResponse:
+    engine = request.app[STATE_KEY].engine
+    engine.clear_cache()
+    return json_ok(engine.view())
+
+
+async def _start_kv_events(app: web.Application) -> None:
+    config = app[STATE_KEY].config
+    if config.kv_events_port is None:
+        return
+    from mock_dynamo.kv_publisher import KvEventPublisher  # only with --kv-events-port
+
+    publisher = KvEventPublisher(
+        config.kv_events_port, config.kv_events_encoding, app[KV_SIGNAL_KEY].fire
+    )
+    await publisher.start()
+    app[STATE_KEY].engine.events = publisher
+
+
+async def _stop_kv_events(app: web.Application) -> None:
+    engine = app[STATE_KEY].engine
+    publisher, engine.events = engine.events, None
+    if publisher is not None:
+        await publisher.close()
 
 
 def build_app(config: MockConfig) -> web.Application:
@@ -613,15 +728,20 @@ def build_app(config: MockConfig) -> web.Application:
     state.recorder.add_listener(signal.fire)
     app[STATE_KEY] = state
     app[SIGNAL_KEY] = signal
+    app[KV_SIGNAL_KEY] = ChangeSignal()
+    app.on_startup.append(_start_kv_events)
     app.on_shutdown.append(_wake_waiters_on_shutdown)
+    app.on_cleanup.append(_stop_kv_events)
     app.router.add_post(
-        "/v1/chat/completions", _generation_route(replies.chat_body, replies.chat_stream)
+        "/v1/chat/completions", _generation_route(replies.chat_body, replies.chat_stream, "chat")
     )
     app.router.add_post(
-        "/v1/completions", _generation_route(replies.completion_body, replies.completion_stream)
+        "/v1/completions",
+        _generation_route(replies.completion_body, replies.completion_stream, "completions"),
     )
     app.router.add_post(
-        "/v1/responses", _generation_route(replies.responses_body, replies.responses_stream)
+        "/v1/responses",
+        _generation_route(replies.responses_body, replies.responses_stream, "responses"),
     )
     app.router.add_post("/v1/embeddings", handle_embeddings)
     app.router.add_get("/v1/models", handle_models)
@@ -634,4 +754,6 @@ def build_app(config: MockConfig) -> web.Application:
     app.router.add_delete(f"{CONTROL_PREFIX}/faults", control_clear_faults)
     app.router.add_put(f"{CONTROL_PREFIX}/models", control_models)
     app.router.add_put(f"{CONTROL_PREFIX}/health", control_health)
+    app.router.add_get(f"{CONTROL_PREFIX}/kv", control_kv)
+    app.router.add_delete(f"{CONTROL_PREFIX}/kv", control_kv_clear)
     return app

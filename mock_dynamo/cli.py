@@ -24,6 +24,11 @@ class FlavorName(StrEnum):
     sglang = "sglang"
 
 
+class KvEncoding(StrEnum):
+    array = "array"
+    map = "map"
+
+
 class LogLevel(StrEnum):
     debug = "debug"
     info = "info"
@@ -43,6 +48,8 @@ def _configure_logging(level: LogLevel) -> None:
 async def _serve(config: MockConfig, host: str, port: int) -> None:
     server = await start_mock(config, host=host, port=port)
     print(f"{PROG} listening on {server.base_url}", flush=True)
+    if server.kv_events_endpoint is not None:
+        print(f"{PROG} kv events on {server.kv_events_endpoint}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -74,6 +81,38 @@ def serve(
     token_delay_ms: Annotated[float, typer.Option(min=0, help="Delay between tokens.")] = 0.0,
     num_tokens: Annotated[int, typer.Option(min=0, help="Tokens per reply.")] = 16,
     capacity: Annotated[int, typer.Option(min=1, help="Recorded requests kept.")] = 1000,
+    kv_block_size: Annotated[
+        int, typer.Option(min=1, max=1024, help="Prefix-cache block size, in tokens.")
+    ] = 16,
+    kv_cache_blocks: Annotated[
+        int, typer.Option(min=0, help="Prefix-cache capacity in blocks (LRU); 0: no cache.")
+    ] = 0,
+    prefill_tokens_per_s: Annotated[
+        float,
+        typer.Option(
+            min=0, help="Prefill speed: TTFT = ttft-ms + uncached prompt tokens / rate; 0: free."
+        ),
+    ] = 0.0,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="Local HF model dir (tokenizer.json, tokenizer_config.json): tokenize prompts "
+            "like the engine. Default: one token per word."
+        ),
+    ] = None,
+    kv_events_port: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=65535,
+            help="Publish KV events (vLLM ZMQ wire format) on 127.0.0.1:PORT; 0 picks one. "
+            "Needs --kv-cache-blocks.",
+        ),
+    ] = None,
+    kv_events_encoding: Annotated[
+        KvEncoding,
+        typer.Option(help="KV events as vLLM's positional arrays or as maps (SGLang, Dynamo)."),
+    ] = KvEncoding.array,
     log_level: Annotated[LogLevel, typer.Option(help="Log verbosity.")] = LogLevel.info,
 ) -> None:
     """Mock LLM engine that records what reached it."""
@@ -84,6 +123,12 @@ def serve(
         token_delay_ms=token_delay_ms,
         num_tokens=num_tokens,
         capacity=capacity,
+        kv_block_size=kv_block_size,
+        kv_cache_blocks=kv_cache_blocks,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        tokenizer=tokenizer,
+        kv_events_port=kv_events_port,
+        kv_events_encoding=kv_events_encoding.value,
     )
     _configure_logging(log_level)
     _run(config, host, port)

@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from mock_dynamo.engine import PromptPlan
+
 Event = tuple[float, bytes]
 DONE = b"data: [DONE]\n\n"
 
@@ -33,6 +35,10 @@ class ReplyPlan:
     ttft_s: float
     token_delay_s: float
     include_usage: bool
+    # Prompt tokens served from the prefix cache; None when the mock models no cache.
+    cached_tokens: int | None = None
+    # The engine model's view of the prompt (mock_dynamo.engine.PromptPlan), when it is on.
+    prompt: PromptPlan | None = None
 
     @property
     def total_delay_s(self) -> float:
@@ -45,12 +51,15 @@ class ReplyPlan:
     def text(self) -> str:
         return "".join(self.tokens())
 
-    def usage(self) -> dict[str, int]:
-        return {
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.n_tokens,
             "total_tokens": self.prompt_tokens + self.n_tokens,
         }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 def count_words(value: object) -> int:
@@ -174,11 +183,13 @@ def _response_object(plan: ReplyPlan, rid: str, msg_id: str, done: bool) -> dict
         "role": "assistant",
         "content": content,
     }
-    usage = {
+    usage: dict[str, Any] = {
         "input_tokens": plan.prompt_tokens,
         "output_tokens": plan.n_tokens,
         "total_tokens": plan.prompt_tokens + plan.n_tokens,
     }
+    if plan.cached_tokens is not None:
+        usage["input_tokens_details"] = {"cached_tokens": plan.cached_tokens}
     incomplete = plan.finish_reason == "length"
     return {
         "id": rid,

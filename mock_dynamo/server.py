@@ -36,6 +36,12 @@ class MockServer:
         return self._runner.app[STATE_KEY]
 
     @property
+    def kv_events_endpoint(self) -> str | None:
+        """`tcp://127.0.0.1:PORT` of the KV-event socket, None without one."""
+        events = self.state.engine.events
+        return None if events is None else events.view()["endpoint"]
+
+    @property
     def config(self) -> MockConfig:
         return self.state.config
 
@@ -69,7 +75,12 @@ async def start_mock(
         access_log=None,
         shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
     )
-    await runner.setup()
+    try:
+        # Runs the startup hooks: the KV-event socket binds here.
+        await runner.setup()
+    except BaseException:
+        await runner.cleanup()
+        raise
     site = web.TCPSite(runner, host, port)
     try:
         await site.start()

@@ -6,6 +6,7 @@ Kept free of aiohttp so the bookkeeping rules can be tested in isolation.
 from __future__ import annotations
 
 import base64
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mock_dynamo.config import MockConfig
+from mock_dynamo.engine import EngineModel
 
 # Status recorded when the client went away before response headers were sent
 # (nginx's convention; no real HTTP status exists for it).
@@ -42,6 +44,9 @@ class RequestRecord:
     raw_path: str = ""
     raw_body: bytes = b""
     http_version: str = "HTTP/1.1"
+    # What the engine model made of the prompt (mock_dynamo.engine.PromptPlan.to_json()), for
+    # generation requests while it is on; None otherwise.
+    kv: dict[str, Any] | None = None
 
     @property
     def query_string(self) -> str:
@@ -83,6 +88,7 @@ class RequestRecord:
             "body_b64": base64.b64encode(self.raw_body).decode("ascii"),
             "body_bytes": len(self.raw_body),
             "http_version": self.http_version,
+            "kv": self.kv,
         }
 
 
@@ -186,21 +192,28 @@ def _is_number(value: object) -> bool:
     return _is_int(value) or isinstance(value, float)
 
 
+_KNOBS = ("ttft_ms", "token_delay_ms", "num_tokens", "prefill_tokens_per_s")
+
+
 @dataclass(slots=True)
 class Knobs:
     ttft_ms: float
     token_delay_ms: float
     num_tokens: int
+    # Uncached prompt tokens prefilled per second (see mock_dynamo.engine); 0: prefill is free.
+    prefill_tokens_per_s: float = 0.0
 
     def update(self, patch: object) -> None:
         """Apply a partial update atomically: validate everything first."""
         if not isinstance(patch, dict):
             raise ValueError("knobs must be a JSON object")
-        unknown = set(patch) - {"ttft_ms", "token_delay_ms", "num_tokens"}
+        unknown = set(patch) - set(_KNOBS)
         if unknown:
             raise ValueError(f"unknown knob(s): {', '.join(sorted(unknown))}")
-        for name in ("ttft_ms", "token_delay_ms"):
-            if name in patch and not (_is_number(patch[name]) and patch[name] >= 0):
+        for name in ("ttft_ms", "token_delay_ms", "prefill_tokens_per_s"):
+            if name in patch and not (
+                _is_number(patch[name]) and math.isfinite(patch[name]) and patch[name] >= 0
+            ):
                 raise ValueError(f"{name} must be a number >= 0")
         count = patch.get("num_tokens", 0)
         if not (_is_int(count) and count >= 0):
@@ -213,6 +226,7 @@ class Knobs:
             "ttft_ms": self.ttft_ms,
             "token_delay_ms": self.token_delay_ms,
             "num_tokens": self.num_tokens,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
         }
 
 
@@ -381,25 +395,34 @@ class MockState:
     health: Health = field(default_factory=Health)
     # Served models; starts as (and a reset restores) config.models.
     models: tuple[str, ...] = field(init=False)
+    engine: EngineModel = field(init=False)
 
     def __post_init__(self) -> None:
         self.models = self.config.models
+        self.engine = EngineModel(self.config)
 
     @classmethod
     def from_config(cls, config: MockConfig) -> MockState:
         return cls(
             config=config,
             recorder=Recorder(config.capacity),
-            knobs=Knobs(config.ttft_ms, config.token_delay_ms, config.num_tokens),
+            knobs=Knobs(
+                config.ttft_ms,
+                config.token_delay_ms,
+                config.num_tokens,
+                config.prefill_tokens_per_s,
+            ),
         )
 
     def reset(self) -> None:
         """Forget records and faults, restore the configured models and a healthy
-        `/health`; knobs deliberately survive a reset."""
+        `/health`, empty the prefix cache (AllBlocksCleared) and zero its counters; knobs
+        deliberately survive a reset."""
         self.recorder.reset()
         self.faults.clear()
         self.models = self.config.models
         self.health = Health()
+        self.engine.reset()
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -408,4 +431,5 @@ class MockState:
             "faults": self.faults.to_json(),
             "models": list(self.models),
             "health": self.health.to_json(),
+            "kv": self.engine.view(),
         }

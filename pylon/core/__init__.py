@@ -3,5 +3,6 @@
 `http` (header vocabulary, wire safety), `head` (one request head for every transport), `intake`
 (one request's way in), `contract` (tunnel headers), `sanitize` and `plan` (what reaches the
 engine), `priority` (what an adapter may write), `queue` (queue-mismatch admission: the live
-request table and its estimates), `retry`, `sse`, `errors` (one taxonomy), `flood`.
+request table and its estimates), `retry`, `sse`, `errors` (one taxonomy), `flood`, `kv_events`
+(engines' KV-cache events off ZMQ, decoded; sequence gaps).
 """

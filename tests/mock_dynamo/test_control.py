@@ -98,7 +98,12 @@ async def test_reset_clears_records_and_faults_not_knobs(client: httpx.AsyncClie
 
 async def test_knobs_partial_update_applies_at_run_time(client: httpx.AsyncClient) -> None:
     resp = await client.put("/test-control/knobs", json={"num_tokens": 3})
-    assert resp.json() == {"ttft_ms": 0.0, "token_delay_ms": 0.0, "num_tokens": 3}
+    assert resp.json() == {
+        "ttft_ms": 0.0,
+        "token_delay_ms": 0.0,
+        "num_tokens": 3,
+        "prefill_tokens_per_s": 0.0,
+    }
     body = (await client.post("/v1/chat/completions", json=CHAT)).json()
     assert body["usage"]["completion_tokens"] == 3
     await client.put("/test-control/knobs", json={"ttft_ms": 5, "token_delay_ms": 1.5})
@@ -106,6 +111,7 @@ async def test_knobs_partial_update_applies_at_run_time(client: httpx.AsyncClien
         "ttft_ms": 5,
         "token_delay_ms": 1.5,
         "num_tokens": 3,
+        "prefill_tokens_per_s": 0.0,
     }
 
 

@@ -22,7 +22,7 @@ LEGACY_KEYS = {
     "completed_at",
     "status",
 }
-NEW_KEYS = {"raw_path", "query_string", "body_b64", "body_bytes", "http_version"}
+NEW_KEYS = {"raw_path", "query_string", "body_b64", "body_bytes", "http_version", "kv"}
 
 
 def _raw_request(

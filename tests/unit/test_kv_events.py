@@ -1,0 +1,364 @@
+"""pylon.core.kv_events: the three-frame KV-event envelope, both event encodings, sequence gaps."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pylon.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeLimits,
+    KvEvent,
+    KvEventBatch,
+    KvEventDecodeError,
+    SequenceTracker,
+    decode_message,
+    decode_payload,
+    normalize_hash,
+)
+
+U64 = (1 << 64) - 1
+
+
+def _frames(seq: int, payload: object, topic: bytes = b"") -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), msgspec.msgpack.encode(payload)]
+
+
+# --- a test-only encoder: typed events back to the two wire encodings -------------------------
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _hash_out(value: int, signed: bool) -> int:
+    return _signed(value) if signed else value
+
+
+def _encode_array(event: KvEvent, signed: bool) -> list[Any]:
+    if isinstance(event, BlockStored):
+        out = [
+            "BlockStored",
+            [_hash_out(h, signed) for h in event.block_hashes],
+            None if event.parent_hash is None else _hash_out(event.parent_hash, signed),
+            None if event.token_ids is None else list(event.token_ids),
+            event.block_size,
+            None,  # lora_id (legacy)
+            event.medium,
+            event.lora_name,
+            None,  # extra_keys
+            None,  # block_mm_infos
+            event.group_idx,
+        ]
+    elif isinstance(event, BlockRemoved):
+        out = [
+            "BlockRemoved",
+            [_hash_out(h, signed) for h in event.block_hashes],
+            event.medium,
+            event.group_idx,
+        ]
+    else:
+        out = ["AllBlocksCleared"]
+    while len(out) > 1 and out[-1] is None:  # a positional event may end early
+        out.pop()
+    return out
+
+
+def _encode_map(event: KvEvent, signed: bool) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        out: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": [_hash_out(h, signed) for h in event.block_hashes],
+            "parent_block_hash": (
+                None if event.parent_hash is None else _hash_out(event.parent_hash, signed)
+            ),
+            "token_ids": None if event.token_ids is None else list(event.token_ids),
+            "block_size": event.block_size,
+            "medium": event.medium,
+            "lora_name": event.lora_name,
+            "cache_salt": event.cache_salt,
+            "group_idx": event.group_idx,
+            "locality": "LOCAL",  # a key this decoder does not read
+        }
+    elif isinstance(event, BlockRemoved):
+        out = {
+            "type": "BlockRemoved",
+            "block_hashes": [_hash_out(h, signed) for h in event.block_hashes],
+            "medium": event.medium,
+            "group_idx": event.group_idx,
+        }
+    else:
+        out = {"type": "AllBlocksCleared"}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def encode_batch(batch: KvEventBatch, encoding: str, signed: bool) -> list[bytes]:
+    encode = _encode_array if encoding == "array" else _encode_map
+    payload = [batch.ts, [encode(e, signed) for e in batch.events], batch.dp_rank]
+    return _frames(batch.seq, payload, batch.topic)
+
+
+hashes = st.integers(0, U64)
+names = st.none() | st.text(max_size=8)
+
+
+@st.composite
+def stored(draw: st.DrawFn, salted: bool) -> BlockStored:
+    return BlockStored(
+        block_hashes=tuple(draw(st.lists(hashes, max_size=6))),
+        parent_hash=draw(st.none() | hashes),
+        token_ids=draw(st.none() | st.lists(st.integers(0, (1 << 32) - 1), max_size=20).map(tuple)),
+        block_size=draw(st.none() | st.integers(1, 1024)),
+        medium=draw(names),
+        lora_name=draw(names),
+        cache_salt=draw(names) if salted else None,
+        group_idx=draw(st.none() | st.integers(0, 1000)),
+    )
+
+
+def events(salted: bool) -> st.SearchStrategy[KvEvent]:
+    removed = st.builds(
+        BlockRemoved,
+        block_hashes=st.lists(hashes, max_size=6).map(tuple),
+        medium=names,
+        group_idx=st.none() | st.integers(0, 1000),
+    )
+    return st.one_of(stored(salted), removed, st.just(AllBlocksCleared()))
+
+
+@st.composite
+def batches(draw: st.DrawFn, salted: bool) -> KvEventBatch:
+    return KvEventBatch(
+        seq=draw(st.integers(0, U64)),
+        ts=draw(st.floats(allow_nan=False)),
+        events=tuple(draw(st.lists(events(salted), max_size=5))),
+        dp_rank=draw(st.none() | st.integers(0, 64)),
+        topic=draw(st.binary(max_size=12)),
+    )
+
+
+@given(batch=batches(salted=False), signed=st.booleans())
+def test_round_trip_positional_arrays(batch: KvEventBatch, signed: bool) -> None:
+    assert decode_message(encode_batch(batch, "array", signed)) == batch
+
+
+@given(batch=batches(salted=True), signed=st.booleans())
+def test_round_trip_maps(batch: KvEventBatch, signed: bool) -> None:
+    assert decode_message(encode_batch(batch, "map", signed)) == batch
+
+
+@settings(max_examples=300)
+@given(frames=st.lists(st.binary(max_size=64), max_size=4))
+def test_arbitrary_bytes_raise_only_the_typed_error(frames: list[bytes]) -> None:
+    try:
+        decode_message(frames)
+    except KvEventDecodeError as exc:
+        assert exc.reason
+
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), U64)
+    | st.floats()
+    | st.text(max_size=6)
+    | st.binary(max_size=10)
+    | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type"]),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(
+            st.sampled_from(["type", "block_hashes", "token_ids", "x"]) | st.text(max_size=4),
+            inner,
+            max_size=5,
+        )
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300)
+@given(payload=msgpack_values, seq=st.binary(min_size=8, max_size=8))
+def test_arbitrary_msgpack_raises_only_the_typed_error(payload: object, seq: bytes) -> None:
+    frames = [b"", seq, msgspec.msgpack.encode(payload)]
+    try:
+        batch = decode_message(frames)
+    except KvEventDecodeError as exc:
+        assert exc.reason
+    else:
+        assert all(
+            0 <= h <= U64
+            for e in batch.events
+            if not isinstance(e, AllBlocksCleared)
+            for h in e.block_hashes
+        )
+
+
+@settings(max_examples=200)
+@given(
+    event=st.lists(msgpack_values, max_size=8).map(lambda rest: ["BlockStored", *rest])
+    | st.lists(msgpack_values, max_size=4).map(lambda rest: ["BlockRemoved", *rest]),
+)
+def test_arbitrary_event_fields_raise_only_the_typed_error(event: list[object]) -> None:
+    with_event = _frames(1, [0.0, [event], 0])
+    try:
+        decode_message(with_event)
+    except KvEventDecodeError as exc:
+        assert exc.reason
+
+
+# --- the encodings the engines send ---------------------------------------------------------
+
+
+def test_vllm_positional_event_as_in_the_dynamo_wire_readme() -> None:
+    stored_event = ["BlockStored", [11, 12], None, list(range(32)), 16, None, "GPU", None, None]
+    frames = _frames(
+        7, [1.5, [stored_event, ["BlockRemoved", [11], "GPU"], ["AllBlocksCleared"]], 0]
+    )
+    batch = decode_message(frames)
+    assert batch.seq == 7 and batch.ts == 1.5 and batch.dp_rank == 0 and batch.ignored == 0
+    assert batch.events == (
+        BlockStored((11, 12), None, tuple(range(32)), 16, medium="GPU"),
+        BlockRemoved((11,), medium="GPU"),
+        AllBlocksCleared(),
+    )
+
+
+def test_dynamo_mocker_map_events() -> None:
+    # The Dynamo 1.6.1 mocker's shape (dynamo-contract.md section 11): no medium, no LoRA.
+    big = (1 << 64) - 5
+    events_out = [
+        {
+            "type": "BlockStored",
+            "block_hashes": [big, 3],
+            "parent_block_hash": 9,
+            "token_ids": [1] * 32,
+            "block_size": 16,
+            "group_idx": 0,
+        },
+        {"type": "BlockRemoved", "block_hashes": [big], "group_idx": 0},
+    ]
+    batch = decode_message(_frames(0, [2.0, events_out, 0]))
+    assert batch.events == (
+        BlockStored((big, 3), 9, (1,) * 32, 16, group_idx=0),
+        BlockRemoved((big,), group_idx=0),
+    )
+
+
+def test_negative_i64_hashes_are_their_unsigned_twos_complement() -> None:
+    # Dynamo prints sequence hashes as i64: -7623552809318391097 is 10823191264391160519.
+    assert normalize_hash(-7623552809318391097) == 10823191264391160519
+    assert normalize_hash(-1) == U64
+    batch = decode_message(_frames(0, [0, [["BlockRemoved", [-1, -(1 << 63)]]], None]))
+    assert batch.events == (BlockRemoved((U64, 1 << 63)),)
+
+
+def test_bytes_digests_fold_to_vllms_integer_form() -> None:
+    digest = bytes(range(32))
+    assert normalize_hash(digest) == int.from_bytes(digest, "big") & U64
+    with pytest.raises(KvEventDecodeError):
+        normalize_hash(b"1234567")
+
+
+def test_payload_without_rank_and_unknown_tags() -> None:
+    batch = decode_payload(
+        msgspec.msgpack.encode([0.0, [["Future", 1], {"type": "Other"}, ["AllBlocksCleared"]]])
+    )
+    assert batch.dp_rank is None and batch.ignored == 2
+    assert batch.events == (AllBlocksCleared(),)
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"", b"\0" * 8], "frames"),
+        ([b"", b"\0" * 8, b"\x90", b""], "frames"),
+        ([b"", b"\0" * 4, msgspec.msgpack.encode([0, [], 0])], "seq"),
+        ([b"", b"\0" * 8, b"\xc1"], "msgpack"),
+        ([b"", b"\0" * 8, b"\x91" * 10_000 + b"\x90"], "msgpack"),  # nesting beyond the limit
+        (_frames(0, {"ts": 0}), "batch"),
+        (_frames(0, [0, [], 0, 1]), "batch"),
+        (_frames(0, ["now", [], 0]), "batch"),
+        (_frames(0, [0, [], -1]), "batch"),
+        (_frames(0, [0, {}, 0]), "batch"),
+        (_frames(0, [0, [7], 0]), "event"),
+        (_frames(0, [0, [[]], 0]), "event"),
+        (_frames(0, [0, [{"block_hashes": []}], 0]), "event"),
+        (_frames(0, [0, [["BlockStored", 5]], 0]), "field"),
+        (_frames(0, [0, [["BlockStored", [True]]], 0]), "hash"),
+        (_frames(0, [0, [["BlockStored", [1.5]]], 0]), "hash"),
+        (_frames(0, [0, [["BlockStored", [1], None, [-1]]], 0]), "field"),
+        (_frames(0, [0, [["BlockStored", [1], None, [1 << 32]]], 0]), "field"),
+        (_frames(0, [0, [["BlockStored", [1], None, [1], 0]], 0]), "field"),
+        (_frames(0, [0, [["BlockRemoved", [1], 5]], 0]), "field"),
+        (
+            _frames(0, [0, [{"type": "BlockRemoved", "block_hashes": [1], "group_idx": -1}], 0]),
+            "field",
+        ),
+    ],
+)
+def test_malformed_messages_raise_the_typed_error(frames: list[bytes], reason: str) -> None:
+    with pytest.raises(KvEventDecodeError) as info:
+        decode_message(frames)
+    assert info.value.reason == reason
+    assert isinstance(info.value, ValueError)
+
+
+def test_limits_bound_the_work_per_message() -> None:
+    limits = DecodeLimits(max_payload_bytes=64, max_events=2, max_hashes=3, max_token_ids=4)
+    with pytest.raises(KvEventDecodeError) as info:
+        decode_message(_frames(0, [0, [["AllBlocksCleared"]] * 3, 0]), limits)
+    assert info.value.reason == "limit"
+    with pytest.raises(KvEventDecodeError) as info:
+        decode_message(_frames(0, [0, [["BlockRemoved", [1, 2, 3, 4]]], 0]), limits)
+    assert info.value.reason == "limit"
+    with pytest.raises(KvEventDecodeError) as info:
+        decode_message(_frames(0, [0, [["BlockStored", [1], None, [1] * 5]], 0]), limits)
+    assert info.value.reason == "limit"
+    with pytest.raises(KvEventDecodeError) as info:
+        decode_message(_frames(0, [0, [], "x" * 100]), limits)
+    assert info.value.reason == "too_large"
+
+
+# --- sequence numbers -----------------------------------------------------------------------
+
+
+def test_sequence_tracker_reports_gaps_and_regressions() -> None:
+    tracker = SequenceTracker()
+    first = tracker.observe(5)
+    assert first.kind == "first" and not first.stale
+    assert tracker.observe(6).kind == "in_order"
+    gap = tracker.observe(9)
+    assert (gap.kind, gap.expected, gap.received, gap.missed, gap.stale) == ("gap", 7, 9, 2, True)
+    assert tracker.observe(10).kind == "in_order"
+    back = tracker.observe(0)  # the publisher restarted
+    assert back.kind == "regressed" and back.stale
+    assert tracker.observe(1).kind == "in_order"
+    assert (tracker.gaps, tracker.missed, tracker.regressions) == (1, 2, 1)
+    tracker.reset()
+    assert tracker.observe(100).kind == "first"
+
+
+def test_sequence_wraps_at_u64() -> None:
+    tracker = SequenceTracker()
+    tracker.observe(U64)
+    assert tracker.observe(0).kind == "in_order"
+
+
+@given(seqs=st.lists(st.integers(0, 1000), min_size=1, max_size=30))
+def test_sequence_tracker_counts_exactly_the_missing_numbers(seqs: list[int]) -> None:
+    tracker = SequenceTracker()
+    missed = 0
+    for prev, cur in itertools.pairwise(seqs):
+        if cur > prev + 1:
+            missed += cur - prev - 1
+    stale = [tracker.observe(s).stale for s in seqs]
+    assert tracker.missed == missed
+    assert stale[0] is False
+    assert stale[1:] == [cur != prev + 1 for prev, cur in itertools.pairwise(seqs)]
