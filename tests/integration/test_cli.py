@@ -120,9 +120,9 @@ def test_serve_with_no_upstream_runs_the_embedded_mock() -> None:
         assert proc.stderr is not None
         lines: list[dict[str, object]] = []
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not any(e["event"] == "listening" for e in lines):
+        while time.monotonic() < deadline and not any(e["event"] == "ready" for e in lines):
             line = proc.stderr.readline()
-            assert line, "pylon exited before listening"
+            assert line, "pylon exited before it was ready"
             lines.append(json.loads(line))
         events = {e["event"]: e for e in lines}
         assert "embedded_mock_started" in events, "the log must say the upstream is a mock"
@@ -402,7 +402,9 @@ def test_second_signal_during_the_drain_ends_it_at_once(slow_engine: str) -> Non
         "--listen", "127.0.0.1:0", "--upstream", slow_engine, "--shutdown-grace", "60"
     )
     try:
-        host, port = log_lines(proc, "listening")[-1]["address"].rsplit(":", 1)
+        lines = log_lines(proc, "ready")  # listening, then ready: the engine passed its gate
+        listening = next(line for line in lines if line["event"] == "listening")
+        host, port = listening["address"].rsplit(":", 1)
         body = json.dumps(
             {
                 "model": "mock-model",
