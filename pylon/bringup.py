@@ -119,7 +119,7 @@ class HealthGate:
                         self._target, path, timeout=budget, max_body=MAX_HEALTH_BODY
                     )
                 except FetchError as exc:
-                    result = f"{exc.reason} ({exc.detail})"
+                    result = exc.detail
                 else:
                     if 200 <= reply.status < 300:
                         self._observer.process_event(
@@ -144,8 +144,8 @@ class HealthGate:
         answers = "; ".join(f"{path}: {result}" for path, result in last.items())
         detail = (
             f"the engine at {self._target.label} answered none of its health paths with 2xx "
-            f"within --upstream-health-wait {self._wait:g} s ({rounds} rounds; last answers: "
-            f"{answers})"
+            f"within --upstream-health-wait {self._wait:g} s ({rounds} "
+            f"round{'s' if rounds != 1 else ''} of probes; last answers: {answers})"
         )
         self._observer.process_event(
             "engine_health_gate_failed", detail=detail, waited_s=waited, rounds=rounds, last=last
@@ -232,9 +232,7 @@ def report_change(observer: Observer, change: CatalogChange, source: str) -> Non
     for name, generation in change.retired:
         observer.process_event("model_retired", model=name, generation=generation, source=source)
     for name, generation in change.published:
-        observer.process_event(
-            "model_published", model=name, generation=generation, source=source
-        )
+        observer.process_event("model_published", model=name, generation=generation, source=source)
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,7 +138,7 @@ async def fetch(target: UpstreamTarget, path: str, *, timeout: float, max_body: 
                 )
             except OSError as exc:
                 why = exc.strerror or exc.__class__.__name__
-                raise FetchError("connect", f"cannot connect to {target.label}: {why}") from None
+                raise FetchError("connect", f"cannot connect: {why}") from None
             assert protocol.transport is not None
             protocol.transport.write(
                 b"GET %s%s HTTP/1.1\r\nhost: %s\r\nuser-agent: pylon\r\n"

@@ -457,3 +457,46 @@ def test_a_refusal_comes_before_any_log_line(files: dict[str, str]) -> None:
     """Files are checked before logging starts: even with a warning due, the refusal is alone."""
     result = run_pylon("serve", "--tunnel-token-file", files["missing"], env={"PYLON_LISTN": "x"})
     assert "--tunnel-token-file" in refusal(result)
+
+
+# --- engine bring-up --------------------------------------------------------------------------
+
+
+def test_repeatable_flags_collect_every_value() -> None:
+    config = effective("--model", "a", "--model", "llama 3", "--upstream-health-path", "/ready")
+    assert config["model"] == ["a", "llama 3"]
+    assert config["upstream_health_path"] == ["/ready"]
+    assert effective(env={"PYLON_MODEL": "x,y"})["model"] == ["x", "y"]
+
+
+def test_static_models_with_a_discovery_interval_are_refused() -> None:
+    line = refusal(run_pylon("serve", "--model", "m", "--model-discovery-interval", "1"))
+    assert "--model-discovery-interval needs discovery" in line
+
+
+def test_an_engine_that_never_gets_healthy_ends_pylon_with_the_reason() -> None:
+    """The gate runs out: exit status 1, and one error line says what each path answered."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    result = run_pylon(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        f"http://127.0.0.1:{port}",
+        "--upstream-health-wait",
+        "0.3",
+        "--upstream-health-interval",
+        "0.05",
+    )
+    assert result.returncode == 1, result.stderr
+    lines = [json.loads(line) for line in result.stderr.strip().splitlines()]
+    errors = [line for line in lines if line["level"] == "error"]
+    assert [line["event"] for line in errors] == ["engine_health_gate_failed"]
+    assert lines[-1] is errors[0]  # the last word
+    detail = errors[0]["detail"]
+    assert f"127.0.0.1:{port}" in detail and "--upstream-health-wait 0.3 s" in detail
+    assert "/health: cannot connect" in detail and "/v1/health/ready: cannot connect" in detail
+    assert "Traceback" not in result.stderr
+    assert "ready" not in {line["event"] for line in lines}

@@ -10,7 +10,6 @@ import pytest
 
 from tests.mock_dynamo.conftest import MakeMock, snapshot
 
-
 HEALTHY = {"status": 200, "delay_ms": 0, "ready_status": 404}
 
 
