@@ -87,10 +87,18 @@ SERVER_SIDE = {
     "upstream_busy",
     "shutting_down",
     "not_ready",
+    "model_generation_unavailable",
     "no_worker",
     "body_budget_exceeded",
 }
-RETRYABLE = {"shutting_down", "not_ready", "upstream_busy", "no_worker", "body_budget_exceeded"}
+RETRYABLE = {
+    "shutting_down",
+    "not_ready",
+    "model_generation_unavailable",
+    "upstream_busy",
+    "no_worker",
+    "body_budget_exceeded",
+}
 
 
 def test_client_codes_are_4xx_and_server_side_codes_5xx() -> None:
