@@ -3,7 +3,8 @@
 Test-control API (not recorded itself; errors are OpenAI-style JSON bodies):
 - `GET /test-control`: snapshot `{"requests": [record...], "last_by_endpoint_model":
   {"<path>|<model>": record}, "counters": {"total", "by_endpoint", "cancelled"},
-  "knobs", "faults", "models": [names], "health": {"status", "delay_ms"}}`. The
+  "knobs", "faults", "models": [names], "health": {"status", "delay_ms",
+  "ready_status"}}`. The
   newest `capacity` records are kept.
 - A record: `method`, `path` (percent-decoded), `model`, `headers` ([name, value]
   pairs exactly as on the wire), `body` (parsed JSON or null), `received_at`,
@@ -27,9 +28,13 @@ Test-control API (not recorded itself; errors are OpenAI-style JSON bodies):
   `num_tokens`, `prefill_tokens_per_s`.
 - `PUT /test-control/models` `{"models": [names]}`: the served models (what
   `/v1/models` and `/health` list; other names get 404). Empty list allowed.
-- `PUT /test-control/health` `{"status": 200|400-599, "delay_ms": 0}` (partial
-  update): `/health` waits `delay_ms` then answers 200 with its usual payload or
-  `status` with an error body (before faults are consulted).
+- `PUT /test-control/health` `{"status": 200|400-599, "delay_ms": 0,
+  "ready_status": 404}` (partial update): `/health` waits `delay_ms` then
+  answers 200 with its usual payload or `status` with an error body (before
+  faults are consulted). `/v1/health/ready` (the NIM-style readiness path a
+  proxy may probe; Dynamo does not serve it) waits `delay_ms` too, then answers
+  `ready_status`: 404 by default (not served), 200 `{"status": "ready"}`, or
+  that error status. A reset restores all three.
 - `PUT /test-control/faults` [fault...] / `DELETE /test-control/faults`.
 - `GET /test-control/kv`: the engine model (see `mock_dynamo.engine`): `{"enabled": cache on,
   "tokenizer": "hf:<dir>" | "words" | null}` plus, with a cache, `block_size`, `capacity`,
@@ -514,6 +519,18 @@ async def handle_health(request: web.Request) -> web.StreamResponse:
     return await json_reply(request, payload, fault)
 
 
+async def handle_health_ready(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    status, delay_ms = state.health.ready_status, state.health.delay_ms
+    if delay_ms > 0:
+        await asyncio.sleep(delay_ms / 1000)
+    if status == 404:
+        return error_response(404, "not served (set ready_status by PUT /test-control/health)")
+    if status != 200:
+        return error_response(status, "engine not ready (set by PUT /test-control/health)")
+    return json_ok({"status": "ready"})
+
+
 # --- test control -----------------------------------------------------------
 
 
@@ -746,6 +763,7 @@ def build_app(config: MockConfig) -> web.Application:
     app.router.add_post("/v1/embeddings", handle_embeddings)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
+    app.router.add_get("/v1/health/ready", handle_health_ready)
     app.router.add_get(CONTROL_PREFIX, control_snapshot)
     app.router.add_get(f"{CONTROL_PREFIX}/wait", control_wait)
     app.router.add_post(f"{CONTROL_PREFIX}/reset", control_reset)

@@ -361,21 +361,27 @@ MAX_HEALTH_DELAY_MS = 3_600_000
 @dataclass(slots=True)
 class Health:
     """What `/health` answers: 200 with the healthy payload, or `status` with an
-    error body; either after `delay_ms`."""
+    error body; either after `delay_ms`. `/v1/health/ready` (a NIM-style
+    readiness path, which Dynamo does not serve) answers `ready_status`: 404 by
+    default, 200 with `{"status": "ready"}`, or that error status."""
 
     status: int = 200
     delay_ms: float = 0
+    ready_status: int = 404
 
     def update(self, patch: object) -> None:
         """Apply a partial update atomically: validate everything first."""
         if not isinstance(patch, dict):
             raise ValueError("health must be a JSON object")
-        unknown = set(patch) - {"status", "delay_ms"}
+        unknown = set(patch) - {"status", "delay_ms", "ready_status"}
         if unknown:
             raise ValueError(f"unknown health field(s): {', '.join(sorted(unknown))}")
         status = patch.get("status", 200)
         if not (_is_int(status) and (status == 200 or 400 <= status <= 599)):
             raise ValueError("health.status must be 200 or an error status (400-599)")
+        ready = patch.get("ready_status", 404)
+        if not (_is_int(ready) and (ready == 200 or 400 <= ready <= 599)):
+            raise ValueError("health.ready_status must be 200 or an error status (400-599)")
         delay = patch.get("delay_ms", 0)
         if not (_is_number(delay) and 0 <= delay <= MAX_HEALTH_DELAY_MS):
             raise ValueError(f"health.delay_ms must be a number in [0, {MAX_HEALTH_DELAY_MS}]")
@@ -383,7 +389,7 @@ class Health:
             setattr(self, name, value)
 
     def to_json(self) -> dict[str, Any]:
-        return {"status": self.status, "delay_ms": self.delay_ms}
+        return {"status": self.status, "delay_ms": self.delay_ms, "ready_status": self.ready_status}
 
 
 @dataclass(slots=True)

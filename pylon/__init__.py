@@ -23,4 +23,7 @@ How a request flows (each layer only knows the one below it):
   Settings built once (a setting that cannot take effect refuses the start, one line, exit 2),
   files checked before any listener opens, parts built in one place, listeners started, drained
   on SIGTERM (a second signal ends the drain at once).
+- Bring-up (`pylon.bringup`, `pylon.models`, `pylon.upstream.probe`): with the listeners up, the
+  engine's health gate, then the published model set (static, or `/v1/models` polled, with a
+  generation per appearance); `Lifecycle.readiness()` says whether and why pylon is ready.
 """

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pylon.adapters import build_adapter
 from pylon.auth import TokenAuth
+from pylon.bringup import BringUp, EngineNotReady, bring_up
 from pylon.core.intake import IngressLimits
 from pylon.core.plan import Planner
 from pylon.core.queue import QueueAdmission, QueueTable
@@ -50,6 +51,8 @@ _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
 }
 EMBEDDED_MOCK_MODEL = "mock-model"
 DRAIN_REPORT_INTERVAL = 1.0  # seconds between `draining` lines
+EXIT_ENGINE_NOT_READY = 1  # the engine never passed its health gate
+READY_LINE_MODELS = 32  # model names the `ready` line lists (then only the count says more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +314,11 @@ class Running:
     tcp_server: asyncio.AbstractServer
     h3: Http3Server | None = None
     quic_address: str | None = None
+    # Bring-up (`pylon.bringup`): done when the engine passed its health gate and the first
+    # model set is in (raises `EngineNotReady` when the gate ran out). The task that runs it
+    # keeps running model discovery afterwards.
+    ready: asyncio.Future[BringUp] | None = None
+    engine: asyncio.Task[None] | None = None
 
     async def shutdown(self, grace: float) -> None:
         """Graceful stop: no new connections or requests, in-flight ones get `grace` s."""
@@ -331,16 +339,52 @@ async def _close_tracer(tracer: ExchangeTracer) -> None:
     await asyncio.to_thread(tracer.close)
 
 
+async def _engine(
+    settings: Settings, core: Core, upstream: str, ready: asyncio.Future[BringUp]
+) -> None:
+    """Bring the engine up (health gate, first models), settle `ready`, then keep discovering."""
+    try:
+        result = await bring_up(
+            settings, UpstreamTarget.from_url(upstream), core.lifecycle, core.observer
+        )
+    except asyncio.CancelledError:
+        ready.cancel()
+        raise
+    except Exception as exc:  # EngineNotReady, or a bug: whoever waits for `ready` decides
+        ready.set_exception(exc)
+        return
+    ready.set_result(result)
+    if core.lifecycle.ready:  # not when a drain started meanwhile
+        published = sorted(core.lifecycle.models.published)
+        core.observer.process_event(
+            "ready",
+            upstream=upstream,
+            health_path=result.health_path,
+            models=published[:READY_LINE_MODELS],
+            model_count=len(published),
+            model_source="discovery" if result.discovery is not None else "static",
+        )
+    if result.discovery is not None:
+        await result.discovery.run()
+
+
 @asynccontextmanager
 async def start(
     settings: Settings,
     observer: Observer | None = None,
     router: Router | None = None,
     span_exporter: SpanExporter | None = None,
+    *,
+    wait_ready: bool = True,
 ) -> AsyncIterator[Running]:
-    """Start every listener of `settings`; exiting the context closes everything at once.
+    """Start every listener of `settings`, then bring the engine up; exiting the context
+    closes everything at once.
 
-    `span_exporter`: see `build_core`."""
+    `span_exporter`: see `build_core`.
+    `wait_ready`: enter the context only once bring-up passed (raises `EngineNotReady` when the
+    engine never passed its health gate); False enters at once, with bring-up running (tunnel
+    requests get `503 not_ready` until `running.ready` is done).
+    """
     loop = asyncio.get_running_loop()
     observer = observer or LogObserver()
     check_files(settings)  # StartupError before anything starts
@@ -385,8 +429,6 @@ async def start(
         if settings.quic_listen is not None:
             assert identity is not None
             running.h3, running.quic_address = await _start_quic(settings, core, stack, identity)
-        # No engine health gate yet: ready as soon as the listeners are.
-        core.lifecycle.mark_ready()
         observer.process_event(
             "listening",
             address=address,
@@ -397,10 +439,21 @@ async def start(
         )
         for warning in insecure_listeners(settings):
             observer.process_event(warning.event, **warning.fields)
+        # Bring-up runs with the listeners up: requests that come meanwhile get `not_ready`.
+        running.ready = ready = loop.create_future()
+        running.engine = engine = asyncio.create_task(_engine(settings, core, upstream, ready))
+        stack.push_async_callback(_cancel, engine)
+        if wait_ready:
+            await asyncio.shield(ready)
         try:
             yield running
         finally:
             running.close_all()
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def serve(
@@ -434,11 +487,16 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
     try:
-        async with start(settings, observer) as running:
-            if on_quic_ready is not None and running.quic_address is not None:
-                on_quic_ready(running.quic_address)
-            if on_ready is not None:
-                on_ready(running.address)
+        async with start(settings, observer, wait_ready=False) as running:
+            assert running.ready is not None
+            if not await _ready_unless_stopped(running.ready, stop):
+                if not stop.is_set():  # the health gate ran out (logged): nothing was admitted
+                    return EXIT_ENGINE_NOT_READY
+            else:
+                if on_quic_ready is not None and running.quic_address is not None:
+                    on_quic_ready(running.quic_address)
+                if on_ready is not None:
+                    on_ready(running.address)
             await stop.wait()
             # Graceful stop: no new connections, no new requests (GOAWAY on HTTP/2 and HTTP/3,
             # idle HTTP/1.1 keep-alives closed), and requests in flight get the grace period.
@@ -458,6 +516,25 @@ async def serve(
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+
+async def _ready_unless_stopped(ready: asyncio.Future[BringUp], stop: asyncio.Event) -> bool:
+    """Wait for bring-up, or for `stop`; True when bring-up passed. A failure other than the
+    health gate running out is a bug and is raised."""
+    stopped = asyncio.ensure_future(stop.wait())
+    waiting: set[asyncio.Future[Any]] = {ready, stopped}
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not ready.done():
+        return False
+    failure = ready.exception()
+    if failure is None:
+        return True
+    if isinstance(failure, EngineNotReady):
+        return False
+    raise failure
 
 
 async def _drain_unless_forced(running: Running, grace: float, force: asyncio.Event) -> bool:

@@ -56,6 +56,11 @@ def _extra(field: FieldInfo) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
+def is_repeatable(name: str) -> bool:
+    """A list setting whose flag is given once per value (`--model a --model b`)."""
+    return bool(_extra(Settings.model_fields[name]).get("repeatable"))
+
+
 def field_group(name: str) -> str:
     """The topic a setting is listed under (in `--help` and docs/operations.md)."""
     return str(_extra(Settings.model_fields[name])["group"])
@@ -92,6 +97,8 @@ def help_text(name: str) -> str:
     allowed = choices(field)
     if allowed:
         parts.append(f"[choices: {', '.join(allowed)}]")
+    if is_repeatable(name):
+        parts.append("[repeatable; env var: comma-separated]")
     parts.append(f"[default: {default_text(field.default)}]")
     parts.append(f"[env var: {ENV_PREFIX}{name.upper()}]")
     # `[` starts rich markup in typer's help: escaped, so the brackets stay visible.
@@ -122,6 +129,9 @@ def _parameters() -> list[inspect.Parameter]:
             flag = _flag(name)
             option = typer.Option(f"{flag}/--no-{flag[2:]}", **shared)
             annotation: Any = Annotated[bool | None, option]
+        elif is_repeatable(name):
+            option = typer.Option(_flag(name), metavar=metavar(name), **shared)
+            annotation = Annotated[list[str] | None, option]
         else:
             option = typer.Option(_flag(name), metavar=metavar(name), **shared)
             annotation = Annotated[str | None, option]
@@ -149,7 +159,8 @@ def _parameters() -> list[inspect.Parameter]:
 
 def _build(kwargs: dict[str, Any]) -> Settings:
     config = kwargs.pop("config", None)
-    overrides = {key: value for key, value in kwargs.items() if value is not None}
+    # A repeatable flag not given arrives as an empty list: not given.
+    overrides = {key: value for key, value in kwargs.items() if value is not None and value != []}
     try:
         return load_settings(overrides, config)
     except SettingsError as exc:

@@ -1,8 +1,13 @@
-"""The process lifecycle: starting, ready, draining. One object per process.
+"""The process lifecycle: starting, ready, draining, and the models published. One per process.
 
-Listeners, admission (the `not_ready` and `shutting_down` 503s) and, later, `/ready` read it;
-nothing else keeps a drain flag of its own. Connections subscribe to be told when the drain starts
-(HTTP/2 and HTTP/3 send GOAWAY, idle HTTP/1.1 keep-alives close).
+Listeners, admission (the `not_ready`, `shutting_down` and `model_generation_unavailable` 503s)
+and `/ready` (`readiness`) read it; nothing else keeps a drain flag or a model set of its own.
+Connections subscribe to be told when the drain starts (HTTP/2 and HTTP/3 send GOAWAY, idle
+HTTP/1.1 keep-alives close).
+
+`STARTING` lasts until the engine passed its health gate (and, with discovery, the first poll
+ran: `pylon.bringup`); `mark_ready` then moves to `READY`. Whether pylon is *ready for traffic*
+also needs a published model: `readiness` says both, with the reason.
 """
 
 from __future__ import annotations
@@ -10,20 +15,42 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
+from pylon.models import ModelCatalog
+
 
 class Phase(enum.Enum):
     STARTING = "starting"  # listeners may be up; the engine is not known to be usable yet
-    READY = "ready"
+    READY = "ready"  # the engine passed its health gate
     DRAINING = "draining"  # SIGTERM: finish what is in flight, admit nothing new
 
 
-class Lifecycle:
-    __slots__ = ("_listeners", "phase")
+# `readiness` reasons (the JSON reason of `/ready`).
+DRAINING = "draining"
+ENGINE_NOT_READY = "engine_not_ready"
+NO_MODELS = "no_models"
+READY = "ready"
 
-    def __init__(self, phase: Phase = Phase.STARTING) -> None:
+
+class Lifecycle:
+    __slots__ = ("_listeners", "models", "phase")
+
+    def __init__(self, phase: Phase = Phase.STARTING, models: ModelCatalog | None = None) -> None:
         self.phase = phase
+        self.models = models if models is not None else ModelCatalog()
         # A dict as an ordered set: connections come and go, so removal must be O(1).
         self._listeners: dict[Callable[[], None], None] = {}
+
+    def readiness(self) -> tuple[bool, str]:
+        """May an orchestrator send traffic here? (ready, reason): `draining` as soon as the
+        drain starts, `engine_not_ready` before the health gate passed, `no_models` while no
+        model is published, else `ready`."""
+        if self.phase is Phase.DRAINING:
+            return False, DRAINING
+        if self.phase is Phase.STARTING:
+            return False, ENGINE_NOT_READY
+        if not self.models.published:
+            return False, NO_MODELS
+        return True, READY
 
     @property
     def draining(self) -> bool:

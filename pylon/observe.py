@@ -125,11 +125,22 @@ _WARNING_EVENTS = frozenset(
         "tracing_error",
     }
 )
+_ERROR_EVENTS = frozenset({"engine_health_gate_failed"})
 # The start and stop lines: written at info whatever --log-level says (see pylon.logs).
 LIFECYCLE_EVENTS = frozenset(
-    {"listening", "listening_quic", "embedded_mock_started", "stopping", "draining", "drained"}
+    {
+        "listening",
+        "listening_quic",
+        "embedded_mock_started",
+        "ready",
+        "stopping",
+        "draining",
+        "drained",
+    }
 )
-_DEBUG_EVENTS = frozenset({"h2_stream_reset_by_client", "stream_reset_by_client"})
+_DEBUG_EVENTS = frozenset(
+    {"h2_stream_reset_by_client", "stream_reset_by_client", "engine_health_probe"}
+)
 
 
 class LogObserver:
@@ -230,8 +241,17 @@ class LogObserver:
             self._log.info(kind, protocol=protocol, **fields)
 
     def process_event(self, kind: str, /, **fields: Any) -> None:
-        if kind in _WARNING_EVENTS:
+        if kind == "model_discovery_poll":  # every few seconds: only a failure is news
+            if fields.get("outcome") == "ok":
+                self._log.debug(kind, **fields)
+            else:
+                self._log.warning(kind, **fields)
+        elif kind in _WARNING_EVENTS:
             self._log.warning(kind, **fields)
+        elif kind in _ERROR_EVENTS:
+            self._log.error(kind, **fields)
+        elif kind in _DEBUG_EVENTS:
+            self._log.debug(kind, **fields)
         elif kind in LIFECYCLE_EVENTS:
             self._lifecycle_log.info(kind, **fields)
         else:

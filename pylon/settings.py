@@ -43,6 +43,7 @@ ENV_PREFIX = "PYLON_"
 LISTENERS = "Listeners"
 ENGINE = "Engine"
 QUEUE = "Queue admission"
+BRINGUP = "Engine bring-up and models"
 LIMITS = "Limits"
 TIMEOUTS = "Timeouts"
 TLS_AUTH = "TLS and auth"
@@ -54,6 +55,7 @@ TRACING = "Tracing"
 GROUPS = (
     LISTENERS,
     ENGINE,
+    BRINGUP,
     QUEUE,
     LIMITS,
     TIMEOUTS,
@@ -76,11 +78,17 @@ OTLP_PROTOCOL = "http/protobuf"
 OTLP_TRACES_PATH = "v1/traces"
 
 
-def group(topic: str, metavar: str | None = None) -> dict[str, Any]:
-    """A field's topic (and, when the type does not say it, what its value is: BYTES, ...)."""
+def group(topic: str, metavar: str | None = None, *, repeatable: bool = False) -> dict[str, Any]:
+    """A field's topic (and, when the type does not say it, what its value is: BYTES, ...).
+
+    `repeatable`: a list whose flag is given once per value (`--model a --model b`); its
+    environment variable and a plain string take the values comma-separated.
+    """
     extra: dict[str, Any] = {"group": topic}
     if metavar is not None:
         extra["metavar"] = metavar
+    if repeatable:
+        extra["repeatable"] = True
     return extra
 
 
@@ -135,6 +143,56 @@ class Settings(BaseSettings):
         False,
         description="SGLang runs --schedule-low-priority-values-first",
         json_schema_extra=group(ENGINE),
+    )
+    # --- engine bring-up and models ---
+    upstream_health_gate: bool = Field(
+        True,
+        description="take tunnel requests only once the engine answered a health path with 2xx "
+        "(requests before get 503 not_ready); --no-upstream-health-gate takes them at once",
+        json_schema_extra=group(BRINGUP),
+    )
+    upstream_health_path: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="engine health path probed first (repeatable), before /health and "
+        "/v1/health/ready",
+        json_schema_extra=group(BRINGUP, "PATH", repeatable=True),
+    )
+    upstream_health_wait: float = Field(
+        60.0,
+        ge=0,
+        description="seconds the engine has at start to answer a health path with 2xx; then "
+        "pylon exits with status 1 (0 = one round of probes)",
+        json_schema_extra=group(BRINGUP),
+    )
+    upstream_health_interval: float = Field(
+        0.5,
+        gt=0,
+        description="seconds between rounds of health probes at start",
+        json_schema_extra=group(BRINGUP),
+    )
+    upstream_health_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="seconds one health probe may take",
+        json_schema_extra=group(BRINGUP),
+    )
+    model: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="a model this pylon serves (repeatable): a static set, never polled; unset "
+        "= discover the models from the engine's /v1/models",
+        json_schema_extra=group(BRINGUP, "NAME", repeatable=True),
+    )
+    model_discovery_interval: float = Field(
+        5.0,
+        gt=0,
+        description="seconds between polls of the engine's /v1/models (without --model)",
+        json_schema_extra=group(BRINGUP),
+    )
+    model_discovery_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="seconds one /v1/models poll may take (without --model)",
+        json_schema_extra=group(BRINGUP),
     )
     max_body_bytes: int = Field(
         64 * MiB,
@@ -491,6 +549,63 @@ class Settings(BaseSettings):
             split_host_port(value)
         return value
 
+    @field_validator("upstream_health_path", "model", mode="before")
+    @classmethod
+    def _repeatable(cls, value: Any) -> Any:
+        """A comma-separated string (environment) or one value -> a list of stripped values."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            return [part.strip() if isinstance(part, str) else part for part in value]
+        return value
+
+    @field_validator("upstream_health_path")
+    @classmethod
+    def _valid_health_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for path in value:
+            if not path.startswith("/") or not _ORIGIN_FORM.fullmatch(path):
+                raise ValueError(
+                    f"not a request path: {path!r} (a path such as /healthz, visible ASCII)"
+                )
+        return tuple(dict.fromkeys(value))  # duplicates collapse, order kept
+
+    @field_validator("model")
+    @classmethod
+    def _valid_models(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not name:
+                raise ValueError("a model name may not be blank")
+            if len(name) > 256 or not _PRINTABLE.fullmatch(name):
+                raise ValueError(
+                    f"not a model name x-model can carry: {name!r} (1-256 printable ASCII)"
+                )
+        return tuple(dict.fromkeys(value))
+
+    @model_validator(mode="after")
+    def _bringup_takes_effect(self) -> Settings:
+        chosen = self.model_fields_set
+        if self.model:
+            for name in ("model_discovery_interval", "model_discovery_timeout"):
+                if name in chosen:
+                    flag = "--" + name.replace("_", "-")
+                    raise ValueError(
+                        f"{flag} needs discovery, and --model sets a static model set that is "
+                        "never polled: give one or the other"
+                    )
+        if not self.upstream_health_gate:
+            for name in (
+                "upstream_health_path",
+                "upstream_health_wait",
+                "upstream_health_interval",
+                "upstream_health_timeout",
+            ):
+                if name in chosen:
+                    flag = "--" + name.replace("_", "-")
+                    raise ValueError(
+                        f"{flag} has no effect with --no-upstream-health-gate (no health probes)"
+                    )
+        return self
+
     @model_validator(mode="after")
     def _body_budgets(self) -> Settings:
         # Otherwise a single request of the allowed size could never be buffered.
@@ -585,6 +700,8 @@ class Settings(BaseSettings):
 
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")
+_ORIGIN_FORM = re.compile(r"/[\x21\x22\x24-\x7e]*")  # a request target: visible ASCII, no #
+_PRINTABLE = re.compile(r"[\x20-\x7e]+")  # what `x-model` may carry
 
 # Set only by `load_settings`, for the duration of one construction.
 _FILE_VALUES: Mapping[str, Any] | None = None

@@ -217,6 +217,7 @@ def start_servers(group: ProcessGroup, workdir: Path) -> dict[str, tuple[int, in
         "--no-quic-retry",
         "--upstream", f"http://127.0.0.1:{up_port}",
         "--backend", "dynamo",
+        "--model", "mock-model",  # the canned upstream lists no models: a static set
         "--log-level", "warning",
     ]  # fmt: skip
     pylon = group.start(pylon_argv, workdir / "pylon.log")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pylon.cli import choices, default_text, field_group, metavar
+from pylon.cli import choices, default_text, field_group, is_repeatable, metavar
 from pylon.settings import GROUPS, Settings
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
@@ -26,6 +26,8 @@ def _type(name: str) -> str:
         return "one of " + ", ".join(f"`{value}`" for value in allowed)
     if field.annotation is bool:
         return "bool"
+    if is_repeatable(name):
+        return f"{metavar(name)}, repeatable"
     return metavar(name)
 
 

@@ -80,6 +80,7 @@ GOLDEN_B_T = "tests/unit/test_golden_body.py"
 # Added by this audit.
 QCA_T = "tests/transport/test_quic_client_auth.py"
 LIFE_T = "tests/transport/test_drain.py"
+BRINGUP_T = "tests/integration/test_bringup_and_models.py"
 RESP_T = "tests/integration/test_response_headers.py"
 
 
@@ -1005,7 +1006,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "content encoding",
         "a content-encoded body is admitted (the engine would read other bytes)",
-        never(ADMISSION, "encoding is not None"),
+        never(ADMISSION, "coding is not None"),
         per_transport(f"{SAME}::test_a_content_encoded_body_is_415"),
     ),
     # --- lifecycle ---
@@ -1014,10 +1015,28 @@ MUTATIONS: list[Mutation] = [
         "tunnel requests admitted while draining",
         edit(
             ADMISSION,
-            "        if self._lifecycle.phase is not Phase.READY:\n            raise _refusal(",
+            "        if lifecycle.phase is not Phase.READY:\n            raise _refusal(",
             "        if False:\n            raise _refusal(",
         ),
         {"http1": (f"{SEAMS_T}::test_a_request_arriving_during_the_drain_gets_a_retryable_503",)},
+    ),
+    Mutation(
+        "model gate",
+        "a request for a model pylon does not publish reaches the engine",
+        never(ADMISSION, "request.model not in lifecycle.models.published"),
+        per_transport(
+            f"{BRINGUP_T}::test_an_unpublished_model_is_503_and_never_reaches_the_engine"
+        ),
+    ),
+    Mutation(
+        "health gate",
+        "tunnel requests admitted before the engine passed its health gate",
+        never("pylon/bringup.py", "settings.upstream_health_gate"),
+        {
+            "core": (
+                f"{BRINGUP_T}::test_requests_during_the_gate_get_503_not_ready_on_every_transport",
+            )
+        },
     ),
     Mutation(
         "drain",

@@ -3,6 +3,14 @@
 
 Every stack listens on TCP (HTTP/1.1 and HTTP/2) and, unless `quic_listen=None` is passed, on
 QUIC (HTTP/3), so one fixture serves every transport test.
+
+Bring-up (`pylon.bringup`) runs as in production: the health gate probes the mock's `/health`,
+discovery polls its `/v1/models` once (then hourly, unless the test sets
+`model_discovery_interval`, so no poll lands in the middle of a test). By default the factory
+returns once pylon is ready and the mock's records of those probes are reset, so a test sees
+only its own requests; `wait_ready=False` returns at once (bring-up still running), and
+`engine_controls` (`{"health": {...}, "models": {...}, "faults": [...]}`) are PUT to the mock's
+`/test-control/<name>` before pylon starts (its records are then kept: they show the probes).
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ class Reply:
 
 
 PROTOCOLS = ("http1", "h2", "h3")
+# For an engine that serves neither a health path nor a model list (a scripted engine, a dead
+# port): no health gate, and the one model the tests ask for, published statically.
+NO_BRINGUP: dict[str, Any] = {"upstream_health_gate": False, "model": [MODEL]}
 
 
 @dataclass
@@ -206,6 +217,8 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             observer: Observer | None = None,
             router: Router | None = None,
             span_exporter: SpanExporter | None = None,
+            wait_ready: bool = True,
+            engine_controls: dict[str, Any] | None = None,
             **settings: Any,
         ) -> Stack:
             engine = await start_mock(
@@ -214,21 +227,28 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                 port=0,
             )
             exits.push_async_callback(engine.stop)
-            config = load_settings(
-                {
-                    "listen": "127.0.0.1:0",
-                    "quic_listen": "127.0.0.1:0",
-                    "upstream": engine.base_url,
-                    "backend": backend,
-                    "log_level": "warning",
-                    **{key: value for key, value in settings.items()},
-                }
-            )
-            running = await exits.enter_async_context(
-                start(config, observer, router, span_exporter)
-            )
             client = httpx.AsyncClient(timeout=10)
             exits.push_async_callback(client.aclose)
+            for name, value in (engine_controls or {}).items():
+                reply = await client.put(f"{engine.base_url}/test-control/{name}", json=value)
+                reply.raise_for_status()
+            defaults: dict[str, Any] = {
+                "listen": "127.0.0.1:0",
+                "quic_listen": "127.0.0.1:0",
+                "upstream": engine.base_url,
+                "backend": backend,
+                "log_level": "warning",
+            }
+            if "model" not in settings:
+                defaults["model_discovery_interval"] = 3600.0
+            config = load_settings({**defaults, **settings})
+            running = await exits.enter_async_context(
+                start(config, observer, router, span_exporter, wait_ready=wait_ready)
+            )
+            if wait_ready and engine_controls is None:
+                # The gate's and discovery's requests are pylon's, not the test's.
+                reply = await client.post(f"{engine.base_url}/test-control/reset")
+                reply.raise_for_status()
             return Stack(running, engine, client, config)
 
         yield factory

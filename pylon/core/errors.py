@@ -44,6 +44,7 @@ class ErrorCode(StrEnum):
     UPSTREAM_PROTOCOL_ERROR = "upstream_protocol_error"
     SHUTTING_DOWN = "shutting_down"
     NOT_READY = "not_ready"
+    MODEL_GENERATION_UNAVAILABLE = "model_generation_unavailable"
     UPSTREAM_BUSY = "upstream_busy"
     NO_WORKER = "no_worker"
     BODY_BUDGET_EXCEEDED = "body_budget_exceeded"
@@ -86,6 +87,7 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.UPSTREAM_UNAVAILABLE: 503,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.NOT_READY: 503,
+    ErrorCode.MODEL_GENERATION_UNAVAILABLE: 503,
     ErrorCode.UPSTREAM_BUSY: 503,
     ErrorCode.NO_WORKER: 503,
     ErrorCode.BODY_BUDGET_EXCEEDED: 503,
@@ -114,6 +116,7 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.UPSTREAM_UNAVAILABLE: "Engine unavailable",
     ErrorCode.SHUTTING_DOWN: "Shutting down",
     ErrorCode.NOT_READY: "Not ready",
+    ErrorCode.MODEL_GENERATION_UNAVAILABLE: "Model not published",
     ErrorCode.UPSTREAM_BUSY: "Engine connections busy",
     ErrorCode.NO_WORKER: "No engine worker available",
     ErrorCode.BODY_BUDGET_EXCEEDED: "Request body budget exceeded",
@@ -124,6 +127,7 @@ _RETRYABLE = frozenset(
     {
         ErrorCode.SHUTTING_DOWN,
         ErrorCode.NOT_READY,
+        ErrorCode.MODEL_GENERATION_UNAVAILABLE,
         ErrorCode.UPSTREAM_BUSY,
         ErrorCode.NO_WORKER,
         ErrorCode.BODY_BUDGET_EXCEEDED,

@@ -1,4 +1,5 @@
-"""Admission: is this head a request pylon takes? Contract, tunnel auth, then the lifecycle.
+"""Admission: is this head a request pylon takes? Contract, tunnel auth, the lifecycle, then
+the model (is `x-model` published? see `pylon.models`).
 
 Runs at headers time on every transport (through `RequestIntake`), before any body byte is read,
 so a bad, unauthenticated or untimely request is answered at once and no transport can forget a
@@ -32,8 +33,16 @@ class ProxyAdmission:
             error = unauthorized()
             error.request_id = request.request_id
             raise error
-        if self._lifecycle.phase is not Phase.READY:
-            raise _refusal(self._lifecycle.phase, request.request_id)
+        lifecycle = self._lifecycle
+        if lifecycle.phase is not Phase.READY:
+            raise _refusal(lifecycle.phase, request.request_id)
+        if request.model not in lifecycle.models.published:
+            raise UpstreamError(
+                f"model {request.model!r} is not published by this pylon: the engine does not "
+                "serve it now (not yet loaded, or retired)",
+                code=ErrorCode.MODEL_GENERATION_UNAVAILABLE,
+                request_id=request.request_id,
+            )
         # An encoded body is refused (415), not decoded: decoding inside pylon would add a
         # decompression-bomb surface and CPU for no gateway that needs it, and forwarding it
         # would let an engine that decodes it parse bytes the strip never saw.

@@ -246,7 +246,7 @@ class _Connection(asyncio.Protocol):
             return  # an interim response; the real one follows
         exchange.status = status
         self.keep_alive = self._parser.should_keep_alive()
-        self._until_close = _delimited_by_close(status, exchange.headers)
+        self._until_close = delimited_by_close(status, exchange.headers)
         exchange._head_complete()
         if exchange.is_head:
             # llhttp cannot be told the request was HEAD; the body it expects never comes.
@@ -301,7 +301,7 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
-def _delimited_by_close(status: int, headers: list[Header]) -> bool:
+def delimited_by_close(status: int, headers: list[Header]) -> bool:
     """RFC 9112 6.3: without Content-Length or chunked coding, the body runs to the close."""
     if status in (204, 304):
         return False

@@ -47,6 +47,9 @@ def pylon_spec(port: int, up_port: int, workdir: Path) -> ProxySpec:
         f"http://127.0.0.1:{up_port}",
         "--backend",
         "dynamo",
+        # The canned upstream answers every path alike and lists no models: a static set.
+        "--model",
+        "mock-model",
         # The access log on, as for nginx and Envoy: one `request_done` line per request
         # (PYLON_BENCH_LOG_LEVEL=warning measures pylon without it).
         "--log-level",

@@ -159,7 +159,10 @@ def gateway(dynamo_stack: object, tmp_path_factory: pytest.TempPathFactory) -> I
                 pytest.fail(f"{mode} exited with {popen.returncode} at start:\n{gw.log()[-4000:]}")
             try:
                 httpx.get(gw.url + "/health", timeout=2.0)
-                break  # any HTTP answer means it is serving
+                # Any HTTP answer means it is serving; pylon also brings the engine up first
+                # (health gate, model discovery) and says `ready` when it has.
+                if mode != "pylon" or '"event":"ready"' in gw.log():
+                    break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:

@@ -122,9 +122,9 @@ def test_serve_with_no_upstream_runs_the_embedded_mock() -> None:
         assert proc.stderr is not None
         lines: list[dict[str, object]] = []
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not any(e["event"] == "listening" for e in lines):
+        while time.monotonic() < deadline and not any(e["event"] == "ready" for e in lines):
             line = proc.stderr.readline()
-            assert line, "pylon exited before listening"
+            assert line, "pylon exited before it was ready"
             lines.append(json.loads(line))
         events = {e["event"]: e for e in lines}
         assert "embedded_mock_started" in events, "the log must say the upstream is a mock"
@@ -404,7 +404,9 @@ def test_second_signal_during_the_drain_ends_it_at_once(slow_engine: str) -> Non
         "--listen", "127.0.0.1:0", "--upstream", slow_engine, "--shutdown-grace", "60"
     )
     try:
-        host, port = log_lines(proc, "listening")[-1]["address"].rsplit(":", 1)
+        lines = log_lines(proc, "ready")  # listening, then ready: the engine passed its gate
+        listening = next(line for line in lines if line["event"] == "listening")
+        host, port = listening["address"].rsplit(":", 1)
         body = json.dumps(
             {
                 "model": "mock-model",
@@ -489,3 +491,46 @@ def test_tracing_without_the_otel_extra_refuses_to_start() -> None:
     )
     line = refusal(result)
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" in line and "pip install 'pylon[otel]'" in line
+
+
+# --- engine bring-up --------------------------------------------------------------------------
+
+
+def test_repeatable_flags_collect_every_value() -> None:
+    config = effective("--model", "a", "--model", "llama 3", "--upstream-health-path", "/ready")
+    assert config["model"] == ["a", "llama 3"]
+    assert config["upstream_health_path"] == ["/ready"]
+    assert effective(env={"PYLON_MODEL": "x,y"})["model"] == ["x", "y"]
+
+
+def test_static_models_with_a_discovery_interval_are_refused() -> None:
+    line = refusal(run_pylon("serve", "--model", "m", "--model-discovery-interval", "1"))
+    assert "--model-discovery-interval needs discovery" in line
+
+
+def test_an_engine_that_never_gets_healthy_ends_pylon_with_the_reason() -> None:
+    """The gate runs out: exit status 1, and one error line says what each path answered."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    result = run_pylon(
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        f"http://127.0.0.1:{port}",
+        "--upstream-health-wait",
+        "0.3",
+        "--upstream-health-interval",
+        "0.05",
+    )
+    assert result.returncode == 1, result.stderr
+    lines = [json.loads(line) for line in result.stderr.strip().splitlines()]
+    errors = [line for line in lines if line["level"] == "error"]
+    assert [line["event"] for line in errors] == ["engine_health_gate_failed"]
+    assert lines[-1] is errors[0]  # the last word
+    detail = errors[0]["detail"]
+    assert f"127.0.0.1:{port}" in detail and "--upstream-health-wait 0.3 s" in detail
+    assert "/health: cannot connect" in detail and "/v1/health/ready: cannot connect" in detail
+    assert "Traceback" not in result.stderr
+    assert "ready" not in {line["event"] for line in lines}

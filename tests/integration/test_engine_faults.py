@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.integration.conftest import read_request
-from tests.stack import MODEL, PROTOCOLS, Stack, StackFactory
+from tests.stack import MODEL, NO_BRINGUP, PROTOCOLS, Stack, StackFactory
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": MODEL, "messages": [], "max_tokens": 2}).encode()
@@ -71,7 +71,7 @@ async def stack_before(
 ) -> tuple[Stack, ScriptedEngine]:
     scripted = await engine(script)  # type: ignore[misc]
     assert isinstance(scripted, ScriptedEngine)
-    stack = await make_stack(upstream=f"http://127.0.0.1:{scripted.port}", **settings)
+    stack = await make_stack(upstream=f"http://127.0.0.1:{scripted.port}", **NO_BRINGUP, **settings)
     return stack, scripted
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.cancellation import assert_cancelled_promptly
 from tests.integration.conftest import MODEL, StackFactory, raw_exchange
+from tests.stack import NO_BRINGUP
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -159,14 +160,17 @@ async def test_engine_down_is_503_with_retry_marking(make_stack: StackFactory) -
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]
-    stack = await make_stack("dynamo", upstream=f"http://127.0.0.1:{dead_port}")
+    stack = await make_stack("dynamo", upstream=f"http://127.0.0.1:{dead_port}", **NO_BRINGUP)
     reply = await stack.post(CHAT, BODY)
     assert reply.status_code == 503
     assert reply.headers["x-stargate-retryable"] == "false"
     assert reply.headers["x-stargate-retry-reason"] == "local_connect_failure"
     problem(503, reply.content, "upstream_unavailable")
     stack = await make_stack(
-        "dynamo", upstream=f"http://127.0.0.1:{dead_port}", local_connect_failures_retryable=True
+        "dynamo",
+        upstream=f"http://127.0.0.1:{dead_port}",
+        local_connect_failures_retryable=True,
+        **NO_BRINGUP,
     )
     assert (await stack.post(CHAT, BODY)).headers["x-stargate-retryable"] == "true"
 
@@ -378,7 +382,7 @@ async def test_stream_that_ends_without_output_is_an_error(make_stack: StackFact
     server = await asyncio.start_server(engine, "127.0.0.1", 0)
     try:
         port = server.sockets[0].getsockname()[1]
-        stack = await make_stack("dynamo", upstream=f"http://127.0.0.1:{port}")
+        stack = await make_stack("dynamo", upstream=f"http://127.0.0.1:{port}", **NO_BRINGUP)
         status, events = await sse_events(stack, {**BODY})
     finally:
         server.close()

@@ -8,6 +8,7 @@ import pytest
 
 from pylon.core.sanitize import DENIED_BODY_FIELDS, DENIED_NVEXT_FIELDS, DENIED_REQUEST_HEADERS
 from tests.integration.conftest import MODEL, StackFactory, header_values
+from tests.stack import NO_BRINGUP
 
 CHAT = "/v1/chat/completions"
 BACKENDS = ["dynamo", "vllm", "sglang", "passthrough"]
@@ -183,7 +184,7 @@ async def test_upstream_base_path_is_joined_with_path_and_query(
     make_stack: StackFactory,
 ) -> None:
     stack = await make_stack("dynamo")
-    prefixed = await make_stack("dynamo", upstream=f"{stack.mock.base_url}/engine/")
+    prefixed = await make_stack("dynamo", upstream=f"{stack.mock.base_url}/engine/", **NO_BRINGUP)
     reply = await prefixed.post(f"{CHAT}?trace=1", chat())
     assert reply.status_code == 404  # the mock serves no /engine/... routes: it shows the URL
     record = (await stack.control())["requests"][-1]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.scripted_engine import scripted_engine
-from tests.stack import MODEL, PROTOCOLS, StackFactory
+from tests.stack import MODEL, NO_BRINGUP, PROTOCOLS, StackFactory
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"model": MODEL, "messages": [], "max_tokens": 2}).encode()
@@ -39,7 +39,7 @@ async def test_engine_control_and_hop_by_hop_headers_never_reach_the_client(
     make_stack: StackFactory, protocol: str
 ) -> None:
     async with scripted_engine(FORGED) as engine:
-        stack = await make_stack("dynamo", upstream=engine.url)
+        stack = await make_stack("dynamo", upstream=engine.url, **NO_BRINGUP)
         tunnel = [("x-request-id", "resp-1"), ("x-model", MODEL)]
         reply = await stack.send(protocol, CHAT, tunnel, BODY)
     assert reply.status == 200, reply

@@ -161,6 +161,9 @@ async def pylon_in_front_of() -> AsyncIterator[Callable[[Engine], object]]:
                     "listen": "127.0.0.1:0",
                     "upstream": f"http://127.0.0.1:{engine.port}",
                     "log_level": "warning",
+                    # The engine answers every request alike: no health gate, a static model.
+                    "upstream_health_gate": False,
+                    "model": ["m"],
                 }
             )
             running = await exits.enter_async_context(start(settings))

@@ -10,6 +10,8 @@ import pytest
 
 from tests.mock_dynamo.conftest import MakeMock, snapshot
 
+HEALTHY = {"status": 200, "delay_ms": 0, "ready_status": 404}
+
 
 def _chat(model: str) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
@@ -60,7 +62,8 @@ async def test_bad_models_rejected_and_list_kept(client: httpx.AsyncClient, bad:
 
 async def test_unhealthy_health_answers_error_body(client: httpx.AsyncClient) -> None:
     reply = await client.put("/test-control/health", json={"status": 503, "delay_ms": 0})
-    assert reply.status_code == 200 and reply.json() == {"status": 503, "delay_ms": 0}
+    assert reply.status_code == 200
+    assert reply.json() == {"status": 503, "delay_ms": 0, "ready_status": 404}
     health = await client.get("/health")
     assert health.status_code == 503
     assert health.json()["error"]["type"] == "ServiceUnavailableError"
@@ -75,10 +78,29 @@ async def test_unhealthy_health_answers_error_body(client: httpx.AsyncClient) ->
 async def test_health_delay_and_partial_update(client: httpx.AsyncClient) -> None:
     await client.put("/test-control/health", json={"status": 500})
     reply = await client.put("/test-control/health", json={"delay_ms": 200})
-    assert reply.json() == {"status": 500, "delay_ms": 200}
+    assert reply.json() == {"status": 500, "delay_ms": 200, "ready_status": 404}
     start = time.monotonic()
     health = await client.get("/health")
     assert health.status_code == 500 and time.monotonic() - start >= 0.19
+
+
+async def test_readiness_path_is_404_until_set(client: httpx.AsyncClient) -> None:
+    """`/v1/health/ready`, which Dynamo does not serve, answers what `ready_status` says,
+    independently of `/health`."""
+    assert (await client.get("/v1/health/ready")).status_code == 404
+    await client.put("/test-control/health", json={"status": 503, "ready_status": 200})
+    ready = await client.get("/v1/health/ready")
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+    assert (await client.get("/health")).status_code == 503
+    await client.put("/test-control/health", json={"ready_status": 503})
+    assert (await client.get("/v1/health/ready")).json()["error"]["code"] == 503
+    paths = [(r["path"], r["status"]) for r in (await snapshot(client))["requests"]]
+    assert paths == [
+        ("/v1/health/ready", 404),
+        ("/v1/health/ready", 200),
+        ("/health", 503),
+        ("/v1/health/ready", 503),
+    ]
 
 
 async def test_unhealthy_health_does_not_use_up_a_fault(client: httpx.AsyncClient) -> None:
@@ -104,12 +126,15 @@ async def test_unhealthy_health_does_not_use_up_a_fault(client: httpx.AsyncClien
         {"delay_ms": None},
         {"healthy": False},
         {"status": 503, "delay_ms": -1},
+        {"ready_status": 302},
+        {"ready_status": "200"},
+        {"status": 503, "ready_status": 100},
     ],
 )
 async def test_bad_health_rejected_atomically(client: httpx.AsyncClient, bad: Any) -> None:
     reply = await client.put("/test-control/health", json=bad)
     assert reply.status_code == 400 and reply.json()["error"]["code"] == 400
-    assert (await snapshot(client))["health"] == {"status": 200, "delay_ms": 0}
+    assert (await snapshot(client))["health"] == HEALTHY
     assert (await client.get("/health")).status_code == 200
 
 
@@ -122,12 +147,14 @@ async def test_reset_restores_configured_models_and_health(make_mock: MakeMock) 
     server = await make_mock(models=("m1", "m2"), flavor="vllm")
     async with httpx.AsyncClient(base_url=server.base_url, timeout=5) as c:
         await c.put("/test-control/models", json={"models": ["other"]})
-        await c.put("/test-control/health", json={"status": 503, "delay_ms": 5})
+        await c.put(
+            "/test-control/health", json={"status": 503, "delay_ms": 5, "ready_status": 200}
+        )
         await c.put("/test-control/knobs", json={"num_tokens": 2})
         assert (await c.post("/test-control/reset")).status_code == 200
         snap = await snapshot(c)
         assert snap["models"] == ["m1", "m2"]
-        assert snap["health"] == {"status": 200, "delay_ms": 0}
+        assert snap["health"] == HEALTHY
         assert snap["knobs"]["num_tokens"] == 2
         assert await _model_ids(c) == ["m1", "m2"]
         health = (await c.get("/health")).json()

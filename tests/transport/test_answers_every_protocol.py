@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.stack import MODEL, PROTOCOLS, Reply, StackFactory
+from tests.stack import MODEL, NO_BRINGUP, PROTOCOLS, Reply, StackFactory
 
 CHAT = "/v1/chat/completions"
 
@@ -88,7 +88,7 @@ async def test_server_side_problem_is_a_service_unavailable_error(
     make_stack: StackFactory, protocol: str
 ) -> None:
     """The engine cannot be reached: 503 upstream_unavailable, OpenAI type service_unavailable."""
-    stack = await make_stack("dynamo", upstream="http://127.0.0.1:9")
+    stack = await make_stack("dynamo", upstream="http://127.0.0.1:9", **NO_BRINGUP)
     reply = await stack.send(protocol, CHAT, [("x-request-id", "down"), ("x-model", MODEL)], chat())
     assert_problem(reply, 503, "upstream_unavailable", "down")
 
@@ -165,7 +165,7 @@ async def meddling_engine() -> AsyncIterator[str]:
 async def test_the_engines_own_request_id_and_retry_switch_never_pass(
     make_stack: StackFactory, meddling_engine: str, protocol: str
 ) -> None:
-    stack = await make_stack("dynamo", upstream=meddling_engine)
+    stack = await make_stack("dynamo", upstream=meddling_engine, **NO_BRINGUP)
     headers = [("x-request-id", "mine"), ("x-model", MODEL)]
     reply = await stack.send(protocol, CHAT, headers, chat())
     assert reply.status == 200

@@ -89,16 +89,18 @@ SERVER_SIDE = {
     "upstream_busy",
     "shutting_down",
     "not_ready",
+    "model_generation_unavailable",
     "no_worker",
     "body_budget_exceeded",
+    "queue_estimate_mismatch",  # 429: the engine never saw it; another node may be less busy
 }
 RETRYABLE = {
     "shutting_down",
     "not_ready",
+    "model_generation_unavailable",
     "upstream_busy",
     "no_worker",
     "body_budget_exceeded",
-    "queue_estimate_mismatch",  # 429: the engine never saw it; another node may be less busy
 }
 
 

@@ -312,3 +312,71 @@ def test_an_otlp_protocol_pylon_cannot_speak_is_refused_when_tracing(
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
     with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json"):
         load_settings({"otel_endpoint": "http://c:4318"})
+
+
+# --- engine bring-up and models ---
+
+
+def test_bringup_defaults() -> None:
+    s = load_settings({})
+    assert s.upstream_health_gate is True
+    assert s.upstream_health_path == ()
+    assert (s.upstream_health_wait, s.upstream_health_interval, s.upstream_health_timeout) == (
+        60.0,
+        0.5,
+        5.0,
+    )
+    assert s.model == ()  # discovery
+    assert (s.model_discovery_interval, s.model_discovery_timeout) == (5.0, 5.0)
+
+
+def test_repeatable_lists_from_flags_env_and_file(monkeypatch: pytest.MonkeyPatch, toml) -> None:
+    s = load_settings({"model": ["a", " b ", "a"], "upstream_health_path": ["/x", "/y", "/x"]})
+    assert s.model == ("a", "b")  # trimmed, duplicates collapse, order kept
+    assert s.upstream_health_path == ("/x", "/y")
+    monkeypatch.setenv("PYLON_MODEL", "llama 3, m2")
+    monkeypatch.setenv("PYLON_UPSTREAM_HEALTH_PATH", "/ready")
+    s = load_settings({})
+    assert s.model == ("llama 3", "m2") and s.upstream_health_path == ("/ready",)
+    s = load_settings({}, toml('model = ["from-file"]\n'))
+    assert s.model == ("llama 3", "m2")  # env beats file
+    monkeypatch.delenv("PYLON_MODEL")
+    assert load_settings({}, toml('model = ["from-file"]\n')).model == ("from-file",)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"upstream_health_wait": -1}, "upstream_health_wait"),
+        ({"upstream_health_interval": 0}, "upstream_health_interval"),
+        ({"upstream_health_timeout": -0.5}, "upstream_health_timeout"),
+        ({"model_discovery_interval": -5}, "model_discovery_interval"),
+        ({"model_discovery_interval": 0}, "model_discovery_interval"),
+        ({"model_discovery_timeout": 0}, "model_discovery_timeout"),
+        ({"model": [""]}, "may not be blank"),
+        ({"model": ["caf\u00e9"]}, "not a model name"),
+        ({"model": ["x" * 257]}, "not a model name"),
+        ({"upstream_health_path": ["health"]}, "not a request path"),
+        ({"upstream_health_path": ["/a b"]}, "not a request path"),
+        ({"upstream_health_path": ["/h#frag"]}, "not a request path"),
+        # A combination that would do less than asked.
+        ({"model": ["m"], "model_discovery_interval": 1}, "--model-discovery-interval needs"),
+        ({"model": ["m"], "model_discovery_timeout": 1}, "--model-discovery-timeout needs"),
+        (
+            {"upstream_health_gate": False, "upstream_health_path": ["/h"]},
+            "--upstream-health-path has no effect with --no-upstream-health-gate",
+        ),
+        (
+            {"upstream_health_gate": False, "upstream_health_wait": 5},
+            "--upstream-health-wait has no effect",
+        ),
+    ],
+)
+def test_bad_bringup_settings_are_refused(overrides: dict, needle: str) -> None:
+    with pytest.raises(SettingsError, match=needle):
+        load_settings(overrides)
+
+
+def test_a_static_set_without_the_gate_is_accepted() -> None:
+    s = load_settings({"model": ["m"], "upstream_health_gate": False})
+    assert s.model == ("m",) and not s.upstream_health_gate

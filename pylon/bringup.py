@@ -1,0 +1,282 @@
+"""Engine bring-up: the health gate, then the model set (static, or discovered and kept fresh).
+
+Runs after the listeners are up (`pylon.app.start`); until it passes, `Lifecycle` is `STARTING`
+and tunnel requests get `503 not_ready` (retryable).
+
+1. **Health gate** (`HealthGate`, unless `--no-upstream-health-gate`): rounds of `GET` probes of
+   the `--upstream-health-path` entries, then `/health`, then `/v1/health/ready`, in that order;
+   the first 2xx passes. Each probe is bounded by `--upstream-health-timeout` (and by what is
+   left of the wait), rounds are `--upstream-health-interval` apart, and when
+   `--upstream-health-wait` runs out the gate fails with `EngineNotReady`, whose message is the
+   one line saying what each path answered last (pylon then exits with status 1).
+2. **Models**: `--model` publishes a static set; without it, `ModelDiscovery` polls
+   `GET /v1/models` once now and then every `--model-discovery-interval` seconds
+   (`pylon.models` holds the pure rules: last good set kept on a failed poll, empty list retires
+   everything, a generation per appearance).
+3. `Lifecycle.mark_ready()`.
+
+Everything is reported to the `Observer` as process events:
+
+- `engine_health_probe` (debug): one failed probe: `path`, `result`, `round`;
+- `engine_healthy`: the gate passed: `path`, `status`, `rounds`, `waited_s`;
+- `engine_health_gate_failed` (error): the gate ran out: `detail` (the one line), `waited_s`,
+  `rounds`, `last` ({path: last result});
+- `model_discovery_poll` (ok: debug, failed: warning): `outcome` (`ok` or `failed`), `reason`
+  on failure (`connect`, `timeout`, `closed`, `protocol`, `too_large`, `status`, `invalid`,
+  `error`), `detail`, `models` (how many are published after it), `duration_ms`;
+- `model_published` / `model_retired`: `model`, `generation`, `source` (`static` or
+  `discovery`).
+
+The clock, the sleep and the fetch are injected, so the loops are tested without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from pylon.models import CatalogChange, ModelCatalog, ModelListError, parse_model_list
+from pylon.upstream.probe import Fetched, FetchError, fetch
+
+if TYPE_CHECKING:
+    from pylon.core.target import UpstreamTarget
+    from pylon.lifecycle import Lifecycle
+    from pylon.observe import Observer
+    from pylon.settings import Settings
+
+DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
+MODELS_PATH = "/v1/models"
+MAX_HEALTH_BODY = 64 * 1024  # a health answer's body is read (to end the exchange), not kept
+MAX_MODEL_LIST_BYTES = 1024 * 1024
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class Fetch(Protocol):
+    async def __call__(
+        self, target: UpstreamTarget, path: str, *, timeout: float, max_body: int
+    ) -> Fetched: ...
+
+
+class EngineNotReady(Exception):
+    """The engine never passed its health gate; the message is the one line that says why."""
+
+
+def health_paths(configured: Iterable[str]) -> tuple[str, ...]:
+    """The probe order: the configured paths, then `/health`, then `/v1/health/ready`."""
+    return tuple(dict.fromkeys((*configured, *DEFAULT_HEALTH_PATHS)))
+
+
+class HealthGate:
+    """Probe the engine's health paths until one answers 2xx, or the wait runs out."""
+
+    def __init__(
+        self,
+        target: UpstreamTarget,
+        paths: tuple[str, ...],
+        *,
+        wait: float,
+        interval: float,
+        timeout: float,
+        observer: Observer,
+        fetch: Fetch = fetch,
+        clock: Clock | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        assert paths, "at least one health path"
+        self._target = target
+        self._paths = paths
+        self._wait = wait
+        self._interval = interval
+        self._timeout = timeout
+        self._observer = observer
+        self._fetch = fetch
+        self._clock = clock
+        self._sleep = sleep
+
+    async def run(self) -> str:
+        """The path that answered 2xx. Raises `EngineNotReady` when the wait ran out; a wait
+        of 0 is one round (each path probed once)."""
+        clock = self._clock or asyncio.get_running_loop().time
+        started = clock()
+        deadline = started + self._wait
+        last: dict[str, str] = {}
+        rounds = 0
+        while True:
+            rounds += 1
+            for path in self._paths:
+                left = deadline - clock()
+                if rounds > 1 and left <= 0:
+                    break
+                # The first round always probes every path (with the full probe timeout once
+                # the wait is spent), so `--upstream-health-wait 0` still asks each path once.
+                budget = self._timeout if left <= 0 else min(self._timeout, left)
+                try:
+                    reply = await self._fetch(
+                        self._target, path, timeout=budget, max_body=MAX_HEALTH_BODY
+                    )
+                except FetchError as exc:
+                    result = exc.detail
+                else:
+                    if 200 <= reply.status < 300:
+                        self._observer.process_event(
+                            "engine_healthy",
+                            upstream=self._target.label,
+                            path=path,
+                            status=reply.status,
+                            rounds=rounds,
+                            waited_s=round(clock() - started, 3),
+                        )
+                        return path
+                    result = f"status {reply.status}"
+                last[path] = result
+                self._observer.process_event(
+                    "engine_health_probe", path=path, result=result, round=rounds
+                )
+            left = deadline - clock()
+            if left <= 0:
+                break
+            await self._sleep(min(self._interval, left))
+        waited = round(clock() - started, 3)
+        answers = "; ".join(f"{path}: {result}" for path, result in last.items())
+        detail = (
+            f"the engine at {self._target.label} answered none of its health paths with 2xx "
+            f"within --upstream-health-wait {self._wait:g} s ({rounds} "
+            f"round{'s' if rounds != 1 else ''} of probes; last answers: {answers})"
+        )
+        self._observer.process_event(
+            "engine_health_gate_failed", detail=detail, waited_s=waited, rounds=rounds, last=last
+        )
+        raise EngineNotReady(detail)
+
+
+class ModelDiscovery:
+    """Poll the engine's `/v1/models` into the catalog: once (`poll`), or forever (`run`)."""
+
+    def __init__(
+        self,
+        catalog: ModelCatalog,
+        target: UpstreamTarget,
+        *,
+        interval: float,
+        timeout: float,
+        observer: Observer,
+        fetch: Fetch = fetch,
+        clock: Clock | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._catalog = catalog
+        self._target = target
+        self._interval = interval
+        self._timeout = timeout
+        self._observer = observer
+        self._fetch = fetch
+        self._clock = clock
+        self._sleep = sleep
+
+    async def run(self) -> None:
+        """Poll every `interval` seconds (after the poll `bring_up` made), until cancelled."""
+        while True:
+            await self._sleep(self._interval)
+            await self.poll()
+
+    async def poll(self) -> bool:
+        """One poll; True when it succeeded (and its list is now published). A failed poll
+        changes nothing: the last good set stays."""
+        clock = self._clock or asyncio.get_running_loop().time
+        started = clock()
+        try:
+            reply = await self._fetch(
+                self._target, MODELS_PATH, timeout=self._timeout, max_body=MAX_MODEL_LIST_BYTES
+            )
+            if not 200 <= reply.status < 300:
+                return self._failed("status", f"{MODELS_PATH} answered {reply.status}", started)
+            names = parse_model_list(reply.body)
+        except FetchError as exc:
+            return self._failed(exc.reason, exc.detail, started)
+        except ModelListError as exc:
+            return self._failed("invalid", str(exc), started)
+        except Exception as exc:  # a bug: reported, never the end of discovery
+            return self._failed("error", f"{exc.__class__.__name__}: {exc}", started)
+        report_change(self._observer, self._catalog.apply(names), "discovery")
+        self._observer.process_event(
+            "model_discovery_poll",
+            outcome="ok",
+            reason=None,
+            detail=None,
+            models=len(self._catalog.published),
+            duration_ms=self._elapsed_ms(started),
+        )
+        return True
+
+    def _failed(self, reason: str, detail: str, started: float) -> bool:
+        self._observer.process_event(
+            "model_discovery_poll",
+            outcome="failed",
+            reason=reason,
+            detail=detail,
+            models=len(self._catalog.published),
+            duration_ms=self._elapsed_ms(started),
+        )
+        return False
+
+    def _elapsed_ms(self, started: float) -> float:
+        clock = self._clock or asyncio.get_running_loop().time
+        return round((clock() - started) * 1000, 3)
+
+
+def report_change(observer: Observer, change: CatalogChange, source: str) -> None:
+    for name, generation in change.retired:
+        observer.process_event("model_retired", model=name, generation=generation, source=source)
+    for name, generation in change.published:
+        observer.process_event("model_published", model=name, generation=generation, source=source)
+
+
+@dataclass(frozen=True, slots=True)
+class BringUp:
+    """What bring-up found: the health path that answered (None with the gate off), and the
+    discovery loop to keep running (None with a static `--model` set)."""
+
+    health_path: str | None
+    discovery: ModelDiscovery | None
+
+
+async def bring_up(
+    settings: Settings,
+    target: UpstreamTarget,
+    lifecycle: Lifecycle,
+    observer: Observer,
+    *,
+    fetch: Fetch = fetch,
+) -> BringUp:
+    """The health gate, then the first model set, then `READY`. Raises `EngineNotReady`."""
+    health_path = None
+    if settings.upstream_health_gate:
+        gate = HealthGate(
+            target,
+            health_paths(settings.upstream_health_path),
+            wait=settings.upstream_health_wait,
+            interval=settings.upstream_health_interval,
+            timeout=settings.upstream_health_timeout,
+            observer=observer,
+            fetch=fetch,
+        )
+        health_path = await gate.run()
+    discovery = None
+    if settings.model:
+        report_change(observer, lifecycle.models.apply(settings.model), "static")
+    else:
+        discovery = ModelDiscovery(
+            lifecycle.models,
+            target,
+            interval=settings.model_discovery_interval,
+            timeout=settings.model_discovery_timeout,
+            observer=observer,
+            fetch=fetch,
+        )
+        await discovery.poll()
+    lifecycle.mark_ready()
+    return BringUp(health_path, discovery)
