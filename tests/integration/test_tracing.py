@@ -30,7 +30,7 @@ from pylon.observe import LogObserver
 from pylon.settings import load_settings
 from pylon.tracing import SPAN_NAME
 from tests.integration.conftest import MODEL, Stack, StackFactory, header_values
-from tests.stack import PROTOCOLS
+from tests.stack import NO_BRINGUP, PROTOCOLS
 
 CHAT = "/v1/chat/completions"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -255,7 +255,10 @@ def _closed_port() -> int:
 
 async def test_unreachable_engine_is_a_span_error(make_stack: StackFactory) -> None:
     stack, exporter = await traced_stack(
-        make_stack, quic_listen=None, upstream=f"http://127.0.0.1:{_closed_port()}"
+        make_stack,
+        quic_listen=None,
+        upstream=f"http://127.0.0.1:{_closed_port()}",
+        **NO_BRINGUP,  # nothing listens there: no health gate to pass
     )
     reply = await stack.send("http1", CHAT, tunnel_headers("refused"), chat())
     assert reply.status == 503

@@ -92,7 +92,6 @@ SERVER_SIDE = {
     "model_generation_unavailable",
     "no_worker",
     "body_budget_exceeded",
-    "queue_estimate_mismatch",  # 429: the engine never saw it; another node may be less busy
 }
 RETRYABLE = {
     "shutting_down",
@@ -101,6 +100,7 @@ RETRYABLE = {
     "upstream_busy",
     "no_worker",
     "body_budget_exceeded",
+    "queue_estimate_mismatch",  # 429: the engine never saw it; another node may be less busy
 }
 
 
