@@ -118,6 +118,8 @@ def build_core(
     )
     planner = Planner(adapter, consumed=auth.consumed if auth is not None else frozenset())
     queue = QueueAdmission(QueueTable(settings.initial_input_tps), settings.queue_policy, adapter)
+    # A re-published model is a new generation: its throughput is measured afresh.
+    lifecycle.models.on_retire(queue.table.retire)
     tracer: ExchangeTracer | None = None
     if settings.otel_endpoint is not None or span_exporter is not None:
         from pylon.otel import OtelTracer

@@ -18,7 +18,7 @@ engine. It is filled once from `--model` (static) or by every successful discove
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import orjson
@@ -52,12 +52,18 @@ class CatalogChange:
 class ModelCatalog:
     """The published models and each name's generation. Pure: no I/O, no clock."""
 
-    __slots__ = ("_generations", "published")
+    __slots__ = ("_generations", "_retire_listeners", "published")
 
     def __init__(self) -> None:
         self.published: frozenset[str] = frozenset()
         # Appearances per name ever seen (bounded): the generation of a published name.
         self._generations: dict[str, int] = {}
+        self._retire_listeners: list[Callable[[str], None]] = []
+
+    def on_retire(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(name)` for each model `apply` retires: what was learnt about a
+        generation (e.g. its measured prefill throughput) must not outlive it."""
+        self._retire_listeners.append(listener)
 
     def generation(self, name: str) -> int | None:
         """The generation of `name` while it is published; None when it is not."""
@@ -75,6 +81,9 @@ class ModelCatalog:
             published.append((name, generation))
         self.published = new
         self._forget_old()
+        for name, _ in retired:
+            for listener in self._retire_listeners:
+                listener(name)
         return CatalogChange(tuple(published), retired)
 
     def _forget_old(self) -> None:

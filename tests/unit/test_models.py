@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pylon.app import build_core
 from pylon.models import (
     MAX_MODELS,
     MAX_REMEMBERED_MODELS,
@@ -16,6 +17,7 @@ from pylon.models import (
     ModelListError,
     parse_model_list,
 )
+from pylon.settings import load_settings
 
 ALL_NAMES = ("a", "b", "c", "d", "llama 3", "m/x")
 NAMES = st.sampled_from(ALL_NAMES)
@@ -146,3 +148,26 @@ def test_invalid_lists_are_refused_whole(body: bytes, reason: str) -> None:
 def test_a_list_without_object_and_with_extra_members_is_accepted() -> None:
     body = b'{"data": [{"id": " b ", "owned_by": "x"}, {"id": "a"}, {"id": "b"}], "extra": 1}'
     assert parse_model_list(body) == ("a", "b")
+
+
+def test_retire_listeners_hear_each_retired_name_once() -> None:
+    catalog = ModelCatalog()
+    heard: list[str] = []
+    catalog.on_retire(heard.append)
+    catalog.apply(["a", "b", "c"])
+    assert heard == []  # publishing retires nothing
+    catalog.apply(["b"])
+    assert heard == ["a", "c"]
+    catalog.apply(["b"])  # the same set again: no change, nothing heard
+    catalog.apply([])
+    assert heard == ["a", "c", "b"]
+
+
+async def test_a_retired_model_loses_its_queue_measurements() -> None:
+    """Wired in build_core: a model's next generation starts with no measured throughput."""
+    core = build_core(load_settings({}), "http://127.0.0.1:9")
+    core.queue.table.queue_for("m")
+    core.lifecycle.models.apply(["m"])
+    assert core.queue.table.models() == ["m"]
+    core.lifecycle.models.apply([])
+    assert core.queue.table.models() == []
