@@ -1,5 +1,104 @@
-"""The worker-selection boundary around Dynamo's native selection core (issue: router_ffi).
+"""The worker-selection boundary around Dynamo's native selection core (ai-dynamo-runtime 1.6.1).
 
-Empty for now: pylon's routing seam is `pylon.routing.Router`; a KV-aware router implementing it
-will live here, the only code that touches the native object.
+The only code that touches the native `SelectionService`. Importing router_ffi never needs
+Dynamo: the native module is imported when a `SelectionCore` is built, and a missing
+`ai-dynamo-runtime` then raises `NativeUnavailable` saying how to install it.
+
+- `SelectionCore` (service.py): the shared, thread-safe core. Catalog (`upsert_worker`,
+  `remove_worker`, `workers`), `select_and_reserve` (-> `Reservation`), `loads`, `overlap`,
+  `shutdown`. All native calls run on one owner thread behind a `CallGate` (gate.py).
+- `Reservation`: one request's booking and all its per-request state: `prefill_complete()`,
+  `output_tokens(n)` / `output_block()`, `free()` (idempotent; a no-op after shutdown).
+- types.py: the frozen request/result values; errors.py: the one exception hierarchy.
+- validation.py: start-up checks (block size, unique u64 worker ids, dp size, KV endpoints).
+- hashing.py: Dynamo's block and sequence hashes, bit-exact, in Python (xxhash).
+- kv_events.py: the engines' KV-event wire format (vLLM ZMQ), both encodings.
+
+docs/routing.md ("router_ffi: the native boundary") has the measured select latency and why the
+native calls run on an owner thread.
 """
+
+from router_ffi.errors import (
+    INSTALL_HINT,
+    DependencyMissing,
+    InvalidConfig,
+    InvalidRequest,
+    NativeCallFailed,
+    NativeUnavailable,
+    NotFound,
+    NoWorkerAvailable,
+    RouterFfiError,
+    SelectionTimeout,
+    ServiceClosed,
+)
+from router_ffi.service import ErrorSink, Reservation, SelectionCore
+from router_ffi.types import (
+    GroupLoads,
+    HashedPrompt,
+    OverlapScores,
+    Prompt,
+    Selection,
+    SelectRequest,
+    ShutdownReport,
+    TokenPrompt,
+    WorkerLoad,
+    WorkerOverlap,
+    WorkerRecord,
+    WorkerSpec,
+)
+from router_ffi.validation import (
+    check_block_size,
+    check_dp_size,
+    check_kv_events_endpoint,
+    check_worker,
+    check_worker_id,
+    check_workers,
+)
+
+
+def native_available() -> bool:
+    """Whether Dynamo's native selection core imports (without building anything)."""
+    from router_ffi._native import load_native
+
+    try:
+        load_native()
+    except NativeUnavailable:
+        return False
+    return True
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "DependencyMissing",
+    "ErrorSink",
+    "GroupLoads",
+    "HashedPrompt",
+    "InvalidConfig",
+    "InvalidRequest",
+    "NativeCallFailed",
+    "NativeUnavailable",
+    "NoWorkerAvailable",
+    "NotFound",
+    "OverlapScores",
+    "Prompt",
+    "Reservation",
+    "RouterFfiError",
+    "SelectRequest",
+    "Selection",
+    "SelectionCore",
+    "SelectionTimeout",
+    "ServiceClosed",
+    "ShutdownReport",
+    "TokenPrompt",
+    "WorkerLoad",
+    "WorkerOverlap",
+    "WorkerRecord",
+    "WorkerSpec",
+    "check_block_size",
+    "check_dp_size",
+    "check_kv_events_endpoint",
+    "check_worker",
+    "check_worker_id",
+    "check_workers",
+    "native_available",
+]
