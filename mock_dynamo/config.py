@@ -6,13 +6,15 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from pylon.core.kv_events import FORMS, Form
+
 Flavor = Literal["dynamo", "vllm", "sglang"]
 FLAVORS: tuple[str, ...] = get_args(Flavor)
 DEFAULT_MODEL = "mock-model"
 # How KV events are encoded inside vLLM's envelope: vLLM's positional arrays, or the maps
-# ({"type": ...}) that SGLang and the Dynamo 1.6.1 mocker send.
-KvEventsEncoding = Literal["array", "map"]
-KV_EVENTS_ENCODINGS: tuple[str, ...] = get_args(KvEventsEncoding)
+# ({"type": ...}) that SGLang and the Dynamo 1.6.1 mocker send (pylon.core.kv_events.Form).
+KvEventsEncoding = Form
+KV_EVENTS_ENCODINGS: tuple[str, ...] = FORMS
 MAX_KV_BLOCK_SIZE = 1024
 
 

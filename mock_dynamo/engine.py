@@ -24,15 +24,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from mock_dynamo.config import MockConfig
 from mock_dynamo.tokens import Endpoint, PromptTokenizer, load_tokenizer, prompts
+from pylon.core.blocks import HashingUnavailable
 
 if TYPE_CHECKING:
-    from mock_dynamo.kvcache import CacheEvent, PrefixCache
+    from mock_dynamo.kvcache import PrefixCache
+    from pylon.core.kv_events import KvEvent
 
 
 class EventSink(Protocol):
     """Where the cache's events go (mock_dynamo.kv_publisher.KvEventPublisher)."""
 
-    def publish(self, events: list[CacheEvent]) -> None: ...
+    def publish(self, events: list[KvEvent]) -> None: ...
 
     def view(self) -> dict[str, Any]: ...
 
@@ -88,12 +90,12 @@ class EngineModel:
         )
         self.cache: PrefixCache | None = None
         if config.kv_enabled:
-            # Imported here: without a cache the mock needs no xxhash.
-            try:
-                from mock_dynamo.kvcache import PrefixCache
-            except ImportError:
+            from mock_dynamo.kvcache import PrefixCache
+
+            try:  # without a cache the mock needs no xxhash (imported by the cache's hashing)
+                self.cache = PrefixCache(config.kv_block_size, config.kv_cache_blocks)
+            except HashingUnavailable:
                 raise ValueError(MISSING_XXHASH) from None
-            self.cache = PrefixCache(config.kv_block_size, config.kv_cache_blocks)
         # Monotonic time at which the prefills admitted so far are done.
         self._lane_free_at = 0.0
         # Set by the app while a KV-event publisher runs.
@@ -122,7 +124,7 @@ class EngineModel:
             if self.cache is not None:
                 cached = 0
                 salt = cache_salt(body)
-                events: list[CacheEvent] = []
+                events: list[KvEvent] = []
                 for tokens in token_lists:
                     admission, more = self.cache.admit(tokens, salt)
                     cached += admission.cached_tokens

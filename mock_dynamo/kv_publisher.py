@@ -5,13 +5,16 @@ Each message is three frames, `[topic, seq, payload]`: topic `b""` (vLLM's defau
 `[ts, events, dp_rank]` with `dp_rank` 0. One message per admitted request (its evictions, then
 its stored blocks), one per cache clear.
 
-Events are encoded as vLLM's positional arrays (`array`, the default):
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, None, "GPU", None]`,
-`["BlockRemoved", block_hashes, "GPU"]`, `["AllBlocksCleared"]`; or as the maps the Dynamo 1.6.1
-mocker sends (`map`): `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
-"block_size", "group_idx": 0}` (plus `cache_salt` for a salted request: the positional form has
-no slot for it), `{"type": "BlockRemoved", "block_hashes", "group_idx": 0}`,
-`{"type": "AllBlocksCleared"}`. Hashes are unsigned 64-bit ints.
+The encoding is pylon's one KV-event codec (`pylon.core.kv_events.encode_message`); the mock
+only dresses its cache's events as the engine it imitates sends them:
+- `array` (vLLM's positional arrays, the default): `medium` "GPU", no `group_idx`, no salt, so
+  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, None, "GPU", None,
+  None]`, `["BlockRemoved", block_hashes, "GPU"]`, `["AllBlocksCleared"]`;
+- `map` (the Dynamo 1.6.1 mocker's maps): no `medium`, `group_idx` 0, so `{"type":
+  "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx": 0}`
+  (plus `cache_salt` for a salted request: the positional form has no slot for it),
+  `{"type": "BlockRemoved", "block_hashes", "group_idx": 0}`, `{"type": "AllBlocksCleared"}`.
+Hashes are unsigned 64-bit ints.
 
 The socket is an XPUB, which a SUB sees as a PUB; unlike a PUB it tells the mock who subscribed,
 so `/test-control/kv` can report `subscribers` and a test can wait until its SUB is really
@@ -22,14 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from mock_dynamo.config import KvEventsEncoding
-from mock_dynamo.kvcache import CacheEvent, Cleared, Removed, Stored
+from pylon.core.kv_events import (
+    AllBlocksCleared,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+    encode_message,
+)
 
 MEDIUM = "GPU"
 TOPIC = b""
@@ -37,47 +45,22 @@ DP_RANK = 0
 # Messages queued per subscriber before ZMQ drops (a slow router loses events, sees a gap).
 SEND_HWM = 100_000
 
-_encoder = msgspec.msgpack.Encoder()
+
+def dress(event: KvEvent, encoding: KvEventsEncoding) -> KvEvent:
+    """The cache's event as the imitated engine sends it (see the module docstring)."""
+    if isinstance(event, AllBlocksCleared):
+        return event
+    if encoding == "map":
+        return dataclasses.replace(event, medium=None, group_idx=0)
+    if isinstance(event, BlockStored):  # vLLM's array has no slot for the salt: it goes
+        return dataclasses.replace(event, medium=MEDIUM, group_idx=None, cache_salt=None)
+    return dataclasses.replace(event, medium=MEDIUM, group_idx=None)
 
 
-def encode_event(event: CacheEvent, encoding: KvEventsEncoding) -> object:
-    if isinstance(event, Stored):
-        if encoding == "array":
-            return [
-                "BlockStored",
-                list(event.block_hashes),
-                event.parent_hash,
-                list(event.token_ids),
-                event.block_size,
-                None,
-                MEDIUM,
-                None,
-            ]
-        stored: dict[str, Any] = {
-            "type": "BlockStored",
-            "block_hashes": list(event.block_hashes),
-            "parent_block_hash": event.parent_hash,
-            "token_ids": list(event.token_ids),
-            "block_size": event.block_size,
-            "group_idx": 0,
-        }
-        if event.cache_salt:
-            stored["cache_salt"] = event.cache_salt
-        return stored
-    if isinstance(event, Removed):
-        if encoding == "array":
-            return ["BlockRemoved", list(event.block_hashes), MEDIUM]
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "group_idx": 0}
-    assert isinstance(event, Cleared)
-    return ["AllBlocksCleared"] if encoding == "array" else {"type": "AllBlocksCleared"}
-
-
-def encode_message(
-    seq: int, events: list[CacheEvent], encoding: KvEventsEncoding, ts: float
-) -> list[bytes]:
+def message(seq: int, events: list[KvEvent], encoding: KvEventsEncoding, ts: float) -> list[bytes]:
     """The three frames of one message."""
-    payload = _encoder.encode([ts, [encode_event(e, encoding) for e in events], DP_RANK])
-    return [TOPIC, seq.to_bytes(8, "big"), payload]
+    batch = KvEventBatch(seq, ts, tuple(dress(e, encoding) for e in events), DP_RANK, TOPIC)
+    return encode_message(batch, form=encoding)
 
 
 class KvEventPublisher:
@@ -135,12 +118,12 @@ class KvEventPublisher:
                     self.subscribers = max(0, self.subscribers - 1)
                 self._on_change()
 
-    def publish(self, events: list[CacheEvent]) -> None:
+    def publish(self, events: list[KvEvent]) -> None:
         if not events or self._socket is None:
             return
         import zmq
 
-        frames = encode_message(self.next_seq, events, self.encoding, time.time())
+        frames = message(self.next_seq, events, self.encoding, time.time())
         self.next_seq += 1
         future = self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
         future.add_done_callback(self._sent)

@@ -1,16 +1,18 @@
 """The mock engine's prefix cache: blocks, LRU eviction, hits and misses, and the KV events.
 
 Pure (no sockets, no clock). Block ids are computed the way Dynamo's KV router computes them,
-so a router fed this cache's events (or the same token ids) arrives at the same ids:
+with pylon's one implementation of Dynamo's hashing (`pylon.core.blocks`), so a router fed this
+cache's events (or the same token ids) arrives at the same ids:
 
 - a prompt is cut into full blocks of `block_size` tokens (a trailing partial block is never
   cached);
-- each block's *content* hash is `xxh3_64(little-endian u32 tokens, seed)`, seed 1337, plus
-  `xxh3_64(cache_salt, seed=1)` when the request has a cache salt (wrapping mod 2**64): Dynamo's
-  `compute_block_hash_for_seq(tokens, block_size, cache_namespace=salt)`;
-- the block's *id* (the `block_hashes` of the events) chains them: the first block's id is its
-  content hash, each later id is `xxh3_64(le_u64(parent id) + le_u64(content hash), seed=1337)`,
-  Dynamo's `compute_seq_hash_for_block` (its `sequence_hashes`).
+- each block's *content* hash is `block_hashes(tokens, block_size, cache_salt=salt)`, Dynamo's
+  `compute_block_hash_for_seq`;
+- the block's *id* (the `block_hashes` of the events) is the prefix chain of those,
+  `sequence_hashes`, Dynamo's `compute_seq_hash_for_block`.
+
+The events are pylon's typed KV events (`pylon.core.kv_events`: `BlockStored`, `BlockRemoved`,
+`AllBlocksCleared`), which the publisher encodes with the same module.
 
 Cache behaviour follows vLLM's v1 prefix cache:
 - a request hits the longest run of its leading blocks that the cache holds, but never its last
@@ -29,72 +31,13 @@ Cache behaviour follows vLLM's v1 prefix cache:
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
-XXH3_SEED = 1337
-U64_MASK = (1 << 64) - 1
-U32_MAX = (1 << 32) - 1
-
-
-def salt_seed(cache_salt: str | None = None, lora_name: str | None = None) -> int:
-    """The content-hash seed: 1337 plus the LoRA name and cache-salt terms (empty = absent)."""
-    seed = XXH3_SEED
-    if lora_name:
-        seed += xxhash.xxh3_64_intdigest(lora_name.encode("utf-8"), seed=0)
-    if cache_salt:
-        seed += xxhash.xxh3_64_intdigest(cache_salt.encode("utf-8"), seed=1)
-    return seed & U64_MASK
-
-
-def block_content_hashes(
-    tokens: Sequence[int], block_size: int, cache_salt: str | None = None
-) -> list[int]:
-    """Dynamo's `compute_block_hash_for_seq`: one content hash per full block."""
-    seed = salt_seed(cache_salt)
-    pack = struct.Struct(f"<{block_size}I").pack
-    return [
-        xxhash.xxh3_64_intdigest(pack(*tokens[start : start + block_size]), seed=seed)
-        for start in range(0, len(tokens) - block_size + 1, block_size)
-    ]
-
-
-def chain_hashes(content_hashes: Sequence[int]) -> list[int]:
-    """Dynamo's `compute_seq_hash_for_block`: the prefix-chained block ids."""
-    out: list[int] = []
-    pair = struct.Struct("<QQ").pack
-    for content in content_hashes:
-        out.append(
-            content if not out else xxhash.xxh3_64_intdigest(pair(out[-1], content), XXH3_SEED)
-        )
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    block_hashes: tuple[int, ...]
-    parent_hash: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    cache_salt: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    block_hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    pass
-
-
-CacheEvent = Stored | Removed | Cleared
+from pylon.core.blocks import block_hashes, ensure_available, sequence_hashes
+from pylon.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +73,7 @@ class PrefixCache:
     def __init__(self, block_size: int, capacity: int) -> None:
         if block_size < 1 or capacity < 1:
             raise ValueError("block_size and capacity must be >= 1")
+        ensure_available()  # HashingUnavailable (an ImportError) without xxhash
         self.block_size = block_size
         self.capacity = capacity
         # Block id -> None, least recently used first.
@@ -158,10 +102,10 @@ class PrefixCache:
 
     def admit(
         self, tokens: Sequence[int], cache_salt: str | None = None
-    ) -> tuple[Admission, list[CacheEvent]]:
+    ) -> tuple[Admission, list[KvEvent]]:
         """Look the prompt up, then store its blocks; the events say what changed."""
         size, blocks = self.block_size, self._blocks
-        ids = chain_hashes(block_content_hashes(tokens, size, cache_salt))
+        ids = sequence_hashes(block_hashes(tokens, size, cache_salt=cache_salt))
         hittable = (len(tokens) - 1) // size if tokens else 0
         hit = 0
         while hit < min(len(ids), hittable) and ids[hit] in blocks:
@@ -170,14 +114,14 @@ class PrefixCache:
         while present < len(ids) and ids[present] in blocks:
             present += 1
         new = max(0, min(len(ids), self.capacity) - present)
-        events: list[CacheEvent] = []
+        events: list[KvEvent] = []
         # Protect this request's own cached blocks, then evict from the cold end.
         for block_id in reversed(ids[:present]):
             blocks.move_to_end(block_id)
         overflow = len(blocks) + new - self.capacity
         for _ in range(max(0, overflow)):
             victim, _ = blocks.popitem(last=False)
-            events.append(Removed((victim,)))
+            events.append(BlockRemoved((victim,)))
         if new:
             stored_ids = ids[present : present + new]
             for block_id in reversed(stored_ids):
@@ -185,7 +129,7 @@ class PrefixCache:
             for block_id in reversed(ids[:present]):
                 blocks.move_to_end(block_id)
             events.append(
-                Stored(
+                BlockStored(
                     block_hashes=tuple(stored_ids),
                     parent_hash=ids[present - 1] if present else None,
                     token_ids=tuple(tokens[present * size : (present + new) * size]),
@@ -213,11 +157,11 @@ class PrefixCache:
         self.stored += admission.stored_blocks
         self.evicted += admission.evicted_blocks
 
-    def clear(self) -> list[CacheEvent]:
+    def clear(self) -> list[KvEvent]:
         """Drop every block (vLLM's reset_prefix_cache): one AllBlocksCleared."""
         self._blocks.clear()
         self.clears += 1
-        return [Cleared()]
+        return [AllBlocksCleared()]
 
     def view(self) -> dict[str, Any]:
         looked_up = self.hits + self.misses

@@ -11,8 +11,12 @@ Dynamo: the native module is imported when a `SelectionCore` is built, and a mis
   `output_tokens(n)` / `output_block()`, `free()` (idempotent; a no-op after shutdown).
 - types.py: the frozen request/result values; errors.py: the one exception hierarchy.
 - validation.py: start-up checks (block size, unique u64 worker ids, dp size, KV endpoints).
-- hashing.py: Dynamo's block and sequence hashes, bit-exact, in Python (xxhash).
-- kv_events.py: the engines' KV-event wire format (vLLM ZMQ), both encodings.
+- hashing.py: `hash_prompt`, a prompt as a `HashedPrompt`; the hashing itself (Dynamo's block
+  and sequence hashes, bit-exact, xxhash) is `pylon.core.blocks`, shared with pylon and the mock.
+
+The engines' KV-event wire format is not here: the native core reads the engines' ZMQ sockets
+itself and takes no event bytes. pylon's one codec for it is `pylon.core.kv_events` (decode,
+encode, sequence gaps), which the tests and the benchmark use to publish to the native core.
 
 docs/routing.md ("router_ffi: the native boundary") has the measured select latency and why the
 native calls run on an owner thread.

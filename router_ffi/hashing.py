@@ -1,97 +1,20 @@
-"""Dynamo 1.6.1 block hashing in pure Python (xxhash), bit-exact with the native core.
+"""A prompt hashed for a `SelectRequest`: Dynamo's block and sequence hashes as a `HashedPrompt`.
 
-- Content hash of a full block: `xxh3_64(little-endian u32 token bytes, seed)`; a trailing partial
-  block is dropped. The seed is 1337, plus `xxh3_64(lora_name, seed=0)` when a LoRA name is set,
-  plus `xxh3_64(cache_salt, seed=1)` when a salt is set (wrapping mod 2^64; empty = absent).
-  Equal to `dynamo._core.compute_block_hash_for_seq(tokens, block_size, lora_name=,
-  cache_namespace=)` (tested against it under the `dynamo` marker, and against fixed vectors).
-- Sequence hash (the prefix chain the router indexes): the first block's content hash, then
-  `xxh3_64(u64 LE parent_sequence_hash || u64 LE content_hash, seed=1337)`.
-- The native request wants both as signed i64 (`to_i64`); `hash_prompt` builds a `HashedPrompt`.
+The hashing itself is `pylon.core.blocks` (the one implementation, shared with pylon's KV routing
+and mock_dynamo's prefix cache); this module only shapes its output into the native wire form
+(signed i64) and turns a missing xxhash into router_ffi's `DependencyMissing`.
 
-xxhash ships with the `dynamo` extra; it is imported on first use so that importing router_ffi
-never fails.
+xxhash ships with the `dynamo` extra; it is imported on first use, so importing router_ffi never
+fails.
 """
 
 from __future__ import annotations
 
-import array
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from pylon.core.blocks import HashingUnavailable, block_hashes, sequence_hashes, to_i64
 from router_ffi.errors import DependencyMissing
 from router_ffi.types import HashedPrompt
-
-BASE_SEED = 1337
-_U64 = 1 << 64
-_I64_MAX = (1 << 63) - 1
-_pack_pair = struct.Struct("<QQ").pack
-
-_xxh3: Callable[..., int] | None = None
-
-
-def _hasher() -> Callable[..., int]:
-    global _xxh3
-    if _xxh3 is None:
-        try:
-            import xxhash
-        except ImportError as exc:
-            raise DependencyMissing("xxhash", str(exc)) from exc
-        _xxh3 = xxhash.xxh3_64_intdigest
-    return _xxh3
-
-
-def block_seed(*, lora_name: str | None = None, cache_salt: str | None = None) -> int:
-    """The xxh3 seed of a prompt's content hashes (1337, shifted by LoRA name and salt)."""
-    h = _hasher()
-    seed = BASE_SEED
-    if lora_name:
-        seed += h(lora_name.encode("utf-8"), 0)
-    if cache_salt:
-        seed += h(cache_salt.encode("utf-8"), 1)
-    return seed % _U64
-
-
-def block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    *,
-    lora_name: str | None = None,
-    cache_salt: str | None = None,
-) -> list[int]:
-    """Unsigned content hashes of the full blocks of `token_ids` (== compute_block_hash_for_seq).
-
-    Token ids must be u32 (`OverflowError` otherwise); `block_size` must be >= 1."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    h = _hasher()
-    seed = block_seed(lora_name=lora_name, cache_salt=cache_salt)
-    buf = memoryview(array.array("I", token_ids)).cast("B")
-    width = block_size * 4
-    return [
-        h(buf[i : i + width], seed) for i in range(0, (len(token_ids) // block_size) * width, width)
-    ]
-
-
-def sequence_hashes(content_hashes: Sequence[int]) -> list[int]:
-    """Unsigned prefix-chained sequence hashes of unsigned content hashes."""
-    h = _hasher()
-    out: list[int] = []
-    parent: int | None = None
-    for content in content_hashes:
-        parent = content if parent is None else h(_pack_pair(parent, content), BASE_SEED)
-        out.append(parent)
-    return out
-
-
-def to_i64(value: int) -> int:
-    """A u64 as the signed i64 with the same bits (Dynamo's wire form for hashes)."""
-    return value - _U64 if value > _I64_MAX else value
-
-
-def to_u64(value: int) -> int:
-    """The inverse of `to_i64`."""
-    return value + _U64 if value < 0 else value
 
 
 def hash_prompt(
@@ -101,9 +24,15 @@ def hash_prompt(
     lora_name: str | None = None,
     cache_salt: str | None = None,
 ) -> HashedPrompt:
-    """A prompt hashed once, ready for `SelectRequest(prompt=...)` (signed i64 hashes)."""
-    content = block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
-    chained = sequence_hashes(content)
+    """A prompt hashed once, ready for `SelectRequest(prompt=...)` (signed i64 hashes).
+
+    `DependencyMissing` without xxhash; `ValueError` for a block size < 1, `OverflowError` for a
+    token id outside u32."""
+    try:
+        content = block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
+        chained = sequence_hashes(content)
+    except HashingUnavailable as exc:
+        raise DependencyMissing("xxhash", str(exc)) from exc
     return HashedPrompt(
         block_hashes=[to_i64(x) for x in content],
         sequence_hashes=[to_i64(x) for x in chained],

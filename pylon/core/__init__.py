@@ -4,5 +4,6 @@
 (one request's way in), `contract` (tunnel headers), `sanitize` and `plan` (what reaches the
 engine), `priority` (what an adapter may write), `queue` (queue-mismatch admission: the live
 request table and its estimates), `retry`, `sse`, `errors` (one taxonomy), `flood`, `kv_events`
-(engines' KV-cache events off ZMQ, decoded; sequence gaps).
+(engines' KV-cache events on ZMQ: the one codec, decode and encode; sequence gaps), `blocks`
+(Dynamo's block and sequence hashes, the one implementation; xxhash imported on first use).
 """

@@ -1,17 +1,22 @@
-"""KV-cache events from an engine's ZMQ PUB socket, decoded (sans-I/O: frames in, typed events out).
+"""The engines' KV-cache events on ZMQ (vLLM's wire format), decoded and encoded, sans-I/O.
+
+The one codec for this format: pylon decodes engines' events with it (KV-aware routing: gap
+detection, its own view of the caches); mock_dynamo's publisher encodes its prefix cache's events
+with it; router_ffi's tests and benchmark publish with it to Dynamo's native core (which reads the
+sockets itself and takes no event bytes).
 
 The envelope is vLLM's, which Dynamo's router also reads: exactly three frames
 `[topic, seq, payload]`. `topic` is ignored (routers subscribe to everything), `seq` is an 8-byte
 big-endian u64 that grows by one per message, and `payload` is msgpack
 `[ts, events, data_parallel_rank]` (the rank may be absent or nil).
 
-Each event comes in either of two encodings, and both are accepted:
-- positional arrays, tag first (vLLM, msgspec `array_like`):
+Each event comes in either of two encodings (`Form`); both are decoded, either is encoded:
+- `array`: positional arrays, tag first (vLLM, msgspec `array_like`):
   `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name, extra_keys, block_mm_infos, group_idx, ...]`,
   `["BlockRemoved", block_hashes, medium, group_idx, ...]`, `["AllBlocksCleared"]`;
-  an array may end early;
-- maps with a `"type"` tag (SGLang, the Dynamo 1.6.1 mocker): `{"type": "BlockStored",
+  an array may end early. There is no slot for a cache salt;
+- `map`: maps with a `"type"` tag (SGLang, the Dynamo 1.6.1 mocker): `{"type": "BlockStored",
   "block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "lora_name",
   "cache_salt", "group_idx", ...}`; unknown keys are ignored.
 
@@ -23,9 +28,15 @@ integer vLLM would have sent, the last 8 bytes read big-endian. Events with an u
 skipped and counted (`KvEventBatch.ignored`), so an engine that adds event kinds does not stop
 the router.
 
-Anything malformed raises `KvEventDecodeError` (and nothing else), with a machine-readable
-`reason`. Work per message is bounded: the payload size, the event count and the list lengths are
-checked against `DecodeLimits` before anything is built.
+Decoding: anything malformed raises `KvEventDecodeError` (and nothing else), with a
+machine-readable `reason`. Work per message is bounded: the payload size, the event count and the
+list lengths are checked against `DecodeLimits` before anything is built.
+
+Encoding (`encode_message`, `encode_event`): hashes are written unsigned. The array form writes
+a `BlockStored` through `extra_keys` (9 elements, as Dynamo's reader expects), plus
+`block_mm_infos` (nil) and `group_idx` only when `group_idx` is set; a `BlockRemoved` as
+`[tag, block_hashes, medium]`, plus `group_idx` when set. The map form writes the required keys
+and each optional one that is not None. A salted `BlockStored` has no array form (`ValueError`).
 
 `SequenceTracker` checks the per-worker sequence: a gap (or a restart, the sequence going back)
 is returned as a `SequenceCheck` whose `stale` is true; the caller logs and counts it and treats
@@ -36,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -45,6 +56,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "DecodeLimits",
+    "Form",
     "KvEvent",
     "KvEventBatch",
     "KvEventDecodeError",
@@ -52,6 +64,8 @@ __all__ = [
     "SequenceTracker",
     "decode_message",
     "decode_payload",
+    "encode_event",
+    "encode_message",
     "normalize_hash",
 ]
 
@@ -59,6 +73,10 @@ U64_MASK = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 _U32_MAX = (1 << 32) - 1
 SEQ_BYTES = 8
+
+# The two event encodings inside the envelope (see the module docstring).
+Form = Literal["array", "map"]
+FORMS: tuple[str, ...] = get_args(Form)
 
 
 class KvEventDecodeError(ValueError):
@@ -130,6 +148,8 @@ class KvEventBatch:
     # Events with a tag this decoder does not know, skipped.
     ignored: int = 0
 
+
+# --- decode ---------------------------------------------------------------------------------
 
 _decoder = msgspec.msgpack.Decoder()
 
@@ -305,6 +325,87 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return _is_int(value) or isinstance(value, float)
+
+
+# --- encode ---------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_message(batch: KvEventBatch, *, form: Form = "array") -> list[bytes]:
+    """The three frames of one message, `[batch.topic, seq, payload]` (for `send_multipart`).
+
+    `batch.ignored` is not written. `ValueError` for a seq or dp_rank out of range, or a salted
+    `BlockStored` in the array form."""
+    if not 0 <= batch.seq <= U64_MASK:
+        raise ValueError(f"seq must be a u64, got {batch.seq}")
+    if batch.dp_rank is not None and not 0 <= batch.dp_rank <= _U32_MAX:
+        raise ValueError(f"dp_rank must be a u32 or None, got {batch.dp_rank}")
+    one = _event_array if form == "array" else _event_map
+    payload = _encoder.encode([batch.ts, [one(e) for e in batch.events], batch.dp_rank])
+    return [batch.topic, batch.seq.to_bytes(SEQ_BYTES, "big"), payload]
+
+
+def encode_event(event: KvEvent, form: Form = "array") -> list[Any] | dict[str, Any]:
+    """One event as the msgpack-ready value of `form` (see the module docstring)."""
+    return _event_array(event) if form == "array" else _event_map(event)
+
+
+def _event_array(event: KvEvent) -> list[Any]:
+    if isinstance(event, BlockStored):
+        if event.cache_salt:
+            raise ValueError("a salted BlockStored needs the map form (no positional slot)")
+        out: list[Any] = [
+            "BlockStored",
+            list(event.block_hashes),
+            event.parent_hash,
+            None if event.token_ids is None else list(event.token_ids),
+            event.block_size,
+            None,  # lora_id (legacy, ignored by readers)
+            event.medium,
+            event.lora_name,
+            None,  # extra_keys
+        ]
+        if event.group_idx is not None:
+            out += [None, event.group_idx]  # block_mm_infos, group_idx
+        return out
+    if isinstance(event, BlockRemoved):
+        removed: list[Any] = ["BlockRemoved", list(event.block_hashes), event.medium]
+        if event.group_idx is not None:
+            removed.append(event.group_idx)
+        return removed
+    return ["AllBlocksCleared"]
+
+
+def _event_map(event: KvEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        out: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_hash,
+            "token_ids": None if event.token_ids is None else list(event.token_ids),
+            "block_size": event.block_size,
+        }
+        for key, value in (
+            ("medium", event.medium),
+            ("lora_name", event.lora_name),
+            ("cache_salt", event.cache_salt),
+            ("group_idx", event.group_idx),
+        ):
+            if value is not None:
+                out[key] = value
+        return out
+    if isinstance(event, BlockRemoved):
+        removed: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes)}
+        if event.medium is not None:
+            removed["medium"] = event.medium
+        if event.group_idx is not None:
+            removed["group_idx"] = event.group_idx
+        return removed
+    return {"type": "AllBlocksCleared"}
+
+
+# --- sequence numbers -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

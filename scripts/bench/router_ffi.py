@@ -4,7 +4,7 @@ Four workers, each with a ZMQ KV-event PUB on 127.0.0.1 and some cached prompts 
 it (so the native radix index is not empty), and 1,000-token prompts that share a prefix with
 what is cached. Prints median and p99 in microseconds for:
 
-- hashing a 1,000-token prompt: the native `compute_block_hash_for_seq`, router_ffi's Python
+- hashing a 1,000-token prompt: the native `compute_block_hash_for_seq`, pylon.core.blocks
   `block_hashes`, and `hash_prompt` (content hashes + prefix chain + i64, what a HashedPrompt
   carries);
 - `SelectionCore.select_and_reserve`, blocking, called from a thread that runs a uvloop loop
@@ -35,9 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 import uvloop  # noqa: E402
 
+from pylon.core.blocks import block_hashes  # noqa: E402
+from pylon.core.kv_events import BlockStored, KvEventBatch, encode_message  # noqa: E402
 from router_ffi import SelectionCore, SelectRequest, TokenPrompt, WorkerSpec  # noqa: E402
-from router_ffi.hashing import block_hashes, hash_prompt  # noqa: E402
-from router_ffi.kv_events import BlockStored, KvEventBatch, encode  # noqa: E402
+from router_ffi.hashing import hash_prompt  # noqa: E402
 
 BLOCK = 16
 WORKERS = 4
@@ -85,7 +86,7 @@ def main() -> None:
         "hash: native compute_block_hash_for_seq",
         timed(lambda: _core.compute_block_hash_for_seq(tok, BLOCK), n),
     )
-    summary("hash: router_ffi.hashing.block_hashes", timed(lambda: block_hashes(tok, BLOCK), n))
+    summary("hash: pylon.core.blocks.block_hashes", timed(lambda: block_hashes(tok, BLOCK), n))
     summary(
         "hash: router_ffi.hashing.hash_prompt (chain, i64)",
         timed(lambda: hash_prompt(tok, BLOCK), n),
@@ -113,7 +114,7 @@ def main() -> None:
         ids = tuple(group * 10_000 + b for b in range(nb))
         event = BlockStored(ids, None, tuple(t[: nb * BLOCK]), BLOCK)
         pubs[group % WORKERS].send_multipart(
-            encode(KvEventBatch(group // WORKERS, time.time(), (event,), 0))
+            encode_message(KvEventBatch(group // WORKERS, time.time(), (event,), 0))
         )
     last = prompt(args.cached_groups - 1, 0, tokens)
     deadline = time.monotonic() + 30

@@ -1,7 +1,8 @@
 """mock_dynamo's engine model against Dynamo 1.6.1's own code (``pytest -m dynamo``).
 
-* Block content hashes equal ``dynamo._core.compute_block_hash_for_seq`` (salted too), and the
-  chained block ids equal the ``sequence_hashes`` a ``SelectionService`` selection reports.
+* The block content hashes the mock uses (``pylon.core.blocks``) equal
+  ``dynamo._core.compute_block_hash_for_seq`` (salted too), and the mock cache's chained block
+  ids equal the ``sequence_hashes`` a ``SelectionService`` selection reports.
 * A ``SelectionService`` subscribed to the mock's KV-event socket (both encodings) sees exactly the
   blocks the mock holds: stored, evicted (tails first) and cleared.
 
@@ -25,8 +26,10 @@ core = pytest.importorskip(
 )
 
 from mock_dynamo.config import MockConfig  # noqa: E402
-from mock_dynamo.kvcache import block_content_hashes, chain_hashes  # noqa: E402
+from mock_dynamo.kvcache import PrefixCache  # noqa: E402
 from mock_dynamo.server import start_mock  # noqa: E402
+from pylon.core.blocks import block_hashes  # noqa: E402
+from pylon.core.kv_events import BlockStored  # noqa: E402
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.timeout(120)]
 
@@ -53,7 +56,7 @@ def _i64(value: int) -> int:
 def test_content_hashes_equal_dynamos(block_size: int, salt: str | None) -> None:
     for tokens in CORPUS:
         expected = core.compute_block_hash_for_seq(tokens, block_size, cache_namespace=salt)
-        assert block_content_hashes(tokens, block_size, salt) == list(expected)
+        assert block_hashes(tokens, block_size, cache_salt=salt) == list(expected)
 
 
 async def test_chained_ids_equal_dynamos_sequence_hashes() -> None:
@@ -73,7 +76,9 @@ async def test_chained_ids_equal_dynamos_sequence_hashes() -> None:
             selection = await _maybe(
                 service.select_and_reserve({"token_ids": tokens, "selection_id": f"s{n}"})
             )
-            ours = chain_hashes(block_content_hashes(tokens, 16))
+            cache = PrefixCache(16, 100)
+            _, events = cache.admit(tokens)
+            ours = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
             assert [_i64(h) for h in ours] == selection["sequence_hashes"]
     finally:
         service.shutdown()

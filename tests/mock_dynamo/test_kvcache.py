@@ -1,5 +1,5 @@
-"""The mock's engine model, pure: block ids, the LRU prefix cache and its events, tokenizers,
-the prefill lane."""
+"""The mock's engine model, pure: the LRU prefix cache and its events, tokenizers, the prefill
+lane. (Its block ids are pylon.core.blocks' hashes: tests/unit/test_blocks.py.)"""
 
 from __future__ import annotations
 
@@ -15,50 +15,33 @@ xxhash = pytest.importorskip("xxhash", reason="pip install -e '.[mock-kv]'")
 
 from mock_dynamo.config import MockConfig  # noqa: E402
 from mock_dynamo.engine import EngineModel, cache_salt  # noqa: E402
-from mock_dynamo.kvcache import (  # noqa: E402
-    Cleared,
-    PrefixCache,
-    Removed,
-    Stored,
-    block_content_hashes,
-    chain_hashes,
-)
+from mock_dynamo.kvcache import PrefixCache  # noqa: E402
 from mock_dynamo.tokens import WordTokenizer, prompts, word_id  # noqa: E402
+from pylon.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from tests.mock_dynamo.kv_helpers import CHATML, make_model_dir, reference_ids  # noqa: E402
 
 BS = 4
 
 
-# Values printed by Dynamo 1.6.1 itself for tokens 100..147, block size 16: its
-# compute_block_hash_for_seq, and the `sequence_hashes` of a SelectionService selection (as i64).
-DYNAMO_CONTENT = [10823191264391160519, 1219978239041041138, 11579058346470406089]
-DYNAMO_SEQUENCE_I64 = [-7623552809318391097, 4102179227871607950, -36008782455231298]
+def test_block_ids_are_dynamos_chained_block_hashes() -> None:
+    # Dynamo 1.6.1 printed these `sequence_hashes` (as i64) for tokens 100..147, block size 16.
+    cache = PrefixCache(16, 10)
+    _, events = cache.admit(list(range(100, 148)))
+    printed_i64 = [-7623552809318391097, 4102179227871607950, -36008782455231298]
+    assert cache.block_ids() == [h % (1 << 64) for h in reversed(printed_i64)]
+    [stored] = events
+    assert isinstance(stored, BlockStored)
+    assert list(stored.block_hashes) == [h % (1 << 64) for h in printed_i64]
 
 
-def test_block_ids_match_values_printed_by_dynamo() -> None:
-    tokens = list(range(100, 148))
-    assert block_content_hashes(tokens, 16) == DYNAMO_CONTENT
-    assert chain_hashes(DYNAMO_CONTENT) == [h % (1 << 64) for h in DYNAMO_SEQUENCE_I64]
-
-
-@given(
-    tokens=st.lists(st.integers(0, (1 << 32) - 1), max_size=40),
-    size=st.integers(1, 9),
-    salt=st.none() | st.text(max_size=5),
-)
-def test_block_ids_match_an_independent_computation(
-    tokens: list[int], size: int, salt: str | None
-) -> None:
-    assert chain_hashes(block_content_hashes(tokens, size, salt)) == reference_ids(
-        tokens, size, salt
-    )
-
-
-def test_partial_trailing_block_is_not_hashed_and_salt_changes_every_id() -> None:
+def test_a_partial_trailing_block_is_not_cached_and_a_salt_changes_every_id() -> None:
+    cache = PrefixCache(BS, 100)
     tokens = list(range(10))
-    assert len(block_content_hashes(tokens, BS)) == 2
-    plain, salted = reference_ids(tokens, BS), reference_ids(tokens, BS, "tenant")
-    assert not set(plain) & set(salted)
+    _, plain = cache.admit(tokens)
+    _, salted = cache.admit(tokens, "tenant")
+    assert plain == [BlockStored(tuple(reference_ids(tokens, BS)), None, tuple(tokens[:8]), BS)]
+    assert isinstance(salted[0], BlockStored) and salted[0].cache_salt == "tenant"
+    assert not set(plain[0].block_hashes) & set(salted[0].block_hashes)
 
 
 def test_hits_misses_and_the_last_token_rule() -> None:
@@ -67,7 +50,7 @@ def test_hits_misses_and_the_last_token_rule() -> None:
     first, events = cache.admit(tokens)
     assert (first.cached_tokens, first.hit_blocks, first.miss_blocks) == (0, 0, 4)
     ids = reference_ids(tokens, BS)
-    assert events == [Stored(tuple(ids), None, tuple(tokens), BS)]
+    assert events == [BlockStored(tuple(ids), None, tuple(tokens), BS)]
     # The same prompt again: every block is cached, but the last token is always recomputed,
     # so the last block is a miss (vLLM: a 640-token prompt hits 624).
     again, events = cache.admit(tokens)
@@ -83,7 +66,7 @@ def test_hits_misses_and_the_last_token_rule() -> None:
         22,
     )
     new_ids = reference_ids(longer, BS)
-    assert events == [Stored((new_ids[4],), ids[3], tuple(longer[16:20]), BS)]
+    assert events == [BlockStored((new_ids[4],), ids[3], tuple(longer[16:20]), BS)]
     view = cache.view()
     assert (view["requests"], view["hits"], view["misses"], view["blocks"]) == (3, 7, 6, 5)
     assert view["hit_rate"] == pytest.approx(7 / 13)
@@ -100,7 +83,10 @@ def test_lru_evicts_tails_first_with_one_removed_event_per_block() -> None:
     cache.admit(a)
     c = list(range(90, 94))
     admission, events = cache.admit(c)
-    assert events == [Removed((ids_b[1],)), Stored(tuple(reference_ids(c, BS)), None, tuple(c), BS)]
+    assert events == [
+        BlockRemoved((ids_b[1],)),
+        BlockStored(tuple(reference_ids(c, BS)), None, tuple(c), BS),
+    ]
     assert admission.evicted_blocks == 1
     assert ids_b[0] in cache and ids_b[1] not in cache
     assert all(i in cache for i in ids_a)
@@ -112,7 +98,7 @@ def test_a_prompt_longer_than_the_cache_stores_its_head_only() -> None:
     admission, events = cache.admit(tokens)
     ids = reference_ids(tokens, BS)
     assert admission.stored_blocks == 2
-    assert events == [Stored((ids[0], ids[1]), None, tuple(tokens[:8]), BS)]
+    assert events == [BlockStored((ids[0], ids[1]), None, tuple(tokens[:8]), BS)]
     again, events = cache.admit(tokens)
     assert (again.hit_blocks, again.miss_blocks, again.stored_blocks) == (2, 3, 0)
     assert events == []
@@ -125,7 +111,7 @@ def test_blocks_of_the_request_being_admitted_are_not_evicted_for_it() -> None:
     cache.admit(list(range(40, 44)))  # fills the cache; head is now older
     admission, events = cache.admit([*head, *range(60, 64)])
     assert admission.hit_blocks == 2
-    assert [type(e) for e in events] == [Removed, Stored]
+    assert [type(e) for e in events] == [BlockRemoved, BlockStored]
     assert all(i in cache for i in reference_ids([*head, *range(60, 64)], BS))
 
 
@@ -133,7 +119,11 @@ def test_salted_prompts_share_blocks_only_with_the_same_salt() -> None:
     cache = PrefixCache(BS, 100)
     tokens = list(range(12))
     _, events = cache.admit(tokens, "t1")
-    assert events == [Stored(tuple(reference_ids(tokens, BS, "t1")), None, tuple(tokens), BS, "t1")]
+    assert events == [
+        BlockStored(
+            tuple(reference_ids(tokens, BS, "t1")), None, tuple(tokens), BS, cache_salt="t1"
+        )
+    ]
     assert cache.admit(tokens, "t2")[0].hit_blocks == 0
     assert cache.admit(tokens, "t1")[0].hit_blocks == 2
     assert cache.admit(tokens)[0].hit_blocks == 0
@@ -142,7 +132,7 @@ def test_salted_prompts_share_blocks_only_with_the_same_salt() -> None:
 def test_clear_drops_every_block() -> None:
     cache = PrefixCache(BS, 10)
     cache.admit(list(range(8)))
-    assert cache.clear() == [Cleared()]
+    assert cache.clear() == [AllBlocksCleared()]
     assert len(cache) == 0 and cache.view()["clears"] == 1
     assert cache.admit(list(range(8)))[0].hit_blocks == 0
 
@@ -165,10 +155,10 @@ def test_events_replay_to_exactly_the_cache_contents(ops: list[list[int]], capac
     for tokens in ops:
         _, events = cache.admit(tokens)
         for event in events:
-            if isinstance(event, Removed):
+            if isinstance(event, BlockRemoved):
                 assert set(event.block_hashes) <= mirror
                 mirror -= set(event.block_hashes)
-            elif isinstance(event, Stored):
+            elif isinstance(event, BlockStored):
                 assert event.parent_hash is None or event.parent_hash in mirror
                 assert len(event.token_ids) == 2 * len(event.block_hashes)
                 parents = [event.parent_hash, *event.block_hashes[:-1]]

@@ -350,11 +350,11 @@ def test_missing_dynamo_raises_native_unavailable_with_install_hint(
 def test_importing_router_ffi_never_imports_dynamo() -> None:
     code = (
         "import sys; sys.modules['dynamo'] = None; sys.modules['xxhash'] = None\n"
-        "import router_ffi, router_ffi.hashing, router_ffi.kv_events\n"
+        "import router_ffi, router_ffi.hashing, pylon.core.blocks, pylon.core.kv_events\n"
         "loaded = [m for m, mod in sys.modules.items() if mod and m.split('.')[0] == 'dynamo']\n"
         "assert not loaded, loaded\n"
         "try:\n"
-        "    router_ffi.hashing.block_hashes([1, 2], 1)\n"
+        "    router_ffi.hashing.hash_prompt([1, 2], 1)\n"
         "except router_ffi.DependencyMissing as e:\n"
         "    print(e)\n"
     )

@@ -2,7 +2,7 @@
 
 KV events reach the native core the way an engine's do: each worker gets a ZMQ PUB on
 127.0.0.1 (an XPUB, so that the native core's subscription is an event the test waits on), and
-the test publishes router_ffi.kv_events frames on it. Skips when ai-dynamo-runtime is absent.
+the test publishes pylon.core.kv_events frames on it. Skips when ai-dynamo-runtime is absent.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pylon.core.blocks import block_hashes, sequence_hashes, to_u64
+from pylon.core.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, encode_message
 from router_ffi import (
     Reservation,
     RouterFfiError,
@@ -26,8 +28,7 @@ from router_ffi import (
     TokenPrompt,
     WorkerSpec,
 )
-from router_ffi.hashing import block_hashes, hash_prompt, sequence_hashes, to_u64
-from router_ffi.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, encode
+from router_ffi.hashing import hash_prompt
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.timeout(120)]
 
@@ -56,7 +57,7 @@ class Publisher:
 
     def publish(self, *events: KvEvent, form: str = "array") -> None:
         batch = KvEventBatch(seq=self.seq, ts=time.time(), events=events, dp_rank=0)
-        self.sock.send_multipart(encode(batch, form=form))  # type: ignore[arg-type]
+        self.sock.send_multipart(encode_message(batch, form=form))  # type: ignore[arg-type]
         self.seq += 1
 
 
@@ -133,7 +134,7 @@ def store(tokens: list[int], salt: str | None = None) -> BlockStored:
     n = len(tokens) // BLOCK
     return BlockStored(
         block_hashes=tuple(range(1000, 1000 + n)),
-        parent_block_hash=None,
+        parent_hash=None,
         token_ids=tuple(tokens[: n * BLOCK]),
         block_size=BLOCK,
         cache_salt=salt,

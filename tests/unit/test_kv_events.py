@@ -1,7 +1,12 @@
-"""pylon.core.kv_events: the three-frame KV-event envelope, both event encodings, sequence gaps."""
+"""pylon.core.kv_events: the three-frame KV-event envelope, both event encodings (decoded and
+encoded), sequence gaps.
+
+The decoder is pinned against hand-written golden bytes and hand-built payloads (never only
+against the encoder); the encoder against the same golden bytes; round trips join the two."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -15,12 +20,15 @@ from pylon.core.kv_events import (
     BlockRemoved,
     BlockStored,
     DecodeLimits,
+    Form,
     KvEvent,
     KvEventBatch,
     KvEventDecodeError,
     SequenceTracker,
     decode_message,
     decode_payload,
+    encode_event,
+    encode_message,
     normalize_hash,
 )
 
@@ -31,78 +39,8 @@ def _frames(seq: int, payload: object, topic: bytes = b"") -> list[bytes]:
     return [topic, seq.to_bytes(8, "big"), msgspec.msgpack.encode(payload)]
 
 
-# --- a test-only encoder: typed events back to the two wire encodings -------------------------
-
-
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _hash_out(value: int, signed: bool) -> int:
-    return _signed(value) if signed else value
-
-
-def _encode_array(event: KvEvent, signed: bool) -> list[Any]:
-    if isinstance(event, BlockStored):
-        out = [
-            "BlockStored",
-            [_hash_out(h, signed) for h in event.block_hashes],
-            None if event.parent_hash is None else _hash_out(event.parent_hash, signed),
-            None if event.token_ids is None else list(event.token_ids),
-            event.block_size,
-            None,  # lora_id (legacy)
-            event.medium,
-            event.lora_name,
-            None,  # extra_keys
-            None,  # block_mm_infos
-            event.group_idx,
-        ]
-    elif isinstance(event, BlockRemoved):
-        out = [
-            "BlockRemoved",
-            [_hash_out(h, signed) for h in event.block_hashes],
-            event.medium,
-            event.group_idx,
-        ]
-    else:
-        out = ["AllBlocksCleared"]
-    while len(out) > 1 and out[-1] is None:  # a positional event may end early
-        out.pop()
-    return out
-
-
-def _encode_map(event: KvEvent, signed: bool) -> dict[str, Any]:
-    if isinstance(event, BlockStored):
-        out: dict[str, Any] = {
-            "type": "BlockStored",
-            "block_hashes": [_hash_out(h, signed) for h in event.block_hashes],
-            "parent_block_hash": (
-                None if event.parent_hash is None else _hash_out(event.parent_hash, signed)
-            ),
-            "token_ids": None if event.token_ids is None else list(event.token_ids),
-            "block_size": event.block_size,
-            "medium": event.medium,
-            "lora_name": event.lora_name,
-            "cache_salt": event.cache_salt,
-            "group_idx": event.group_idx,
-            "locality": "LOCAL",  # a key this decoder does not read
-        }
-    elif isinstance(event, BlockRemoved):
-        out = {
-            "type": "BlockRemoved",
-            "block_hashes": [_hash_out(h, signed) for h in event.block_hashes],
-            "medium": event.medium,
-            "group_idx": event.group_idx,
-        }
-    else:
-        out = {"type": "AllBlocksCleared"}
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def encode_batch(batch: KvEventBatch, encoding: str, signed: bool) -> list[bytes]:
-    encode = _encode_array if encoding == "array" else _encode_map
-    payload = [batch.ts, [encode(e, signed) for e in batch.events], batch.dp_rank]
-    return _frames(batch.seq, payload, batch.topic)
 
 
 hashes = st.integers(0, U64)
@@ -144,14 +82,135 @@ def batches(draw: st.DrawFn, salted: bool) -> KvEventBatch:
     )
 
 
-@given(batch=batches(salted=False), signed=st.booleans())
-def test_round_trip_positional_arrays(batch: KvEventBatch, signed: bool) -> None:
-    assert decode_message(encode_batch(batch, "array", signed)) == batch
+@given(batch=batches(salted=False))
+def test_round_trip_positional_arrays(batch: KvEventBatch) -> None:
+    frames = encode_message(batch, form="array")
+    assert frames[0] == batch.topic and frames[1] == batch.seq.to_bytes(8, "big")
+    assert decode_message(frames) == batch
 
 
-@given(batch=batches(salted=True), signed=st.booleans())
-def test_round_trip_maps(batch: KvEventBatch, signed: bool) -> None:
-    assert decode_message(encode_batch(batch, "map", signed)) == batch
+@given(batch=batches(salted=True))
+def test_round_trip_maps(batch: KvEventBatch) -> None:
+    assert decode_message(encode_message(batch, form="map")) == batch
+
+
+@given(event=stored(salted=False), cut=st.integers(2, 11))
+def test_a_positional_event_may_end_early(event: BlockStored, cut: int) -> None:
+    # The array keeps the tag and its first `cut - 1` slots; a cut slot reads as absent (None).
+    # Positions as in Dynamo's contract: 1 block_hashes, 2 parent, 3 token_ids, 4 block_size,
+    # 5 lora_id, 6 medium, 7 lora_name, 8 extra_keys, 9 block_mm_infos, 10 group_idx.
+    event = dataclasses.replace(event, group_idx=event.group_idx or 0)
+    full = encode_event(event, "array")
+    assert isinstance(full, list) and len(full) == 11
+
+    def kept(position: int, value: object) -> Any:
+        return value if position < cut else None
+
+    expected = BlockStored(
+        block_hashes=event.block_hashes,
+        parent_hash=kept(2, event.parent_hash),
+        token_ids=kept(3, event.token_ids),
+        block_size=kept(4, event.block_size),
+        medium=kept(6, event.medium),
+        lora_name=kept(7, event.lora_name),
+        group_idx=kept(10, event.group_idx),
+    )
+    assert decode_message(_frames(0, [0.0, [full[:cut]], 0])).events == (expected,)
+
+
+@given(hashes_in=st.lists(hashes, max_size=6), parent=hashes)
+def test_signed_i64_hashes_decode_to_the_same_unsigned_ids(
+    hashes_in: list[int], parent: int
+) -> None:
+    # Built by hand (not by the encoder, which writes unsigned): Dynamo prints ids as i64.
+    signed = [_signed(h) for h in hashes_in]
+    events_in = [
+        ["BlockRemoved", signed],
+        {"type": "BlockStored", "block_hashes": signed, "parent_block_hash": _signed(parent)},
+    ]
+    batch = decode_message(_frames(3, [0.0, events_in, None]))
+    assert batch.events == (
+        BlockRemoved(tuple(hashes_in)),
+        BlockStored(tuple(hashes_in), parent, None, None),
+    )
+
+
+# --- golden bytes: each form, decoded and encoded -------------------------------------------
+
+GOLDEN_ARRAY = (
+    b"\x93"  # [ts, events, dp_rank]
+    b"\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00"  # ts 1.5 (float 64)
+    b"\x93"  # 3 events
+    b"\x99\xabBlockStored"  # 9 slots, the tag
+    b"\x92\x01\xcf\xff\xff\xff\xff\xff\xff\xff\xff"  # block_hashes [1, 2**64 - 1]
+    b"\xc0"  # parent_block_hash nil
+    b"\x92\x07\x08"  # token_ids [7, 8]
+    b"\x01"  # block_size 1
+    b"\xc0\xa3GPU\xc0\xc0"  # lora_id nil, medium "GPU", lora_name nil, extra_keys nil
+    b"\x93\xacBlockRemoved\x91\x01\xa3GPU"  # ["BlockRemoved", [1], "GPU"]
+    b"\x91\xb0AllBlocksCleared"  # ["AllBlocksCleared"]
+    b"\x00"  # dp_rank 0
+)
+GOLDEN_ARRAY_BATCH = KvEventBatch(
+    seq=258,
+    ts=1.5,
+    events=(
+        BlockStored((1, U64), None, (7, 8), 1, medium="GPU"),
+        BlockRemoved((1,), medium="GPU"),
+        AllBlocksCleared(),
+    ),
+    dp_rank=0,
+    topic=b"kv",
+)
+GOLDEN_MAP = (
+    b"\x93\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00\x93"  # [1.5, 3 events, ...
+    b"\x87\xa4type\xabBlockStored"  # a map of 7 keys
+    b"\xacblock_hashes\x91\x05"
+    b"\xb1parent_block_hash\x03"
+    b"\xa9token_ids\x92\x09\x09"
+    b"\xaablock_size\x02"
+    b"\xaacache_salt\xa1t"
+    b"\xa9group_idx\x00"
+    b"\x83\xa4type\xacBlockRemoved\xacblock_hashes\x91\x05\xa9group_idx\x00"
+    b"\x81\xa4type\xb0AllBlocksCleared"
+    b"\xc0"  # ... dp_rank nil]
+)
+GOLDEN_MAP_BATCH = KvEventBatch(
+    seq=0,
+    ts=1.5,
+    events=(
+        BlockStored((5,), 3, (9, 9), 2, cache_salt="t", group_idx=0),
+        BlockRemoved((5,), group_idx=0),
+        AllBlocksCleared(),
+    ),
+    dp_rank=None,
+)
+
+
+@pytest.mark.parametrize(
+    ("form", "frames", "batch"),
+    [
+        ("array", [b"kv", b"\0\0\0\0\0\0\x01\x02", GOLDEN_ARRAY], GOLDEN_ARRAY_BATCH),
+        ("map", [b"", b"\0" * 8, GOLDEN_MAP], GOLDEN_MAP_BATCH),
+    ],
+)
+def test_golden_bytes_decode_and_encode(
+    form: Form, frames: list[bytes], batch: KvEventBatch
+) -> None:
+    assert decode_message(frames) == batch
+    assert encode_message(batch, form=form) == frames
+
+
+def test_the_encoder_refuses_what_the_wire_cannot_carry() -> None:
+    salted = BlockStored((1,), None, (1, 2), 2, cache_salt="tenant")
+    with pytest.raises(ValueError, match="map form"):
+        encode_message(KvEventBatch(0, 0.0, (salted,), 0), form="array")
+    assert encode_message(KvEventBatch(0, 0.0, (salted,), 0), form="map")
+    for seq in (-1, 1 << 64):
+        with pytest.raises(ValueError, match="seq"):
+            encode_message(KvEventBatch(seq, 0.0, (), 0))
+    with pytest.raises(ValueError, match="dp_rank"):
+        encode_message(KvEventBatch(0, 0.0, (), -1))
 
 
 @settings(max_examples=300)
@@ -248,6 +307,21 @@ def test_dynamo_mocker_map_events() -> None:
     assert batch.events == (
         BlockStored((big, 3), 9, (1,) * 32, 16, group_idx=0),
         BlockRemoved((big,), group_idx=0),
+    )
+
+
+def test_later_slots_and_unknown_keys_are_ignored() -> None:
+    # Tails a newer engine adds (kv_cache_spec_kind, ...) and map keys this decoder does not read.
+    events_in = [
+        ["BlockRemoved", [4], "GPU", 0, "full", None],
+        ["BlockStored", [5], 4, [1, 2], 2, None, None, None, None, None, 1, "full", 128],
+        {"type": "BlockStored", "block_hashes": [6], "locality": "LOCAL", "is_eagle": False},
+    ]
+    batch = decode_message(_frames(0, [0.0, events_in, 0]))
+    assert batch.events == (
+        BlockRemoved((4,), medium="GPU", group_idx=0),
+        BlockStored((5,), 4, (1, 2), 2, group_idx=1),
+        BlockStored((6,), None, None, None),
     )
 
 
