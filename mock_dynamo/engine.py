@@ -3,8 +3,9 @@
 Off by default (the mock then counts prompt words and waits `ttft_ms`, as it always did). It is
 on when any of `tokenizer`, `kv_cache_blocks > 0` or `prefill_tokens_per_s > 0` is set:
 
-- prompts are tokenized (`mock_dynamo.tokens`: the model dir's tokenizer and chat template, or
-  words) and `usage.prompt_tokens` is their count;
+- prompts are tokenized (`mock_dynamo.tokens`: the model dir's tokenizer and chat template
+  through pylon's `pylon.tokenize`, in the dialect of the mock's flavor, or words) and
+  `usage.prompt_tokens` is their count;
 - with a cache (`mock_dynamo.kvcache`), the request's leading cached blocks are its
   `cached_tokens` (also in `usage.prompt_tokens_details.cached_tokens`), its blocks are stored,
   and the cache's events go to the KV-event publisher when there is one;
@@ -86,7 +87,9 @@ class EngineModel:
 
     def __init__(self, config: MockConfig) -> None:
         self.tokenizer: PromptTokenizer | None = (
-            load_tokenizer(config.tokenizer) if config.tokenizer or config.kv_enabled else None
+            load_tokenizer(config.tokenizer, config.flavor)
+            if config.tokenizer or config.kv_enabled
+            else None
         )
         self.cache: PrefixCache | None = None
         if config.kv_enabled:
