@@ -25,7 +25,14 @@ from pylon.core.queue import QueueAdmission, QueueTable
 from pylon.core.target import UpstreamTarget
 from pylon.lifecycle import Lifecycle
 from pylon.observe import LogObserver, Observer
-from pylon.preflight import check_files, check_tracing, config_warnings, insecure_listeners
+from pylon.preflight import (
+    check_files,
+    check_tracing,
+    config_warnings,
+    insecure_listeners,
+    load_tokenizer,
+    tokenizer_warnings,
+)
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
 from pylon.server.budget import BodyBudget
@@ -41,6 +48,7 @@ if TYPE_CHECKING:
 
     from pylon.server.http3 import Http3Server, QuicOptions
     from pylon.tls import TlsIdentity
+    from pylon.tokenize import Tokenizer
 
 # Which mock_dynamo flavour stands in for each backend when no --upstream is given.
 _MOCK_FLAVOR: dict[str, Literal["dynamo", "vllm", "sglang"]] = {
@@ -68,6 +76,7 @@ class Core:
     ingress: Ingress  # what every client connection shares
     queue: QueueAdmission  # the live request tables and queue estimates (`queue.table`)
     tracer: ExchangeTracer | None = None  # None: tracing is off
+    tokenizer: Tokenizer | None = None  # --tokenizer, loaded once (pylon.tokenize)
 
 
 def ingress_limits(settings: Settings) -> IngressLimits:
@@ -95,12 +104,14 @@ def build_core(
     lifecycle: Lifecycle | None = None,
     router: Router | None = None,
     span_exporter: SpanExporter | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Core:
     """Assemble the proxy and its parts. Must run inside the event loop (the pool binds it).
 
     `router`: who picks the engine worker; default, every request to `upstream`.
     `span_exporter`: where spans go instead of the OTLP collector (tests); tracing is on when
     it is given or `settings.otel_endpoint` is set, and nothing of it is built otherwise.
+    `tokenizer`: the `--tokenizer` model dir as `preflight.load_tokenizer` loaded it.
     """
     observer = observer or LogObserver()
     lifecycle = lifecycle or Lifecycle()
@@ -145,7 +156,9 @@ def build_core(
     ingress = Ingress(
         proxy, admission, limits, lifecycle, BodyBudget(settings.max_total_body_bytes)
     )
-    return Core(lifecycle, observer, admission, proxy, pool, limits, ingress, queue, tracer)
+    return Core(
+        lifecycle, observer, admission, proxy, pool, limits, ingress, queue, tracer, tokenizer
+    )
 
 
 async def _embedded_mock(settings: Settings, stack: AsyncExitStack, observer: Observer) -> str:
@@ -378,6 +391,7 @@ async def start(
     span_exporter: SpanExporter | None = None,
     *,
     wait_ready: bool = True,
+    tokenizer: Tokenizer | None = None,
 ) -> AsyncIterator[Running]:
     """Start every listener of `settings`, then bring the engine up; exiting the context
     closes everything at once.
@@ -386,12 +400,15 @@ async def start(
     `wait_ready`: enter the context only once bring-up passed (raises `EngineNotReady` when the
     engine never passed its health gate); False enters at once, with bring-up running (tunnel
     requests get `503 not_ready` until `running.ready` is done).
+    `tokenizer`: `--tokenizer` already loaded (`preflight.load_tokenizer`); None loads it here.
     """
     loop = asyncio.get_running_loop()
     observer = observer or LogObserver()
     check_files(settings)  # StartupError before anything starts
     check_tracing(settings)
-    for warning in config_warnings(settings):
+    if tokenizer is None:
+        tokenizer = load_tokenizer(settings)
+    for warning in [*config_warnings(settings), *tokenizer_warnings(tokenizer)]:
         observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:
         upstream = (
@@ -400,7 +417,12 @@ async def start(
             else await _embedded_mock(settings, stack, observer)
         )
         core = build_core(
-            settings, upstream, observer=observer, router=router, span_exporter=span_exporter
+            settings,
+            upstream,
+            observer=observer,
+            router=router,
+            span_exporter=span_exporter,
+            tokenizer=tokenizer,
         )
         if core.tracer is not None:  # closed last, once every exchange has ended
             stack.push_async_callback(_close_tracer, core.tracer)
@@ -466,6 +488,7 @@ async def serve(
     on_quic_ready: Callable[[str], Any] | None = None,
     observer: Observer | None = None,
     force: asyncio.Event | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> int:
     """Run pylon until `stop` is set or SIGINT/SIGTERM arrives, then stop gracefully.
 
@@ -489,7 +512,7 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
     try:
-        async with start(settings, observer, wait_ready=False) as running:
+        async with start(settings, observer, wait_ready=False, tokenizer=tokenizer) as running:
             assert running.ready is not None
             if not await _ready_unless_stopped(running.ready, stop):
                 if not stop.is_set():  # the health gate ran out (logged): nothing was admitted

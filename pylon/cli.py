@@ -222,11 +222,12 @@ def main_options(
 def serve(**kwargs: Any) -> None:
     """Run pylon in front of an engine (or an embedded mock_dynamo when --upstream is unset)."""
     settings = _build(kwargs)
-    from pylon.preflight import StartupError, check_files, check_tracing
+    from pylon.preflight import StartupError, check_files, check_tracing, load_tokenizer
 
     try:
         check_files(settings)  # first, so a refusal is the only line (start() checks again)
         check_tracing(settings)
+        tokenizer = load_tokenizer(settings)  # loaded once: start() takes this one
     except StartupError as exc:
         _die(str(exc))
     observer = _start_logging(settings)
@@ -235,7 +236,7 @@ def serve(**kwargs: Any) -> None:
     from pylon.app import serve as run_server
 
     try:
-        status = uvloop.run(run_server(settings, observer=observer))
+        status = uvloop.run(run_server(settings, observer=observer, tokenizer=tokenizer))
     except StartupError as exc:
         _die(str(exc))
     except OSError as exc:

@@ -3,7 +3,9 @@ than asked.
 
 - Refusals (`StartupError`, one line; `pylon serve` exits 2): a certificate, key or client CA
   file that is missing, unreadable, not PEM, mismatched or expired, a tunnel token file that
-  cannot be used, and tracing asked for without the OpenTelemetry packages installed.
+  cannot be used, tracing asked for without the OpenTelemetry packages installed, and a
+  `--tokenizer` model dir that cannot be loaded (`load_tokenizer`, which also hands the loaded
+  tokenizer on, so it is loaded once).
   (Settings that contradict each other are refused earlier, by `Settings`.)
 - Warnings (process events, logged at warning): a listener off loopback that any client may use
   (`insecure_listener`), an upstream URL whose path ends in `/v1` (`upstream_path_v1`), a setting
@@ -19,9 +21,12 @@ import ipaddress
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pylon.settings import Settings, split_host_port
+
+if TYPE_CHECKING:
+    from pylon.tokenize import Tokenizer
 
 
 class StartupError(Exception):
@@ -64,6 +69,49 @@ def check_tracing(settings: Settings) -> None:
                 f"tracing needs the OpenTelemetry SDK and OTLP exporter, and {module} cannot be "
                 f"imported ({exc}); install them with: pip install 'pylon[otel]'"
             ) from None
+
+
+def load_tokenizer(settings: Settings) -> Tokenizer | None:
+    """The `--tokenizer` model dir, loaded once, in the dialect of `--backend`; None without
+    one. Refuses a directory that cannot be used, a missing package, and the passthrough backend
+    (pylon cannot know how an unknown engine tokenizes)."""
+    directory = settings.tokenizer
+    if directory is None:
+        return None
+    flag = f"--tokenizer {directory}"
+    if settings.backend == "passthrough":
+        raise StartupError(
+            f"{flag}: --backend passthrough does not say how the engine tokenizes; name the "
+            "engine with --backend dynamo, vllm or sglang"
+        )
+    from pylon.tokenize import Tokenizer, TokenizerError, TokenizerUnavailable
+
+    try:
+        return Tokenizer(directory, dialect=settings.backend)
+    except TokenizerUnavailable as exc:
+        raise StartupError(
+            f"{flag}: tokenization needs the '{exc.package}' package, which cannot be "
+            "imported; install it with: pip install 'pylon[dynamo]'"
+        ) from None
+    except TokenizerError as exc:
+        raise StartupError(f"{flag}: {exc}") from None
+
+
+def tokenizer_warnings(tokenizer: Tokenizer | None) -> list[StartupWarning]:
+    """What a loaded tokenizer will not do: a model dir without a chat template tokenizes
+    completions only (every chat is routed without the cache view)."""
+    if tokenizer is None or tokenizer.has_chat_template:
+        return []
+    return [
+        StartupWarning(
+            "tokenizer_without_chat_template",
+            {
+                "tokenizer": str(tokenizer.directory),
+                "detail": "the model dir has no chat template (tokenizer_config.json "
+                "chat_template, or chat_template.jinja): chat requests are not tokenized",
+            },
+        )
+    ]
 
 
 def _read(flag: str, path: Path) -> bytes:
@@ -180,6 +228,7 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
     if not settings.queue_admission:
         for name in _QUEUE_TUNING:
             ignored(name, "--no-queue-admission: no request is refused for its queue estimate")
+    ignored("tokenizer", "no KV-aware router in this build reads it yet (--routing kv)")
     return warnings
 
 

@@ -295,6 +295,14 @@ class Settings(BaseSettings):
         description="mark engine connect failures retryable",
         json_schema_extra=group(ENGINE),
     )
+    tokenizer: Path | None = Field(
+        None,
+        description="local Hugging Face model dir (tokenizer.json, tokenizer_config.json with "
+        "its chat template) that KV-aware routing tokenizes prompts with, exactly as the "
+        "--backend engine does; loaded and checked at start (needs the dynamo extra: pip "
+        "install 'pylon[dynamo]')",
+        json_schema_extra=group(ENGINE, "DIR"),
+    )
     # --- queue admission ---
     queue_admission: bool = Field(
         True,

@@ -704,6 +704,11 @@ class _Segmenter:
 # --- the chat template ---------------------------------------------------------------------------
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: "3.1.6" -> (3, 1, 6), "3.2rc1" -> (3, 2)."""
+    return tuple(int(m.group()) for p in text.split(".")[:3] if (m := re.match(r"\d+", p)))
+
+
 def _compile_template(source: str) -> tuple[Callable[..., str], ContentFormat]:
     """The template compiled the way transformers compiles it, and its content format."""
     try:
@@ -714,6 +719,12 @@ def _compile_template(source: str) -> tuple[Callable[..., str], ContentFormat]:
         from jinja2.utils import Namespace
     except ImportError:
         raise TokenizerUnavailable("jinja2") from None
+    if _version(jinja2.__version__) < (3, 1, 6):
+        # As transformers: older jinja2 has known sandbox escapes, and templates are code.
+        raise TokenizerError(
+            f"jinja2 {jinja2.__version__} is too old to render chat templates safely: "
+            "install jinja2>=3.1.6"
+        )
 
     class GenerationTag(Extension):
         """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag): its
