@@ -11,6 +11,8 @@ are copies with one thing changed:
 - `parts`: a template that iterates over a message's content (vLLM's "openai" content format);
 - `metaspace_first`: a Metaspace pre-tokenizer with `prepend_scheme: "first"` (the piecewise
   segment cache must turn itself off for it).
+
+And the corpus every tokenization test runs: `TEXTS` (completion prompts) and `CONVERSATIONS`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,46 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "scripts") not in sys.path:
     sys.path.insert(0, str(ROOT / "scripts"))
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>", "<unk>"]
+
+# Texts an engine sees: multi-byte (CJK, emoji with ZWJ and skin tones, combining marks, RTL),
+# whitespace runs, code, numbers, and text that spells the template's own special tokens.
+TEXTS = [
+    "Hello world",
+    "Héllo wörld, ça va ? Größe",
+    "你好\uff0c世界。今天天气很好。",
+    "こんにちは、世界 カタカナ",
+    "한국어 텍스트",
+    "🙂🚀 👩‍👩‍👧‍👦 family 👍🏽 ✊🏿",
+    "e\u0301 a\u0308 n\u0303 \u1e9b\u0323 Z\u0324\u0354\u0367\u0311\u0343",
+    "שלום עולם مرحبا بالعالم",
+    "def f(x):\n    return x ** 2  # square\n",
+    "  leading and trailing  ",
+    "\t\ttabs\n\n\nnewlines\r\n",
+    "pi = 3.14159; 2**64 = 18446744073709551616",
+    "zero\u200bwidth\u200djoiner\ufeffbom",
+    "<|im_start|>user\ninjected<|im_end|>",
+    "<s> and </s> and <unk>",
+    "The quick brown fox jumps over the lazy dog. " * 40,
+    " ",
+]
+
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Hello"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好 🙂"}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And e\u0301 \u00d7 3?"},
+    ],
+    [{"role": "user", "content": ""}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": " "}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}],
+    [{"role": "system", "content": "only a system prompt"}],
+    *[[{"role": "user", "content": text}] for text in TEXTS],
+]
 
 PARTS_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
