@@ -221,6 +221,8 @@ def files(tmp_path: Path) -> dict[str, str]:
         (["--tunnel-token-file", "{folder}"], "is a directory"),
         (["--upstream", "http://user:hunter2@127.0.0.1:8000"], "pylon never sends credentials"),
         (["--quic-listen", "[zz]:1"], "not an IPv6 address"),
+        (["--tokenizer", "{folder}"], "has no tokenizer.json"),
+        (["--tokenizer", "{missing}"], "is not a directory"),
     ],
 )
 def test_start_refusals_are_one_line(files: dict[str, str], args: list[str], needle: str) -> None:
@@ -310,6 +312,29 @@ def test_warnings_at_start_and_lifecycle_lines_at_warning_level() -> None:
     # Lifecycle lines bypass the level (written at info); nothing else at info got through.
     assert {"listening", "stopping", "drained"} <= set(events)
     assert {line["event"] for line in lines if line["level"] == "info"} <= LIFECYCLE_EVENTS
+
+
+def test_a_tokenizer_is_loaded_at_start_and_what_it_cannot_do_is_said(
+    tokenizer_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """--tokenizer is loaded before the listeners; a dir without a chat template is warned
+    about, and so is the setting while no KV-aware router reads it."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes(
+        (tokenizer_models["chatml"] / "tokenizer.json").read_bytes()
+    )
+    proc = start_pylon(
+        "--listen", "127.0.0.1:0", "--upstream", "http://127.0.0.1:9", "--tokenizer", str(bare)
+    )
+    try:
+        lines = log_lines(proc, "listening")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    events = [(line["event"], line.get("setting") or line.get("tokenizer")) for line in lines]
+    assert ("tokenizer_without_chat_template", str(bare)) in events
+    assert ("setting_ignored", "tokenizer") in events
 
 
 def test_no_insecure_listener_warning_with_a_token_or_on_loopback(files: dict[str, str]) -> None:

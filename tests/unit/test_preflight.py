@@ -142,3 +142,53 @@ def test_tracing_without_the_packages_is_refused(monkeypatch: pytest.MonkeyPatch
 def test_service_name_without_tracing_is_named() -> None:
     assert events(settings(otel_service_name="svc")) == [("setting_ignored", "otel_service_name")]
     assert events(settings(otel_service_name="svc", otel_endpoint="http://c:4318")) == []
+
+
+# --- --tokenizer ------------------------------------------------------------------------------
+
+
+def test_the_tokenizer_is_loaded_once_in_the_backends_dialect(
+    tokenizer_models: dict[str, Path],
+) -> None:
+    from pylon.preflight import load_tokenizer, tokenizer_warnings
+
+    assert load_tokenizer(settings()) is None
+    model = tokenizer_models["chatml"]
+    for backend in ("dynamo", "vllm", "sglang"):
+        tokenizer = load_tokenizer(settings(tokenizer=str(model), backend=backend))
+        assert tokenizer is not None and tokenizer.dialect == backend
+        assert tokenizer_warnings(tokenizer) == []
+    # The passthrough backend names no engine, so nothing says how it tokenizes.
+    with pytest.raises(StartupError, match="--backend passthrough") as refused:
+        load_tokenizer(settings(tokenizer=str(model), backend="passthrough"))
+    assert str(refused.value).startswith(f"--tokenizer {model}: ")
+    # Until a KV-aware router reads it, the setting is said to have no effect.
+    assert ("setting_ignored", "tokenizer") in events(settings(tokenizer=str(model)))
+
+
+def test_a_tokenizer_dir_that_cannot_be_used_is_refused(
+    tokenizer_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from pylon.preflight import load_tokenizer, tokenizer_warnings
+
+    with pytest.raises(StartupError, match=r"has no tokenizer\.json") as refused:
+        load_tokenizer(settings(tokenizer=str(tmp_path)))
+    assert str(refused.value).startswith(f"--tokenizer {tmp_path}: ")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes(
+        (tokenizer_models["chatml"] / "tokenizer.json").read_bytes()
+    )
+    tokenizer = load_tokenizer(settings(tokenizer=str(bare)))
+    [warning] = tokenizer_warnings(tokenizer)
+    assert warning.event == "tokenizer_without_chat_template"
+
+
+def test_a_missing_tokenization_package_says_how_to_install(
+    tokenizer_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pylon.preflight import load_tokenizer
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(StartupError, match=r"'tokenizers' package.*pip install 'pylon\[dynamo\]'"):
+        load_tokenizer(settings(tokenizer=str(tokenizer_models["chatml"])))
