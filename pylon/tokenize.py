@@ -304,6 +304,15 @@ def _read_text(path: Path) -> str | None:
         raise TokenizerError(f"cannot read {path}: {_one_line(exc)}") from None
 
 
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """`tokenizer.encode(text).ids`, through the batch call: it releases the GIL while Rust
+    encodes (a plain `encode` holds it), and the `_fast` form skips the offsets (about 25%
+    less time). The ids are the same."""
+    batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+    ids: list[int] = batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return ids
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(getattr(exc, "strerror", None) or exc)
     return " ".join(text.split()) or type(exc).__name__
@@ -430,8 +439,7 @@ class Tokenizer:
         """A completion prompt's ids (with the special tokens, except for Dynamo's frontend)."""
         if not self._add_specials_to_text:
             return self._segments.encode(text)
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=True).ids
-        return ids
+        return _encode(self._tokenizer, text, True)
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
@@ -652,8 +660,7 @@ class _Segmenter:
             return False
 
     def _whole(self, text: str) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+        return _encode(self._tokenizer, text, False)
 
     def encode(self, text: str) -> list[int]:
         if self._splitter is None:
