@@ -17,10 +17,10 @@ Two tokenizers, one interface (`prompts(endpoint, body) -> [[token id]]`, one li
 The mock reads bodies leniently, like an engine that accepts what it can (pylon's
 `Tokenizer.prompt_tokens` is the strict reading, for routing): a `/v1/completions` prompt given
 as token ids (a list of ints, or a list of such lists) is taken as is, and a list of strings is
-several prompts. Message content may be a string or a list of parts; text parts are joined with
-a newline (`pylon.tokenize.content_text`, vLLM's "string" content format). `/v1/responses`
-becomes messages: `instructions` as a system message, then `input` (a string is one user
-message). Bad shapes raise ValueError (the mock answers 400).
+several prompts. Message content may be a string or a list of parts; text parts are joined as
+the flavor's engine joins them (`pylon.tokenize.content_text`: a newline, a space for sglang).
+`/v1/responses` becomes messages: `instructions` as a system message, then `input` (a string is
+one user message). Bad shapes raise ValueError (the mock answers 400).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ Endpoint = str  # "chat", "completions" or "responses"
 
 class PromptTokenizer(Protocol):
     name: str
+    joiner: str  # how a message's text parts are joined
 
     def encode_text(self, text: str) -> list[int]: ...
 
@@ -48,9 +49,9 @@ def prompts(
 ) -> list[list[int]]:
     """The token ids of each prompt of an inference body."""
     if endpoint == "chat":
-        return [tokenizer.encode_chat(_messages(body.get("messages")))]
+        return [tokenizer.encode_chat(_messages(body.get("messages"), tokenizer.joiner))]
     if endpoint == "responses":
-        return [tokenizer.encode_chat(_responses_messages(body))]
+        return [tokenizer.encode_chat(_responses_messages(body, tokenizer.joiner))]
     return [_completion_prompt(tokenizer, p) for p in _completion_prompts(body.get("prompt"))]
 
 
@@ -76,18 +77,18 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _messages(raw: object) -> list[dict[str, Any]]:
+def _messages(raw: object, joiner: str) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise ValueError("messages must be a list")
     out = []
     for message in raw:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError("each message must be an object with a string role")
-        out.append({**message, "content": content_text(message.get("content"))})
+        out.append({**message, "content": content_text(message.get("content"), joiner)})
     return out
 
 
-def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _responses_messages(body: dict[str, Any], joiner: str) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:
@@ -99,7 +100,7 @@ def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         # Message items only (function-call items and the like carry no role).
         items = [i for i in raw if isinstance(i, dict) and isinstance(i.get("role"), str)]
         if items:
-            messages.extend(_messages(items))
+            messages.extend(_messages(items, joiner))
     elif raw is not None:
         raise ValueError("input must be a string or a list of items")
     if not messages:
@@ -115,6 +116,7 @@ class WordTokenizer:
     """Words as tokens (see the module docstring)."""
 
     name = "words"
+    joiner = "\n"
 
     def encode_text(self, text: str) -> list[int]:
         return [word_id(w) for w in text.split()]

@@ -40,9 +40,15 @@ exactly: several prompts, tools, documents, a chat template or its arguments fro
 `continue_final_message`, `add_special_tokens`, `truncate_prompt_tokens`, `reasoning_effort`,
 `nvext.use_raw_prompt` or `nvext.token_data`, roles other than system/user/assistant, message
 fields other than role and content, non-text content parts, an empty prompt or conversation, a
-template error, a body over `max_body_bytes` or a prompt over `max_prompt_tokens`. `tokenize`
-says why (`Fallback`), for metrics. Both are thread-safe (tokenizers encodes in Rust without the
-GIL; jinja2 renders from an immutable template) and never raise for a request's content.
+template error, a body over `max_body_bytes` or a prompt over `max_prompt_tokens`, and (vllm,
+sglang) a completion prompt when the dir disagrees with itself on adding BOS/EOS. `tokenize`
+says why (`Fallback`), for metrics. Both never raise for a request's content, and are
+thread-safe: the encode runs in Rust without the GIL (`encode_batch_fast`), so a caller may run
+them in a worker thread while its event loop goes on; jinja2 renders from an immutable template.
+
+Cost (docs/routing.md, "Tokenization"): the encode is nearly all of it. A chat is encoded piece
+by piece between its added tokens, with an LRU cache of pieces (`_Segmenter`, only where that is
+exactly the whole encode), so a system prompt or an earlier turn seen before costs a lookup.
 
 `tokenizers` and `jinja2` are imported when a `Tokenizer` is built, never by importing this
 module; they ship with the `dynamo` extra (what `--routing kv` needs), `mock-kv` and `dev`. A
@@ -406,7 +412,8 @@ class Tokenizer:
         self._text_reliable = not self._add_specials_to_text or self._specials_agree(
             config, specials
         )
-        self._joiner = _JOINERS[dialect]
+        # How the engine joins a message's text parts.
+        self.joiner = _JOINERS[dialect]
         self._segments = _Segmenter.build(tokenizer, spec, cache_tokens)
         self._render: Callable[..., str] | None = None
         self.content_format: ContentFormat = "string"
@@ -541,7 +548,7 @@ class Tokenizer:
                     return Fallback.EMPTY  # [] renders differently in each engine
                 if openai_format:
                     return Fallback.CONTENT_FORMAT
-                content = self._joiner.join([part.text for part in content])
+                content = self.joiner.join([part.text for part in content])
             messages.append({"role": message.role, "content": content})
         return self.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
 

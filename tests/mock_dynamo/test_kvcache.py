@@ -273,6 +273,10 @@ def test_hf_tokenizer_renders_the_chat_template_and_encodes_like_the_engine(tmp_
     dynamo = load_tokenizer(str(model))
     assert prompts(dynamo, "completions", {"prompt": "The quick fox"}) == [text_ids[1:]]
     assert prompts(dynamo, "chat", {"messages": messages}) == [chat_ids]
+    # SGLang joins text parts with a space.
+    [sglang_ids] = prompts(load_tokenizer(str(model), "sglang"), "chat", {"messages": messages})
+    spaced = expected_text.replace("Héllo\n你好", "Héllo 你好")
+    assert sglang_ids == raw.encode(spaced, add_special_tokens=False).ids
 
 
 def test_hf_tokenizer_refuses_a_dir_without_tokenizer_json(tmp_path: Path) -> None:
