@@ -1,7 +1,8 @@
 """The process lifecycle: starting, ready, draining. One object per process.
 
-Listeners, admission (the `not_ready` and `shutting_down` 503s) and, later, `/ready` read it;
-nothing else keeps a drain flag of its own. Connections subscribe to be told when the drain starts
+Listeners, admission (the `not_ready` and `shutting_down` 503s) and the admin `/ready` read it;
+nothing else keeps a drain flag of its own. `readiness()` is the one answer to "may traffic come
+here?" (the admin listener serves it). Connections subscribe to be told when the drain starts
 (HTTP/2 and HTTP/3 send GOAWAY, idle HTTP/1.1 keep-alives close).
 """
 
@@ -32,6 +33,14 @@ class Lifecycle:
     @property
     def ready(self) -> bool:
         return self.phase is Phase.READY
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason) for `/ready`: ready only in the READY phase; a drain says so at once."""
+        if self.phase is Phase.READY:
+            return True, "ready"
+        if self.phase is Phase.DRAINING:
+            return False, "draining"
+        return False, "starting"
 
     def mark_ready(self) -> None:
         if self.phase is Phase.STARTING:

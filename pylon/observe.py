@@ -26,10 +26,15 @@ class RequestRecord:
         "dispatched_at",
         "done_at",
         "first_byte_at",
+        "first_output_at",
         "head_at",
+        "input_tokens",
+        "input_tokens_source",
         "method",
         "model",
         "outcome",
+        "output_tokens",
+        "output_tokens_source",
         "path",
         "request_id",
         "status",
@@ -45,6 +50,7 @@ class RequestRecord:
         self.head_at = head_at  # the request head was received
         self.dispatched_at: float | None = None  # the request was written to the engine
         self.first_byte_at: float | None = None  # the first response byte went to the client
+        self.first_output_at: float | None = None  # the first output (event or body) arrived
         self.done_at: float | None = None
         self.request_id: str | None = None
         self.model: str | None = None
@@ -54,6 +60,12 @@ class RequestRecord:
         self.outcome = ""
         self.worker: str | None = None
         self.stripped: tuple[str, ...] = ()
+        # Token counts (see `pylon.core.usage`), and where each came from: "usage" (the engine's
+        # report), "gateway" (x-input-tokens), "estimate" (streamed data events); "" = unknown.
+        self.input_tokens: int | None = None
+        self.input_tokens_source = ""
+        self.output_tokens: int | None = None
+        self.output_tokens_source = ""
 
     def duration_ms(self) -> float | None:
         if self.done_at is None:
@@ -119,7 +131,15 @@ _WARNING_EVENTS = frozenset(
 )
 # The start and stop lines: written at info whatever --log-level says (see pylon.logs).
 LIFECYCLE_EVENTS = frozenset(
-    {"listening", "listening_quic", "embedded_mock_started", "stopping", "draining", "drained"}
+    {
+        "listening",
+        "listening_quic",
+        "listening_admin",
+        "embedded_mock_started",
+        "stopping",
+        "draining",
+        "drained",
+    }
 )
 _DEBUG_EVENTS = frozenset({"h2_stream_reset_by_client", "stream_reset_by_client"})
 
@@ -216,4 +236,61 @@ class LogObserver:
             self._log.info(kind, **fields)
 
 
-_: type[Observer] = LogObserver
+_log_observer: type[Observer] = LogObserver
+
+
+class Observers:
+    """Several observers as one: every event goes to each, in the order given (the log lines
+    first, then metrics, traces, ...). Each must be cheap and never raise, as for `Observer`."""
+
+    __slots__ = ("_all",)
+
+    def __init__(self, *observers: Observer) -> None:
+        self._all = observers
+
+    @property
+    def members(self) -> tuple[Observer, ...]:
+        return self._all
+
+    def admitted(self, record: RequestRecord) -> None:
+        for observer in self._all:
+            observer.admitted(record)
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        for observer in self._all:
+            observer.rejected(record, error)
+
+    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
+        for observer in self._all:
+            observer.dispatched(record, plan)
+
+    def first_output(self, record: RequestRecord) -> None:
+        for observer in self._all:
+            observer.first_output(record)
+
+    def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
+        for observer in self._all:
+            observer.upstream_status(record, mark)
+
+    def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
+        for observer in self._all:
+            observer.upstream_failed(record, error, after_head)
+
+    def done(self, record: RequestRecord) -> None:
+        for observer in self._all:
+            observer.done(record)
+
+    def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
+        for observer in self._all:
+            observer.crashed(record, exc)
+
+    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+        for observer in self._all:
+            observer.transport_event(kind, protocol, **fields)
+
+    def process_event(self, kind: str, /, **fields: Any) -> None:
+        for observer in self._all:
+            observer.process_event(kind, **fields)
+
+
+_fan_out: type[Observer] = Observers

@@ -24,7 +24,7 @@ class SglangAdapter:
             value = self._ceiling if rank is None else clamp_rank(rank, self._ceiling)
         else:
             value = 0 if rank is None else self._ceiling - clamp_rank(rank, self._ceiling)
-        return PriorityWrite(body_priority=value)
+        return PriorityWrite(body_priority=value, value=value)
 
 
 _: type[PriorityAdapter] = SglangAdapter

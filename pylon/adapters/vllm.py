@@ -19,7 +19,7 @@ class VllmAdapter:
 
     def derive(self, rank: int | None) -> PriorityWrite:
         value = self._ceiling if rank is None else clamp_rank(rank, self._ceiling)
-        return PriorityWrite(body_priority=value)
+        return PriorityWrite(body_priority=value, value=value)
 
 
 _: type[PriorityAdapter] = VllmAdapter

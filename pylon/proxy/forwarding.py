@@ -16,6 +16,7 @@ from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import sanitize_response_headers
+from pylon.core.usage import FROM_GATEWAY
 from pylon.observe import Observer, RequestRecord
 from pylon.proxy.relay import (
     AlreadyAnswered,
@@ -73,6 +74,9 @@ class Proxy:
         try:
             if isinstance(request, TunnelRequest):
                 plan = self._planner.plan(request, body)
+                if request.input_tokens is not None:
+                    record.input_tokens = request.input_tokens
+                    record.input_tokens_source = FROM_GATEWAY
             else:
                 plan = self._planner.plan_health(request)
         except PylonError as error:
@@ -120,6 +124,8 @@ class Proxy:
             await self._relay_response(plan, exchange, booking, sink, watchdog, record)
         except AlreadyAnswered as cut:
             record.outcome = cut.outcome
+            cut.error.request_id = plan.request_id
+            self._observer.upstream_failed(record, cut.error, after_head=True)
         except ClientStalled:
             record.outcome = "client_send_timeout"  # the stream was reset; the engine stops
         except (UpstreamBroken, UpstreamTimeout) as exc:
@@ -218,14 +224,16 @@ class Proxy:
                 self._relay,
                 plan.request_id,
                 lambda: self._first_output(booking, record),
+                record,
             )
             if failure is not None:
                 record.outcome = failure.code.value
                 self._observer.upstream_failed(record, failure, after_head=True)
         else:
             self._first_output(booking, record)
-            await relay_raw(exchange, sink, headers, watchdog, self._relay)
+            await relay_raw(exchange, sink, headers, watchdog, self._relay, record)
 
     def _first_output(self, booking: Booking, record: RequestRecord) -> None:
+        record.first_output_at = self._loop.time()
         booking.first_output()
         self._observer.first_output(record)

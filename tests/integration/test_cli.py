@@ -25,10 +25,17 @@ from tests.certs import make_ca, make_leaf, write_pair
 
 PYLON = [sys.executable, "-m", "pylon"]
 ENGINE = [sys.executable, "-m", "mock_dynamo"]
+# Every pylon started here has its admin listener on an ephemeral port, never the fixed default.
+ADMIN = {"PYLON_ADMIN_LISTEN": "127.0.0.1:0"}
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without any PYLON_* variable but the ephemeral admin listener."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PYLON_")}, **ADMIN}
 
 
 def run_pylon(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYLON_")}
+    clean = clean_env()
     return subprocess.run(
         [*PYLON, *args],
         capture_output=True,
@@ -112,9 +119,11 @@ def test_bad_values_exit_nonzero_with_one_line(
 
 def test_serve_with_no_upstream_runs_the_embedded_mock() -> None:
     """The README's run command, end to end: pylon serve, then a request through it."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYLON_")}
     proc = subprocess.Popen(
-        [*PYLON, "serve", "--listen", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True, env=clean
+        [*PYLON, "serve", "--listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
     )
     try:
         assert proc.stderr is not None
@@ -268,7 +277,7 @@ def log_lines(proc: subprocess.Popen[str], until: str, limit: float = 20) -> lis
 
 
 def start_pylon(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYLON_")}
+    clean = clean_env()
     return subprocess.Popen(
         [*PYLON, "serve", *args], stderr=subprocess.PIPE, text=True, env={**clean, **(env or {})}
     )

@@ -1,0 +1,131 @@
+"""Token counts of a response, for the metrics: what the engine reported, or an estimate.
+
+Pure and cheap, as they run on every relayed response:
+
+- `usage_of(data)`: the token counts of the last `"usage": {...}` object in `data`, a JSON body
+  or SSE events (or their tail: usage comes last). OpenAI chat and completions (`prompt_tokens`,
+  `completion_tokens`), the Responses API and Anthropic-style messages (`input_tokens`,
+  `output_tokens`). Only the usage object itself is parsed, never the document around it: the key
+  is found with a C scan from the end, and a flat object (the common case) is cut at its `}`.
+- `data_events(block)`: how many SSE events with data a block of whole events holds, the `[DONE]`
+  sentinel excepted: the output-token estimate when the engine reports no usage (engines stream
+  about one token per event; a chat stream's role and finish chunks count too, so the estimate
+  reads a token or two high). One C scan per block.
+
+In valid JSON `"usage"` followed by a colon is always a key: a quote inside a string is escaped,
+so generated text can never look like a usage object.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import orjson
+
+USAGE_KEY = b'"usage"'
+_JSON_WHITESPACE = b" \t\r\n"
+
+# The usage object, anchored at its key, for the rare object that nests one (OpenAI's
+# `prompt_tokens_details`): strings (with escapes) are skipped whole, so a brace inside a string
+# does not end the object, and one level of nested objects is allowed. Each alternative starts
+# with a different character, so matching is linear.
+_STRING = rb'"(?:[^"\\]|\\.)*"'
+_FLAT = rb'\{(?:[^{}"]|' + _STRING + rb")*\}"
+_USAGE = re.compile(
+    rb'"usage"\s*:\s*(\{(?:[^{}"]|' + _STRING + rb"|" + _FLAT + rb")*\})", re.DOTALL
+)
+
+_INPUT_KEYS = ("prompt_tokens", "input_tokens")
+_OUTPUT_KEYS = ("completion_tokens", "output_tokens")
+_DONE_ENDINGS = (b"[DONE]\n\n", b"[DONE]\r\n\r\n")
+# How far from a response's end a usage object is looked for (see `usage_at_end`).
+USAGE_WINDOW = 2048
+
+
+class Usage(NamedTuple):
+    input_tokens: int | None
+    output_tokens: int | None
+
+
+def usage_of(data: bytes, start: int = 0) -> Usage | None:
+    """The counts of the last usage object in `data` (its key at or after `start`) that has any;
+    None when there is none.
+
+    A `"usage": null` (OpenAI streams carry one in every chunk but the last) is skipped, and so
+    is an object without a count in it or one that is not valid JSON.
+    """
+    end = len(data)
+    while (found := data.rfind(USAGE_KEY, start, end)) >= 0:
+        usage = _usage_at(data, found)
+        if usage is not None:
+            return usage
+        end = found
+    return None
+
+
+def _usage_at(data: bytes, found: int) -> Usage | None:
+    value = found + len(USAGE_KEY)
+    # The common case first: `"usage":{...}` with no object inside, cut at its first `}`.
+    opening = data.find(b"{", value, value + 16)
+    if opening < 0 or data[value:opening].strip(_JSON_WHITESPACE) != b":":
+        return None  # `null`, or not a key at all
+    closing = data.find(b"}", opening)
+    if closing < 0:
+        return None
+    usage = _counts(data[opening : closing + 1])
+    if usage is not None:
+        return usage
+    match = _USAGE.match(data, found)
+    return _counts(match.group(1)) if match is not None else None
+
+
+def _counts(raw: bytes) -> Usage | None:
+    try:
+        parsed = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    usage = Usage(_first_count(parsed, _INPUT_KEYS), _first_count(parsed, _OUTPUT_KEYS))
+    return None if usage == (None, None) else usage
+
+
+def _first_count(usage: dict[str, object], keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = usage.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+def usage_at_end(previous: bytes, last: bytes) -> Usage | None:
+    """The usage in the last `USAGE_WINDOW` bytes of a response whose last two pieces (chunks of
+    a body, or blocks of events) are `previous` and `last`.
+
+    Engines write usage at the end (the body's last member, the stream's last event before
+    `[DONE]`), so the rest of the response is never scanned: the cost is bounded whatever its
+    size.
+    """
+    if len(last) >= USAGE_WINDOW or not previous:
+        return usage_of(last, max(0, len(last) - USAGE_WINDOW))
+    return usage_of(previous[len(last) - USAGE_WINDOW :] + last)
+
+
+def data_events(block: bytes) -> int:
+    """SSE events with a `data:` field in a block of whole events, `[DONE]` excepted.
+
+    Counts `data:` at the start of a line; an event with several data lines counts once per
+    line (no engine pylon fronts writes them). The `[DONE]` sentinel ends a stream, so only the
+    block's end is checked for it.
+    """
+    count = block.count(b"\ndata:") + block.startswith(b"data:")
+    if block.endswith(_DONE_ENDINGS):
+        count -= 1
+    return count
+
+
+# Where a `RequestRecord`'s token count came from (the `source` label of the token metrics).
+FROM_USAGE = "usage"  # the engine's usage report
+FROM_GATEWAY = "gateway"  # the gateway's x-input-tokens
+FROM_ESTIMATE = "estimate"  # counted streamed data events

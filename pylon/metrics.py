@@ -1,0 +1,479 @@
+"""Prometheus metrics: a `MetricsObserver` fed by the same events as the log lines.
+
+The hot path only bumps plain integers (a dict entry, a histogram bucket found by `bisect`): no
+locks, no label lookups through prometheus-client, no allocation beyond a small tuple per
+request. Everything runs on the event loop, and so does the scrape, so nothing is torn. At scrape
+time a collector turns the numbers into metric families on the process's own `CollectorRegistry`
+(never the global default, so several pylons in one process keep their own), which the admin
+listener (`pylon.admin`) serves as Prometheus text or OpenMetrics.
+
+Label values are bounded everywhere: `model` comes from a client header, so only the first
+`MODEL_LABEL_LIMIT` distinct models get their own label and later ones are counted as `_other`
+(requests without a model, like `/health` or one refused before its contract was read, as
+`_none`); stripped controls are labelled with the deny-list rule they matched
+(`pylon.core.sanitize.stripped_control_label`); every other label is a name pylon's code defines.
+
+`METRICS` lists every family with its type, labels and meaning: docs/operations.md renders it
+(scripts/gen_operations_doc.py), and tests pin it against their own list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import platform
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import CollectorRegistry
+
+from pylon.core.errors import ErrorCode
+from pylon.core.sanitize import stripped_control_label
+from pylon.observe import Observer
+
+if TYPE_CHECKING:
+    from pylon.core.errors import PylonError
+    from pylon.core.plan import ForwardPlan
+    from pylon.core.retry import RetryMark
+    from pylon.observe import RequestRecord
+
+MODEL_LABEL_LIMIT = 100  # distinct client model names with a label of their own
+OTHER_MODEL = "_other"  # every model past the limit
+NO_MODEL = "_none"  # requests without a model (health checks, refused before the contract)
+_STRIPPED_CACHE_LIMIT = 1024  # stripped names whose label is remembered
+
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS = (*SECONDS_BUCKETS, 120.0, 300.0, 600.0)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+_PRIORITY_FRACTIONS = (0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)
+
+_STATUS_CLASS = {0: "none", 1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}
+_BEFORE_HEAD, _AFTER_HEAD = "before_head", "after_head"
+_BOOL = {True: "true", False: "false"}
+_TLS_RELOAD_RESULTS = ("ok", "rejected")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str  # as exposed in the Prometheus text format (counters end in _total)
+    kind: str  # counter, gauge, histogram or info
+    labels: tuple[str, ...]
+    help: str
+
+
+_REQUEST = ("model", "status_class", "transport", "backend")
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "pylon_build_info",
+        "info",
+        ("version", "python"),
+        "pylon's version and the Python running it (value 1)",
+    ),
+    MetricSpec(
+        "pylon_requests_total",
+        "counter",
+        _REQUEST,
+        "requests answered, by the status class of the answer (`none`: the client left before "
+        "any answer); pylon's own refusals included",
+    ),
+    MetricSpec(
+        "pylon_requests_in_flight",
+        "gauge",
+        ("model", "transport", "backend"),
+        "requests sent to the engine and not finished yet",
+    ),
+    MetricSpec(
+        "pylon_request_time_to_response_head_seconds",
+        "histogram",
+        ("model",),
+        "from the request head to the response head, for requests the engine answered",
+    ),
+    MetricSpec(
+        "pylon_request_time_to_first_output_seconds",
+        "histogram",
+        ("model",),
+        "from the request head to the first output: the first output event of a stream, the "
+        "response head otherwise",
+    ),
+    MetricSpec(
+        "pylon_request_duration_seconds",
+        "histogram",
+        ("model",),
+        "from the request head to the end of the exchange, for requests sent to the engine",
+    ),
+    MetricSpec(
+        "pylon_request_input_tokens",
+        "histogram",
+        ("model", "source"),
+        "input tokens per request: `usage` (the engine's report) or `gateway` (x-input-tokens)",
+    ),
+    MetricSpec(
+        "pylon_request_output_tokens",
+        "histogram",
+        ("model", "source"),
+        "output tokens per request: `usage` (the engine's report) or `estimate` (streamed data "
+        "events, when the engine reports no usage)",
+    ),
+    MetricSpec(
+        "pylon_engine_priority",
+        "histogram",
+        ("backend",),
+        "engine priority values pylon derived for requests sent to the engine (buckets: "
+        "fractions of --priority-ceiling)",
+    ),
+    MetricSpec(
+        "pylon_upstream_errors_total",
+        "counter",
+        ("reason", "stage"),
+        "engine exchanges that failed: unreachable, busy, timed out or broken (reason: the error "
+        "code), before or after the response head (stage)",
+    ),
+    MetricSpec(
+        "pylon_retry_markings_total",
+        "counter",
+        ("reason", "retryable"),
+        "retry markings (x-stargate-retryable, x-stargate-retry-reason) on answers: pylon's own "
+        "problems (reason: the error code) and the engine's error statuses",
+    ),
+    MetricSpec(
+        "pylon_stripped_controls_total",
+        "counter",
+        ("control", "location"),
+        "client steering controls removed before the engine (a security signal): the deny-list "
+        "rule that matched (a header, a header family such as `x-dynamo-*`, an underscore twin, "
+        "or a body field path) and where it was (header or body)",
+    ),
+    MetricSpec(
+        "pylon_transport_events_total",
+        "counter",
+        ("protocol", "event"),
+        "connection-level events: flood guards, malformed frames, client timeouts, cancelled "
+        "streams, ...",
+    ),
+    MetricSpec(
+        "pylon_request_crashes_total",
+        "counter",
+        (),
+        "requests pylon failed to handle (a bug; the stream was reset or closed)",
+    ),
+    MetricSpec(
+        "pylon_tls_certificate_expiry_timestamp_seconds",
+        "gauge",
+        (),
+        "notAfter of the TLS certificate in use, in seconds since the epoch (TLS listeners only)",
+    ),
+    MetricSpec(
+        "pylon_tls_reloads_total",
+        "counter",
+        ("result",),
+        "reloads of --tls-cert / --tls-key: `ok` (the new pair is in use) or `rejected` (kept "
+        "the old one)",
+    ),
+)
+_SPECS = {spec.name: spec for spec in METRICS}
+PROCESS_METRICS_PREFIX = "pylon_process_"  # prometheus-client's process collector, namespaced
+
+
+class _Histogram:
+    """Bucket counts (the last one is +Inf) and the sum; cumulated at scrape time."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            running += count
+            out.append((repr(float(bound)), running))
+        out.append(("+Inf", running + self.counts[-1]))
+        return out
+
+
+class _ModelStats:
+    """Everything counted for one model label."""
+
+    __slots__ = (
+        "duration",
+        "first_output",
+        "head",
+        "in_flight",
+        "input_tokens",
+        "label",
+        "output_tokens",
+        "requests",
+    )
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.requests: dict[tuple[str, str], int] = {}  # (status class, transport) -> count
+        self.in_flight: dict[str, int] = {}  # transport -> requests at the engine
+        self.head = _Histogram(SECONDS_BUCKETS)
+        self.first_output = _Histogram(SECONDS_BUCKETS)
+        self.duration = _Histogram(DURATION_BUCKETS)
+        self.input_tokens: dict[str, _Histogram] = {}  # source -> histogram
+        self.output_tokens: dict[str, _Histogram] = {}
+
+    def count(self, status: int, transport: str) -> None:
+        key = (_STATUS_CLASS.get(status // 100, "other"), transport)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+
+def _tokens(histograms: dict[str, _Histogram], source: str) -> _Histogram:
+    histogram = histograms.get(source)
+    if histogram is None:
+        histogram = histograms[source] = _Histogram(TOKEN_BUCKETS)
+    return histogram
+
+
+def _version() -> str:
+    try:
+        return metadata.version("pylon")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class MetricsObserver:
+    """The metrics `Observer`: counts every event, exposes them on `registry`.
+
+    `backend`: the engine dialect (`--backend`), a label of the request metrics.
+    `priority_ceiling`: --priority-ceiling, which the priority buckets divide.
+    `local_connect_retryable`: --local-connect-failures-retryable, how an unreachable engine is
+    marked (the marking is counted as written).
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        *,
+        priority_ceiling: int = 3600,
+        local_connect_retryable: bool = False,
+        model_limit: int = MODEL_LABEL_LIMIT,
+    ) -> None:
+        self.backend = backend
+        self._connect_retryable = local_connect_retryable
+        self._model_limit = model_limit
+        self._other = _ModelStats(OTHER_MODEL)
+        self._none = _ModelStats(NO_MODEL)
+        # model (None for none) -> its stats; the reserved labels map to their own stats, so a
+        # client model spelled like one is counted there rather than given a duplicate series.
+        self._models: dict[str | None, _ModelStats] = {
+            None: self._none,
+            NO_MODEL: self._none,
+            OTHER_MODEL: self._other,
+        }
+        self._client_models: list[_ModelStats] = []
+        bounds = sorted({round(priority_ceiling * fraction) for fraction in _PRIORITY_FRACTIONS})
+        self._priority = _Histogram(bounds)
+        self._upstream_errors: dict[tuple[str, str], int] = {}
+        self._markings: dict[tuple[str, str], int] = {}
+        self._stripped: dict[tuple[str, str], int] = {}
+        self._stripped_labels: dict[str, tuple[str, str]] = {}
+        self._transport_events: dict[tuple[str, str], int] = {}
+        self._crashes = 0
+        self._tls_not_after: float | None = None
+        self._tls_reloads = dict.fromkeys(_TLS_RELOAD_RESULTS, 0)
+        self._build = {"version": _version(), "python": platform.python_version()}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_Collector(self))
+        ProcessCollector(namespace="pylon", registry=self.registry)
+
+    # --- labels ---
+    def _stats(self, model: str | None) -> _ModelStats:
+        stats = self._models.get(model)
+        if stats is not None:
+            return stats
+        if len(self._client_models) >= self._model_limit:
+            return self._other  # not remembered: the table stays bounded
+        stats = self._models[model] = _ModelStats(model or NO_MODEL)
+        self._client_models.append(stats)
+        return stats
+
+    def _count_stripped(self, stripped: tuple[str, ...]) -> None:
+        labels = self._stripped_labels
+        counts = self._stripped
+        for name in stripped:
+            key = labels.get(name)
+            if key is None:
+                key = stripped_control_label(name)
+                if len(labels) < _STRIPPED_CACHE_LIMIT:
+                    labels[name] = key
+            counts[key] = counts.get(key, 0) + 1
+
+    def _mark(self, reason: str, retryable: bool) -> None:
+        key = (reason, _BOOL[retryable])
+        self._markings[key] = self._markings.get(key, 0) + 1
+
+    # --- the Observer events ---
+    def admitted(self, record: RequestRecord) -> None:
+        return None
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        self._stats(record.model).count(error.status, record.transport)
+        self._mark(error.code.value, error.code.retryable)
+        if record.stripped:
+            self._count_stripped(record.stripped)
+
+    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
+        in_flight = self._stats(record.model).in_flight
+        in_flight[record.transport] = in_flight.get(record.transport, 0) + 1
+        value = plan.priority.value
+        if value is not None:
+            self._priority.observe(value)
+
+    def first_output(self, record: RequestRecord) -> None:
+        return None
+
+    def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
+        self._mark(mark.reason, mark.retryable)
+
+    def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
+        code = error.code
+        key = (code.value, _AFTER_HEAD if after_head else _BEFORE_HEAD)
+        self._upstream_errors[key] = self._upstream_errors.get(key, 0) + 1
+        if after_head:
+            return  # the head went out: no marking could be written
+        if code is ErrorCode.UPSTREAM_UNAVAILABLE:  # see Proxy._answer_connect_failure
+            self._mark("local_connect_failure", self._connect_retryable)
+        else:
+            self._mark(code.value, code.retryable)
+
+    def done(self, record: RequestRecord) -> None:
+        stats = self._stats(record.model)
+        stats.count(record.status, record.transport)
+        head_at = record.head_at
+        if record.dispatched_at is not None:
+            stats.in_flight[record.transport] -= 1
+            if record.done_at is not None:
+                stats.duration.observe(record.done_at - head_at)
+        if record.first_byte_at is not None:
+            stats.head.observe(record.first_byte_at - head_at)
+        if record.first_output_at is not None:
+            stats.first_output.observe(record.first_output_at - head_at)
+        if record.input_tokens is not None:
+            _tokens(stats.input_tokens, record.input_tokens_source).observe(record.input_tokens)
+        if record.output_tokens is not None:
+            _tokens(stats.output_tokens, record.output_tokens_source).observe(record.output_tokens)
+        if record.stripped:
+            self._count_stripped(record.stripped)
+
+    def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
+        self._crashes += 1
+
+    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+        key = (protocol, kind)
+        self._transport_events[key] = self._transport_events.get(key, 0) + 1
+
+    def process_event(self, kind: str, /, **fields: Any) -> None:
+        if kind in ("tls_identity_loaded", "tls_reloaded"):
+            if kind == "tls_reloaded":
+                self._tls_reloads["ok"] += 1
+            not_after = fields.get("not_after")
+            if isinstance(not_after, str):
+                with contextlib.suppress(ValueError):
+                    self._tls_not_after = datetime.datetime.fromisoformat(not_after).timestamp()
+        elif kind == "tls_reload_rejected":
+            self._tls_reloads["rejected"] += 1
+
+    # --- the scrape ---
+    def families(self) -> Iterator[Metric]:
+        """Every family of `METRICS`, in that order, with the current values."""
+        backend = self.backend
+        stats = [self._none, self._other, *self._client_models]
+        build = InfoMetricFamily("pylon_build", _SPECS["pylon_build_info"].help)
+        build.add_metric([], self._build)
+        yield build
+        requests = _counter("pylon_requests_total")
+        in_flight = _gauge("pylon_requests_in_flight")
+        for model in stats:
+            for (status_class, transport), count in model.requests.items():
+                requests.add_metric([model.label, status_class, transport, backend], count)
+            for transport, count in model.in_flight.items():
+                in_flight.add_metric([model.label, transport, backend], count)
+        yield requests
+        yield in_flight
+        for name, attribute in (
+            ("pylon_request_time_to_response_head_seconds", "head"),
+            ("pylon_request_time_to_first_output_seconds", "first_output"),
+            ("pylon_request_duration_seconds", "duration"),
+        ):
+            family = _histogram(name)
+            for model in stats:
+                histogram: _Histogram = getattr(model, attribute)
+                if any(histogram.counts):
+                    family.add_metric([model.label], histogram.buckets(), histogram.total)
+            yield family
+        for name, attribute in (
+            ("pylon_request_input_tokens", "input_tokens"),
+            ("pylon_request_output_tokens", "output_tokens"),
+        ):
+            family = _histogram(name)
+            for model in stats:
+                by_source: dict[str, _Histogram] = getattr(model, attribute)
+                for source, histogram in by_source.items():
+                    family.add_metric([model.label, source], histogram.buckets(), histogram.total)
+            yield family
+        priority = _histogram("pylon_engine_priority")
+        priority.add_metric([backend], self._priority.buckets(), self._priority.total)
+        yield priority
+        yield _counter("pylon_upstream_errors_total", self._upstream_errors)
+        yield _counter("pylon_retry_markings_total", self._markings)
+        yield _counter("pylon_stripped_controls_total", self._stripped)
+        yield _counter("pylon_transport_events_total", self._transport_events)
+        yield _counter("pylon_request_crashes_total", {(): self._crashes})
+        expiry = _gauge("pylon_tls_certificate_expiry_timestamp_seconds")
+        if self._tls_not_after is not None:
+            expiry.add_metric([], self._tls_not_after)
+        yield expiry
+        reloads = {(result,): count for result, count in self._tls_reloads.items()}
+        yield _counter("pylon_tls_reloads_total", reloads)
+
+
+def _counter(name: str, values: dict[Any, int] | None = None) -> CounterMetricFamily:
+    spec = _SPECS[name]
+    family = CounterMetricFamily(name, spec.help, labels=spec.labels)
+    for labels, count in (values or {}).items():
+        family.add_metric(list(labels), count)
+    return family
+
+
+def _gauge(name: str) -> GaugeMetricFamily:
+    spec = _SPECS[name]
+    return GaugeMetricFamily(name, spec.help, labels=spec.labels)
+
+
+def _histogram(name: str) -> HistogramMetricFamily:
+    spec = _SPECS[name]
+    return HistogramMetricFamily(name, spec.help, labels=spec.labels)
+
+
+class _Collector:
+    """prometheus-client's view of a `MetricsObserver`."""
+
+    def __init__(self, metrics: MetricsObserver) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.families()
+
+
+_: type[Observer] = MetricsObserver
