@@ -17,6 +17,7 @@ are answered in order; a client that stops reading has reading paused until it c
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -275,9 +276,8 @@ class AdminServer:
                 lambda: AdminConnection(self), host, port, reuse_address=True
             )
         except OSError as exc:
-            raise StartupError(
-                f"--admin-listen {listen}: cannot listen: {exc.strerror or exc}"
-            ) from None
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            raise StartupError(f"--admin-listen {listen}: cannot listen: {reason}") from None
         bound = self._server.sockets[0].getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
         return self.address

@@ -232,7 +232,6 @@ async def _start_admin(
     admin = AdminServer(AdminRoutes(core.lifecycle, core.metrics.registry))
     address = await admin.start(settings.admin_listen)
     stack.callback(admin.close)
-    core.observer.process_event("listening_admin", address=address, paths="/metrics,/live,/ready")
     return admin, address
 
 
@@ -395,6 +394,10 @@ async def start(
             running.h3, running.quic_address = await _start_quic(settings, core, stack, identity)
         # No engine health gate yet: ready as soon as the listeners are.
         core.lifecycle.mark_ready()
+        if admin_address is not None:  # said once every listener is up: a refusal stays alone
+            observer.process_event(
+                "listening_admin", address=admin_address, paths="/metrics,/live,/ready"
+            )
         observer.process_event(
             "listening",
             address=address,

@@ -460,6 +460,33 @@ def test_a_port_in_use_is_one_line() -> None:
     assert line.startswith("pylon: cannot start: ") and "address already in use" in line
 
 
+def test_an_admin_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refusal(
+            run_pylon(
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                f"127.0.0.1:{port}",
+                "--upstream",
+                "http://127.0.0.1:9",
+            )
+        )
+    assert line == f"pylon: --admin-listen 127.0.0.1:{port}: cannot listen: address already in use"
+
+
+def test_the_admin_listener_flag() -> None:
+    assert Settings.model_fields["admin_listen"].default == "127.0.0.1:9089"
+    assert effective("--admin-listen", "")["admin_listen"] == ""  # disabled
+    assert effective("--admin-listen", "[::1]:0")["admin_listen"] == "[::1]:0"
+    line = refusal(run_pylon("config", "--admin-listen", "nowhere"))
+    assert line.startswith("pylon: invalid setting admin_listen (--admin-listen): ")
+
+
 def test_a_refusal_comes_before_any_log_line(files: dict[str, str]) -> None:
     """Files are checked before logging starts: even with a warning due, the refusal is alone."""
     result = run_pylon("serve", "--tunnel-token-file", files["missing"], env={"PYLON_LISTN": "x"})
