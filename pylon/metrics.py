@@ -40,7 +40,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from pylon.core.errors import ErrorCode
 from pylon.core.sanitize import stripped_control_label
-from pylon.observe import Observer
+from pylon.observe import Observer, quiet
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
@@ -185,28 +185,25 @@ _SPECS = {spec.name: spec for spec in METRICS}
 PROCESS_METRICS_PREFIX = "pylon_process_"  # prometheus-client's process collector, namespaced
 
 
-class _Histogram:
-    """Bucket counts (the last one is +Inf) and the sum; cumulated at scrape time."""
+# A histogram is a plain list, observed inline on the hot path (no call):
+#   histogram[bisect_left(bounds, value)] += 1; histogram[-1] += value
+# One count per bucket bound, then the +Inf count, then the sum; cumulated at scrape time.
+Histogram = list[float]
 
-    __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.total = 0.0
+def new_histogram(bounds: Sequence[float]) -> Histogram:
+    return [0] * (len(bounds) + 1) + [0.0]
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
 
-    def buckets(self) -> list[tuple[str, float]]:
-        out: list[tuple[str, float]] = []
-        running = 0
-        for bound, count in zip(self.bounds, self.counts, strict=False):
-            running += count
-            out.append((repr(float(bound)), running))
-        out.append(("+Inf", running + self.counts[-1]))
-        return out
+def histogram_buckets(bounds: Sequence[float], histogram: Histogram) -> list[tuple[str, float]]:
+    """The cumulative (le, count) pairs of an exposition, +Inf last."""
+    out: list[tuple[str, float]] = []
+    running = 0.0
+    for bound, count in zip(bounds, histogram, strict=False):
+        running += count
+        out.append((repr(float(bound)), running))
+    out.append(("+Inf", running + histogram[len(bounds)]))
+    return out
 
 
 class _ModelStats:
@@ -227,21 +224,21 @@ class _ModelStats:
         self.label = label
         self.requests: dict[tuple[str, str], int] = {}  # (status class, transport) -> count
         self.in_flight: dict[str, int] = {}  # transport -> requests at the engine
-        self.head = _Histogram(SECONDS_BUCKETS)
-        self.first_output = _Histogram(SECONDS_BUCKETS)
-        self.duration = _Histogram(DURATION_BUCKETS)
-        self.input_tokens: dict[str, _Histogram] = {}  # source -> histogram
-        self.output_tokens: dict[str, _Histogram] = {}
+        self.head = new_histogram(SECONDS_BUCKETS)
+        self.first_output = new_histogram(SECONDS_BUCKETS)
+        self.duration = new_histogram(DURATION_BUCKETS)
+        self.input_tokens: dict[str, Histogram] = {}  # source -> histogram (TOKEN_BUCKETS)
+        self.output_tokens: dict[str, Histogram] = {}
 
     def count(self, status: int, transport: str) -> None:
         key = (_STATUS_CLASS.get(status // 100, "other"), transport)
         self.requests[key] = self.requests.get(key, 0) + 1
 
 
-def _tokens(histograms: dict[str, _Histogram], source: str) -> _Histogram:
+def _tokens(histograms: dict[str, Histogram], source: str) -> Histogram:
     histogram = histograms.get(source)
     if histogram is None:
-        histogram = histograms[source] = _Histogram(TOKEN_BUCKETS)
+        histogram = histograms[source] = new_histogram(TOKEN_BUCKETS)
     return histogram
 
 
@@ -282,8 +279,10 @@ class MetricsObserver:
             OTHER_MODEL: self._other,
         }
         self._client_models: list[_ModelStats] = []
-        bounds = sorted({round(priority_ceiling * fraction) for fraction in _PRIORITY_FRACTIONS})
-        self._priority = _Histogram(bounds)
+        self._priority_bounds = tuple(
+            sorted({round(priority_ceiling * fraction) for fraction in _PRIORITY_FRACTIONS})
+        )
+        self._priority = new_histogram(self._priority_bounds)
         self._upstream_errors: dict[tuple[str, str], int] = {}
         self._markings: dict[tuple[str, str], int] = {}
         self._stripped: dict[tuple[str, str], int] = {}
@@ -324,6 +323,7 @@ class MetricsObserver:
         self._markings[key] = self._markings.get(key, 0) + 1
 
     # --- the Observer events ---
+    @quiet
     def admitted(self, record: RequestRecord) -> None:
         return None
 
@@ -334,12 +334,14 @@ class MetricsObserver:
             self._count_stripped(record.stripped)
 
     def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
-        in_flight = self._stats(record.model).in_flight
+        in_flight = (self._models.get(record.model) or self._stats(record.model)).in_flight
         in_flight[record.transport] = in_flight.get(record.transport, 0) + 1
         value = plan.priority.value
         if value is not None:
-            self._priority.observe(value)
+            self._priority[bisect_left(self._priority_bounds, value)] += 1
+            self._priority[-1] += value
 
+    @quiet
     def first_output(self, record: RequestRecord) -> None:
         return None
 
@@ -358,21 +360,42 @@ class MetricsObserver:
             self._mark(code.value, code.retryable)
 
     def done(self, record: RequestRecord) -> None:
-        stats = self._stats(record.model)
-        stats.count(record.status, record.transport)
+        # The per-request hot spot: everything inline (see `Histogram`).
+        stats = self._models.get(record.model) or self._stats(record.model)
+        transport = record.transport
+        key = (_STATUS_CLASS.get(record.status // 100, "other"), transport)
+        requests = stats.requests
+        requests[key] = requests.get(key, 0) + 1
         head_at = record.head_at
         if record.dispatched_at is not None:
-            stats.in_flight[record.transport] -= 1
+            stats.in_flight[transport] -= 1
             if record.done_at is not None:
-                stats.duration.observe(record.done_at - head_at)
+                seconds = record.done_at - head_at
+                histogram = stats.duration
+                histogram[bisect_left(DURATION_BUCKETS, seconds)] += 1
+                histogram[-1] += seconds
         if record.first_byte_at is not None:
-            stats.head.observe(record.first_byte_at - head_at)
+            seconds = record.first_byte_at - head_at
+            histogram = stats.head
+            histogram[bisect_left(SECONDS_BUCKETS, seconds)] += 1
+            histogram[-1] += seconds
         if record.first_output_at is not None:
-            stats.first_output.observe(record.first_output_at - head_at)
-        if record.input_tokens is not None:
-            _tokens(stats.input_tokens, record.input_tokens_source).observe(record.input_tokens)
-        if record.output_tokens is not None:
-            _tokens(stats.output_tokens, record.output_tokens_source).observe(record.output_tokens)
+            seconds = record.first_output_at - head_at
+            histogram = stats.first_output
+            histogram[bisect_left(SECONDS_BUCKETS, seconds)] += 1
+            histogram[-1] += seconds
+        tokens = record.input_tokens
+        if tokens is not None:
+            source = record.input_tokens_source
+            histogram = stats.input_tokens.get(source) or _tokens(stats.input_tokens, source)
+            histogram[bisect_left(TOKEN_BUCKETS, tokens)] += 1
+            histogram[-1] += tokens
+        tokens = record.output_tokens
+        if tokens is not None:
+            source = record.output_tokens_source
+            histogram = stats.output_tokens.get(source) or _tokens(stats.output_tokens, source)
+            histogram[bisect_left(TOKEN_BUCKETS, tokens)] += 1
+            histogram[-1] += tokens
         if record.stripped:
             self._count_stripped(record.stripped)
 
@@ -411,16 +434,17 @@ class MetricsObserver:
                 in_flight.add_metric([model.label, transport, backend], count)
         yield requests
         yield in_flight
-        for name, attribute in (
-            ("pylon_request_time_to_response_head_seconds", "head"),
-            ("pylon_request_time_to_first_output_seconds", "first_output"),
-            ("pylon_request_duration_seconds", "duration"),
+        for name, attribute, bounds in (
+            ("pylon_request_time_to_response_head_seconds", "head", SECONDS_BUCKETS),
+            ("pylon_request_time_to_first_output_seconds", "first_output", SECONDS_BUCKETS),
+            ("pylon_request_duration_seconds", "duration", DURATION_BUCKETS),
         ):
             family = _histogram(name)
             for model in stats:
-                histogram: _Histogram = getattr(model, attribute)
-                if any(histogram.counts):
-                    family.add_metric([model.label], histogram.buckets(), histogram.total)
+                histogram: Histogram = getattr(model, attribute)
+                if any(histogram[:-1]):
+                    buckets = histogram_buckets(bounds, histogram)
+                    family.add_metric([model.label], buckets, histogram[-1])
             yield family
         for name, attribute in (
             ("pylon_request_input_tokens", "input_tokens"),
@@ -428,12 +452,14 @@ class MetricsObserver:
         ):
             family = _histogram(name)
             for model in stats:
-                by_source: dict[str, _Histogram] = getattr(model, attribute)
+                by_source: dict[str, Histogram] = getattr(model, attribute)
                 for source, histogram in by_source.items():
-                    family.add_metric([model.label, source], histogram.buckets(), histogram.total)
+                    buckets = histogram_buckets(TOKEN_BUCKETS, histogram)
+                    family.add_metric([model.label, source], buckets, histogram[-1])
             yield family
         priority = _histogram("pylon_engine_priority")
-        priority.add_metric([backend], self._priority.buckets(), self._priority.total)
+        buckets = histogram_buckets(self._priority_bounds, self._priority)
+        priority.add_metric([backend], buckets, self._priority[-1])
         yield priority
         yield _counter("pylon_upstream_errors_total", self._upstream_errors)
         yield _counter("pylon_retry_markings_total", self._markings)

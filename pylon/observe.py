@@ -9,7 +9,8 @@ so every observer sees the same clock readings.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pylon.logs import get_lifecycle_logger, get_logger
 
@@ -112,6 +113,32 @@ class Observer(Protocol):
         ...
 
 
+OBSERVER_EVENTS = (
+    "admitted",
+    "rejected",
+    "dispatched",
+    "first_output",
+    "upstream_status",
+    "upstream_failed",
+    "done",
+    "crashed",
+    "transport_event",
+    "process_event",
+)
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def quiet(method: F) -> F:
+    """Marks an event method that does nothing, so `Observers` does not even call it."""
+    method.quiet = True  # type: ignore[attr-defined]
+    return method
+
+
+def _ignore(*_args: Any, **_fields: Any) -> None:
+    return None
+
+
 # Log levels of the connection- and process-level events; anything unlisted logs at info.
 _WARNING_EVENTS = frozenset(
     {
@@ -153,6 +180,7 @@ class LogObserver:
         self._log = get_logger()
         self._lifecycle_log = get_lifecycle_logger()
 
+    @quiet
     def admitted(self, record: RequestRecord) -> None:
         return None  # the `request_done` line says it all; no line per admission
 
@@ -168,9 +196,11 @@ class LogObserver:
             duration_ms=record.duration_ms(),
         )
 
+    @quiet
     def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
         return None
 
+    @quiet
     def first_output(self, record: RequestRecord) -> None:
         return None
 
@@ -241,56 +271,75 @@ _log_observer: type[Observer] = LogObserver
 
 class Observers:
     """Several observers as one: every event goes to each, in the order given (the log lines
-    first, then metrics, traces, ...). Each must be cheap and never raise, as for `Observer`."""
+    first, then metrics, traces, ...). Each must be cheap and never raise, as for `Observer`.
 
-    __slots__ = ("_all",)
+    Built for the hot path: an event none of them handles (methods marked `quiet`) costs one
+    call to nothing, and an event only one of them handles goes straight to it (the instance
+    attribute shadows the fan-out method below).
+    """
 
     def __init__(self, *observers: Observer) -> None:
-        self._all = observers
+        self.members = observers
+        for event in OBSERVER_EVENTS:
+            handlers = tuple(
+                handler
+                for observer in observers
+                if not getattr(handler := getattr(observer, event), "quiet", False)
+            )
+            setattr(self, "_" + event, handlers)
+            if len(handlers) <= 1:
+                setattr(self, event, handlers[0] if handlers else _ignore)
 
-    @property
-    def members(self) -> tuple[Observer, ...]:
-        return self._all
+    _admitted: tuple[Callable[[RequestRecord], None], ...]
+    _rejected: tuple[Callable[[RequestRecord, PylonError], None], ...]
+    _dispatched: tuple[Callable[[RequestRecord, ForwardPlan], None], ...]
+    _first_output: tuple[Callable[[RequestRecord], None], ...]
+    _upstream_status: tuple[Callable[[RequestRecord, RetryMark], None], ...]
+    _upstream_failed: tuple[Callable[[RequestRecord, PylonError, bool], None], ...]
+    _done: tuple[Callable[[RequestRecord], None], ...]
+    _crashed: tuple[Callable[[RequestRecord | None, BaseException | None], None], ...]
+    _transport_event: tuple[Callable[..., None], ...]
+    _process_event: tuple[Callable[..., None], ...]
 
     def admitted(self, record: RequestRecord) -> None:
-        for observer in self._all:
-            observer.admitted(record)
+        for handler in self._admitted:
+            handler(record)
 
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        for observer in self._all:
-            observer.rejected(record, error)
+        for handler in self._rejected:
+            handler(record, error)
 
     def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
-        for observer in self._all:
-            observer.dispatched(record, plan)
+        for handler in self._dispatched:
+            handler(record, plan)
 
     def first_output(self, record: RequestRecord) -> None:
-        for observer in self._all:
-            observer.first_output(record)
+        for handler in self._first_output:
+            handler(record)
 
     def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
-        for observer in self._all:
-            observer.upstream_status(record, mark)
+        for handler in self._upstream_status:
+            handler(record, mark)
 
     def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
-        for observer in self._all:
-            observer.upstream_failed(record, error, after_head)
+        for handler in self._upstream_failed:
+            handler(record, error, after_head)
 
     def done(self, record: RequestRecord) -> None:
-        for observer in self._all:
-            observer.done(record)
+        for handler in self._done:
+            handler(record)
 
     def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
-        for observer in self._all:
-            observer.crashed(record, exc)
+        for handler in self._crashed:
+            handler(record, exc)
 
     def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
-        for observer in self._all:
-            observer.transport_event(kind, protocol, **fields)
+        for handler in self._transport_event:
+            handler(kind, protocol, **fields)
 
     def process_event(self, kind: str, /, **fields: Any) -> None:
-        for observer in self._all:
-            observer.process_event(kind, **fields)
+        for handler in self._process_event:
+            handler(kind, **fields)
 
 
 _fan_out: type[Observer] = Observers

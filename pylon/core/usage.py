@@ -19,7 +19,6 @@ so generated text can never look like a usage object.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
 
 import orjson
 
@@ -36,16 +35,13 @@ _USAGE = re.compile(
     rb'"usage"\s*:\s*(\{(?:[^{}"]|' + _STRING + rb"|" + _FLAT + rb")*\})", re.DOTALL
 )
 
-_INPUT_KEYS = ("prompt_tokens", "input_tokens")
-_OUTPUT_KEYS = ("completion_tokens", "output_tokens")
 _DONE_ENDINGS = (b"[DONE]\n\n", b"[DONE]\r\n\r\n")
 # How far from a response's end a usage object is looked for (see `usage_at_end`).
-USAGE_WINDOW = 2048
+USAGE_WINDOW = 1024
 
 
-class Usage(NamedTuple):
-    input_tokens: int | None
-    output_tokens: int | None
+# (input tokens, output tokens); either may be unknown, never both.
+Usage = tuple[int | None, int | None]
 
 
 def usage_of(data: bytes, start: int = 0) -> Usage | None:
@@ -53,31 +49,31 @@ def usage_of(data: bytes, start: int = 0) -> Usage | None:
     None when there is none.
 
     A `"usage": null` (OpenAI streams carry one in every chunk but the last) is skipped, and so
-    is an object without a count in it or one that is not valid JSON.
+    is an object without a count in it or one that is not valid JSON. Of each pair of names the
+    first present one is read (`prompt_tokens`, else `input_tokens`).
     """
     end = len(data)
     while (found := data.rfind(USAGE_KEY, start, end)) >= 0:
-        usage = _usage_at(data, found)
-        if usage is not None:
-            return usage
+        value = found + len(USAGE_KEY)
+        # The common case first: `"usage":{...}` with no object inside, cut at its first `}`.
+        # (A cut that parses must end at the object's own `}`: an inner object would need its
+        # `}` first, and a `}` inside a string leaves the string open.)
+        if data[value : value + 2] == b":{":  # compact JSON: no search
+            opening = value + 1
+        else:
+            opening = data.find(b"{", value, value + 16)
+            if opening > 0 and data[value:opening].strip(_JSON_WHITESPACE) != b":":
+                opening = -1  # `null`, or not a key at all
+        if opening > 0:
+            closing = data.find(b"}", opening)
+            usage = _counts(data[opening : closing + 1]) if closing > 0 else None
+            if usage is None and closing > 0:
+                match = _USAGE.match(data, found)
+                usage = _counts(match.group(1)) if match is not None else None
+            if usage is not None:
+                return usage
         end = found
     return None
-
-
-def _usage_at(data: bytes, found: int) -> Usage | None:
-    value = found + len(USAGE_KEY)
-    # The common case first: `"usage":{...}` with no object inside, cut at its first `}`.
-    opening = data.find(b"{", value, value + 16)
-    if opening < 0 or data[value:opening].strip(_JSON_WHITESPACE) != b":":
-        return None  # `null`, or not a key at all
-    closing = data.find(b"}", opening)
-    if closing < 0:
-        return None
-    usage = _counts(data[opening : closing + 1])
-    if usage is not None:
-        return usage
-    match = _USAGE.match(data, found)
-    return _counts(match.group(1)) if match is not None else None
 
 
 def _counts(raw: bytes) -> Usage | None:
@@ -85,18 +81,18 @@ def _counts(raw: bytes) -> Usage | None:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(parsed, dict):
+    if type(parsed) is not dict:
         return None
-    usage = Usage(_first_count(parsed, _INPUT_KEYS), _first_count(parsed, _OUTPUT_KEYS))
-    return None if usage == (None, None) else usage
-
-
-def _first_count(usage: dict[str, object], keys: tuple[str, ...]) -> int | None:
-    for key in keys:
-        value = usage.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
+    given = parsed.get("prompt_tokens")
+    if given is None:
+        given = parsed.get("input_tokens")
+    made = parsed.get("completion_tokens")
+    if made is None:
+        made = parsed.get("output_tokens")
+    # `type(...) is int`: a JSON true is no count.
+    inputs = given if type(given) is int and given >= 0 else None
+    outputs = made if type(made) is int and made >= 0 else None
+    return None if inputs is None and outputs is None else (inputs, outputs)
 
 
 def usage_at_end(previous: bytes, last: bytes) -> Usage | None:

@@ -203,10 +203,11 @@ def count_tokens(record: RequestRecord, previous: bytes, last: bytes, events: in
     else (a stream) the `events` relayed as the output estimate."""
     usage = usage_at_end(previous, last) if last else None
     if usage is not None:
-        if usage.input_tokens is not None:
-            record.input_tokens, record.input_tokens_source = usage.input_tokens, FROM_USAGE
-        if usage.output_tokens is not None:
-            record.output_tokens, record.output_tokens_source = usage.output_tokens, FROM_USAGE
+        given, made = usage
+        if given is not None:
+            record.input_tokens, record.input_tokens_source = given, FROM_USAGE
+        if made is not None:
+            record.output_tokens, record.output_tokens_source = made, FROM_USAGE
             return
     if events is not None:
         record.output_tokens, record.output_tokens_source = events, FROM_ESTIMATE

@@ -177,12 +177,18 @@ async def test_token_counts_from_usage_the_gateway_or_the_stream(
         chat_body(True, max_tokens=5),
     )
     assert reply.status == 200
+    # The Responses API reports usage in its last event, `response.completed`.
+    responses = json.dumps(
+        {"model": MODEL, "input": "one two three", "stream": True, "max_output_tokens": 3}
+    ).encode()
+    reply = await stack.send("http1", "/v1/responses", headers("r-usage"), responses)
+    assert reply.status == 200 and b"response.completed" in reply.body
     _, samples = await scrape(stack)
-    assert value(samples, "pylon_request_output_tokens_sum", model=MODEL, source="usage") == 5
+    assert value(samples, "pylon_request_output_tokens_sum", model=MODEL, source="usage") == 5 + 3
     assert value(samples, "pylon_request_output_tokens_sum", model=MODEL, source="estimate") == 7
     assert value(samples, "pylon_request_input_tokens_sum", model=MODEL, source="gateway") == 42
     usage_input = value(samples, "pylon_request_input_tokens_count", model=MODEL, source="usage")
-    assert usage_input == 1
+    assert usage_input == 2
 
 
 async def test_engine_errors_and_markings(make_stack: StackFactory) -> None:
