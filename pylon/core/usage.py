@@ -58,7 +58,7 @@ def usage_of(data: bytes, start: int = 0) -> Usage | None:
         # The common case first: `"usage":{...}` with no object inside, cut at its first `}`.
         # (A cut that parses must end at the object's own `}`: an inner object would need its
         # `}` first, and a `}` inside a string leaves the string open.)
-        if data[value : value + 2] == b":{":  # compact JSON: no search
+        if data.startswith(b":{", value):  # compact JSON: no search
             opening = value + 1
         else:
             opening = data.find(b"{", value, value + 16)

@@ -201,7 +201,7 @@ async def relay_raw(
 def count_tokens(record: RequestRecord, previous: bytes, last: bytes, events: int | None) -> None:
     """The response's token counts onto `record`: the engine's usage when its end carries one,
     else (a stream) the `events` relayed as the output estimate."""
-    usage = usage_at_end(previous, last) if last else None
+    usage = usage_at_end(previous, last)
     if usage is not None:
         given, made = usage
         if given is not None:
