@@ -19,8 +19,9 @@ so generated text can never look like a usage object.
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
-import orjson
+import msgspec
 
 USAGE_KEY = b'"usage"'
 _JSON_WHITESPACE = b" \t\r\n"
@@ -37,7 +38,7 @@ _USAGE = re.compile(
 
 _DONE_ENDINGS = (b"[DONE]\n\n", b"[DONE]\r\n\r\n")
 # How far from a response's end a usage object is looked for (see `usage_at_end`).
-USAGE_WINDOW = 1024
+USAGE_WINDOW = 512
 
 
 # (input tokens, output tokens); either may be unknown, never both.
@@ -76,36 +77,59 @@ def usage_of(data: bytes, start: int = 0) -> Usage | None:
     return None
 
 
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Counts(msgspec.Struct):
+    """The members of a usage object pylon reads; any other member is skipped unbuilt."""
+
+    prompt_tokens: Count | None = None
+    completion_tokens: Count | None = None
+    input_tokens: Count | None = None
+    output_tokens: Count | None = None
+
+
+# msgspec, as the body skim (`pylon.core.body`): typed (a JSON true or a negative number is no
+# count) and already warm on the hot path.
+_decode_counts = msgspec.json.Decoder(_Counts).decode
+
+
 def _counts(raw: bytes) -> Usage | None:
+    """The counts of one usage object; None when it is not one or has none (a member of the
+    wrong type voids the object). Of each pair, the chat name wins (`prompt_tokens`)."""
     try:
-        parsed = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+        counts = _decode_counts(raw)
+    except msgspec.DecodeError:
         return None
-    if type(parsed) is not dict:
-        return None
-    given = parsed.get("prompt_tokens")
-    if given is None:
-        given = parsed.get("input_tokens")
-    made = parsed.get("completion_tokens")
-    if made is None:
-        made = parsed.get("output_tokens")
-    # `type(...) is int`: a JSON true is no count.
-    inputs = given if type(given) is int and given >= 0 else None
-    outputs = made if type(made) is int and made >= 0 else None
-    return None if inputs is None and outputs is None else (inputs, outputs)
+    given = counts.prompt_tokens if counts.prompt_tokens is not None else counts.input_tokens
+    made = (
+        counts.completion_tokens if counts.completion_tokens is not None else counts.output_tokens
+    )
+    return None if given is None and made is None else (given, made)
 
 
 def usage_at_end(previous: bytes, last: bytes) -> Usage | None:
     """The usage in the last `USAGE_WINDOW` bytes of a response whose last two pieces (chunks of
     a body, or blocks of events) are `previous` and `last`.
 
-    Engines write usage at the end (the body's last member, the stream's last event before
+    Engines write usage at the end (the body's last member, the stream's last events before
     `[DONE]`), so the rest of the response is never scanned: the cost is bounded whatever its
-    size.
+    size. Runs once per response: the common case (a compact, flat usage object) is inline.
     """
-    if len(last) >= USAGE_WINDOW or not previous:
-        return usage_of(last, max(0, len(last) - USAGE_WINDOW))
-    return usage_of(previous[len(last) - USAGE_WINDOW :] + last)
+    data = last
+    if previous and len(last) < USAGE_WINDOW:
+        data = previous[len(last) - USAGE_WINDOW :] + last
+    start = len(data) - USAGE_WINDOW if len(data) > USAGE_WINDOW else 0
+    found = data.rfind(USAGE_KEY, start)
+    if found < 0:
+        return None
+    value = found + len(USAGE_KEY)
+    if data.startswith(b":{", value):
+        closing = data.find(b"}", value)
+        usage = _counts(data[value + 1 : closing + 1]) if closing > 0 else None
+        if usage is not None:
+            return usage
+    return usage_of(data, start)  # anything else: the general search
 
 
 def data_events(block: bytes) -> int:
