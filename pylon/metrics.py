@@ -52,7 +52,7 @@ MODEL_LABEL_LIMIT = 100  # distinct client model names with a label of their own
 OTHER_MODEL = "_other"  # every model past the limit
 NO_MODEL = "_none"  # requests without a model (health checks, refused before the contract)
 _STRIPPED_CACHE_LIMIT = 1024  # stripped names whose label is remembered
-BATCH = 256  # requests counted together (see `MetricsObserver.flush`)
+BATCH = 64  # requests counted together (see `MetricsObserver.flush`)
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURATION_BUCKETS = (*SECONDS_BUCKETS, 120.0, 300.0, 600.0)
