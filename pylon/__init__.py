@@ -21,4 +21,7 @@ How a request flows (each layer only knows the one below it):
   Settings built once (a setting that cannot take effect refuses the start, one line, exit 2),
   files checked before any listener opens, parts built in one place, listeners started, drained
   on SIGTERM (a second signal ends the drain at once).
+- Operations (`pylon.admin`, `pylon.metrics`): the admin listener (`/metrics`, `/live`,
+  `/ready` from `Lifecycle.readiness()`), and the Prometheus metrics, an observer beside the
+  log lines.
 """

@@ -1,9 +1,11 @@
 """What happens to requests and connections, told to one `Observer`.
 
 The transports and the proxy never call a logger: they report lifecycle events here. `LogObserver`
-(structlog) writes the log lines; metrics and traces subscribe to the same events later through
-`Observers`. Each request carries one `RequestRecord` with its timestamps (loop time, seconds),
-so every observer sees the same clock readings.
+(structlog) writes the log lines; `pylon.metrics.MetricsObserver` counts them (traces can
+subscribe the same way); `Observers` hands every event to each (`pylon.app.build_core` builds
+it). Each request carries one `RequestRecord` with its timestamps (loop time, seconds) and its
+token counts, so every observer sees the same readings. An event method that does nothing is
+marked `@quiet`, and the fan-out never calls it.
 """
 
 from __future__ import annotations
