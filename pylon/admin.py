@@ -184,7 +184,10 @@ class AdminConnection(asyncio.Protocol):
         self._in_request = False
         method = self._parser.get_method().decode("ascii", "replace")
         target = self._url.decode("latin-1")
-        answer = self._routes.answer(method, target, self._accept.decode("latin-1"))
+        try:
+            answer = self._routes.answer(method, target, self._accept.decode("latin-1"))
+        except Exception as exc:  # a bug (a collector that failed): answered, never a hang
+            answer = problem(500, "internal_error", f"{type(exc).__name__} while answering")
         keep_alive = bool(self._parser.should_keep_alive())
         self._send(answer, not keep_alive, head_only=method == "HEAD")
         if keep_alive and not self._closing:

@@ -183,7 +183,6 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 _SPECS = {spec.name: spec for spec in METRICS}
-PROCESS_METRICS_PREFIX = "pylon_process_"  # prometheus-client's process collector, namespaced
 
 
 # A histogram is a plain list, observed inline on the hot path (no call):

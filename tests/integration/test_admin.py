@@ -193,3 +193,27 @@ async def test_an_admin_port_in_use_refuses_the_start() -> None:
         with pytest.raises(StartupError, match=rf"--admin-listen 127\.0\.0\.1:{port}: cannot"):
             async with start(settings):
                 pytest.fail("started without its admin listener")
+
+
+async def test_a_failing_collector_is_a_500_not_a_hang() -> None:
+    class Broken:
+        armed = False
+
+        def collect(self) -> list[object]:
+            if self.armed:
+                raise RuntimeError("a bug")
+            return []
+
+    metrics = MetricsObserver("dynamo")
+    broken = Broken()
+    metrics.registry.register(broken)  # type: ignore[arg-type]
+    broken.armed = True
+    server = AdminServer(AdminRoutes(Lifecycle(), metrics.registry))
+    await server.start("127.0.0.1:0")
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            reply = await client.get(f"http://{server.address}/metrics")
+        assert reply.status_code == 500
+        assert reply.json()["code"] == "internal_error"
+    finally:
+        server.close()
