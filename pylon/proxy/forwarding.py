@@ -122,6 +122,7 @@ class Proxy:
                 record.done_at = self._loop.time()
                 if entry is not None:
                     entry.release(record.done_at)  # before `done`: observers see it gone
+                    entry = None
                 if span is not None:
                     span.end(record)
                 self._observer.done(record)
