@@ -1,11 +1,19 @@
 """Fixtures every test directory shares: the one real stack (`tests/stack.py`), and the tiny
-offline model dirs the tokenization tests use (`tests/tokenizer_models.py`)."""
+offline model dirs the tokenization tests use (`tests/tokenizer_models.py`).
 
+No pylon a test starts binds the fixed default admin port (127.0.0.1:9089): settings built in
+this process take an ephemeral one unless the test chooses (`tests/stack.py` and the CLI tests
+also say so explicitly), so parallel or leftover processes never collide.
+"""
+
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.stack import make_stack
+
+os.environ.setdefault("PYLON_ADMIN_LISTEN", "127.0.0.1:0")
 
 __all__ = ["make_stack", "tokenizer_models"]
 
