@@ -1384,6 +1384,25 @@ def apply(mutation: Mutation) -> None:
         path.write_text(text.replace(change.old, change.new), encoding="utf-8")
 
 
+def mutant_problem(mutation: Mutation) -> str | None:
+    """Build the mutant in memory (no file is written): why it is unusable, or None."""
+    mutated: dict[str, str] = {}
+    for change in mutation.edits:
+        text = mutated.get(change.path)
+        if text is None:
+            text = Path(change.path).read_text(encoding="utf-8")
+        count = text.count(change.old)
+        if count != 1:
+            raise SystemExit(f"{mutation.label}: expected one match in {change.path}, got {count}")
+        mutated[change.path] = text.replace(change.old, change.new)
+    for path, text in mutated.items():  # a mutant that does not even compile would prove nothing
+        try:
+            compile(text, path, "exec")
+        except SyntaxError as exc:
+            return f"{mutation.label}: the mutant does not compile: {exc}"
+    return None
+
+
 def restore() -> None:
     subprocess.run(["git", "checkout", "--", "pylon"], check=True)
 
@@ -1463,19 +1482,15 @@ def main() -> None:
         for m in MUTATIONS
         if not args.only or any(text in f"{m.control}: {m.label}" for text in args.only)
     ]
-    restore()
+    if not args.check:
+        restore()  # --check writes nothing: it may run in a checkout with work in progress
     files = {spec.split("::")[0] for m in mutations for specs in m.tests.values() for spec in specs}
     known = collect(files)
     problems = []
     for m in mutations:
-        apply(m)  # exits if an edit no longer matches exactly once
-        try:
-            for change in m.edits:  # a mutant that does not even compile would prove nothing
-                compile(Path(change.path).read_text(encoding="utf-8"), change.path, "exec")
-        except SyntaxError as exc:
-            problems.append(f"{m.label}: the mutant does not compile: {exc}")
-        finally:
-            restore()
+        problem = mutant_problem(m)  # exits if an edit no longer matches exactly once
+        if problem is not None:
+            problems.append(problem)
         for t, specs in m.tests.items():
             for spec in specs:
                 if not expand(spec, known) and not args.full:
