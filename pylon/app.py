@@ -25,7 +25,13 @@ from pylon.core.queue import QueueAdmission, QueueTable
 from pylon.core.target import UpstreamTarget
 from pylon.lifecycle import Lifecycle
 from pylon.observe import LogObserver, Observer
-from pylon.preflight import check_files, check_tracing, config_warnings, insecure_listeners
+from pylon.preflight import (
+    check_files,
+    check_routing,
+    check_tracing,
+    config_warnings,
+    insecure_listeners,
+)
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
 from pylon.server.budget import BodyBudget
@@ -391,6 +397,7 @@ async def start(
     observer = observer or LogObserver()
     check_files(settings)  # StartupError before anything starts
     check_tracing(settings)
+    check_routing(settings)
     for warning in config_warnings(settings):
         observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:

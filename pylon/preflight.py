@@ -3,7 +3,9 @@ than asked.
 
 - Refusals (`StartupError`, one line; `pylon serve` exits 2): a certificate, key or client CA
   file that is missing, unreadable, not PEM, mismatched or expired, a tunnel token file that
-  cannot be used, and tracing asked for without the OpenTelemetry packages installed.
+  cannot be used, tracing asked for without the OpenTelemetry packages installed, and
+  `--routing kv` without what it needs (the `dynamo` extra: Dynamo's native selection core and
+  xxhash; pylon's tokenizer; a `--tokenizer` directory).
   (Settings that contradict each other are refused earlier, by `Settings`.)
 - Warnings (process events, logged at warning): a listener off loopback that any client may use
   (`insecure_listener`), an upstream URL whose path ends in `/v1` (`upstream_path_v1`), a setting
@@ -15,6 +17,7 @@ Pure checks of files and settings: `pylon.app.start` runs them before it starts 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import ipaddress
 import ssl
 from dataclasses import dataclass, field
@@ -64,6 +67,41 @@ def check_tracing(settings: Settings) -> None:
                 f"tracing needs the OpenTelemetry SDK and OTLP exporter, and {module} cannot be "
                 f"imported ({exc}); install them with: pip install 'pylon[otel]'"
             ) from None
+
+
+def check_routing(settings: Settings) -> None:
+    """Refuse `--routing kv` where it cannot work: without the `dynamo` extra (Dynamo's native
+    selection core, xxhash for block hashes), without pylon's tokenizer, or with a
+    `--tokenizer` that is not a directory. Every other mode needs none of it."""
+    if settings.routing != "kv":
+        return
+    from pylon.core.blocks import HashingUnavailable, ensure_available
+    from router_ffi import INSTALL_HINT, NativeUnavailable
+    from router_ffi._native import load_native
+
+    try:
+        load_native()
+    except NativeUnavailable as exc:
+        raise StartupError(f"--routing kv: {_one_line(str(exc))}") from None
+    try:
+        ensure_available()
+    except HashingUnavailable as exc:
+        raise StartupError(
+            f"--routing kv: block hashing needs xxhash ({_one_line(str(exc))}): {INSTALL_HINT}"
+        ) from None
+    if importlib.util.find_spec("pylon.tokenize") is None:
+        raise StartupError(
+            "--routing kv needs pylon's tokenizer (pylon.tokenize), which this build of pylon "
+            "does not have"
+        )
+    tokenizer = settings.tokenizer
+    if tokenizer is not None and not tokenizer.is_dir():
+        why = "no such directory" if not tokenizer.exists() else "not a directory"
+        raise StartupError(f"--tokenizer {tokenizer}: {why}")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _read(flag: str, path: Path) -> bytes:
@@ -134,6 +172,13 @@ _QUEUE_TUNING = (
     "queue_admission_factor",
     "queue_admission_retry_after_ms",
 )
+_WORKER_HEALTH_TUNING = (
+    "worker_health_path",
+    "worker_health_interval",
+    "worker_health_timeout",
+    "worker_eject_after",
+    "worker_readmit_after",
+)
 
 
 def config_warnings(settings: Settings) -> list[StartupWarning]:
@@ -180,6 +225,9 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
     if not settings.queue_admission:
         for name in _QUEUE_TUNING:
             ignored(name, "--no-queue-admission: no request is refused for its queue estimate")
+    if settings.routing == "off":
+        for name in _WORKER_HEALTH_TUNING:
+            ignored(name, "--routing off: there are no workers to check")
     return warnings
 
 
