@@ -34,6 +34,7 @@ from pylon.preflight import (
 )
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
+from pylon.routing.build import Routing, build_routing
 from pylon.server.budget import BodyBudget
 from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import Http2Connection, ProtocolSwitch
@@ -45,6 +46,7 @@ from pylon.upstream.pool import UpstreamPool
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
+    from pylon.routing.kv import Tokenizer
     from pylon.server.http3 import Http3Server, QuicOptions
     from pylon.tls import TlsIdentity
 
@@ -327,6 +329,8 @@ class Running:
     # keeps running model discovery afterwards.
     ready: asyncio.Future[BringUp] | None = None
     engine: asyncio.Task[None] | None = None
+    # `--routing` other than off: the workers, their health checks and the router.
+    routing: Routing | None = None
 
     async def shutdown(self, grace: float) -> None:
         """Graceful stop: no new connections or requests, in-flight ones get `grace` s."""
@@ -348,12 +352,22 @@ async def _close_tracer(tracer: ExchangeTracer) -> None:
 
 
 async def _engine(
-    settings: Settings, core: Core, upstream: str, ready: asyncio.Future[BringUp]
+    settings: Settings,
+    core: Core,
+    upstream: str,
+    ready: asyncio.Future[BringUp],
+    routing: Routing | None = None,
 ) -> None:
-    """Bring the engine up (health gate, first models), settle `ready`, then keep discovering."""
+    """Bring the engine up (health gate, first models), settle `ready`, then keep discovering.
+
+    With `routing`, the gate is the workers' health checks (see `pylon.bringup`)."""
     try:
         result = await bring_up(
-            settings, UpstreamTarget.from_url(upstream), core.lifecycle, core.observer
+            settings,
+            UpstreamTarget.from_url(upstream) if routing is None else None,
+            core.lifecycle,
+            core.observer,
+            workers=routing.checks if routing is not None else None,
         )
     except asyncio.CancelledError:
         ready.cancel()
@@ -371,6 +385,11 @@ async def _engine(
             models=published[:READY_LINE_MODELS],
             model_count=len(published),
             model_source="discovery" if result.discovery is not None else "static",
+            **(
+                {}
+                if routing is None
+                else {"routing": routing.mode, "workers_admitted": len(routing.fleet.admitted)}
+            ),
         )
     if result.discovery is not None:
         await result.discovery.run()
@@ -384,11 +403,13 @@ async def start(
     span_exporter: SpanExporter | None = None,
     *,
     wait_ready: bool = True,
+    tokenizer: Tokenizer | None = None,
 ) -> AsyncIterator[Running]:
     """Start every listener of `settings`, then bring the engine up; exiting the context
     closes everything at once.
 
     `span_exporter`: see `build_core`.
+    `tokenizer`: for `--routing kv`, instead of loading `--tokenizer` (tests).
     `wait_ready`: enter the context only once bring-up passed (raises `EngineNotReady` when the
     engine never passed its health gate); False enters at once, with bring-up running (tunnel
     requests get `503 not_ready` until `running.ready` is done).
@@ -401,11 +422,18 @@ async def start(
     for warning in config_warnings(settings):
         observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:
-        upstream = (
-            str(settings.upstream)
-            if settings.upstream
-            else await _embedded_mock(settings, stack, observer)
-        )
+        routing: Routing | None = None
+        if settings.routing != "off" and router is None:
+            # Closed last: the requests cancelled at close release their bookings first.
+            routing = await build_routing(settings, observer, tokenizer=tokenizer)
+            stack.push_async_callback(routing.aclose)
+            router = routing.router
+        if settings.upstream:
+            upstream = str(settings.upstream)
+        elif settings.routing != "off":
+            upstream = ""  # url= workers only: each request goes to its worker's own URL
+        else:
+            upstream = await _embedded_mock(settings, stack, observer)
         core = build_core(
             settings, upstream, observer=observer, router=router, span_exporter=span_exporter
         )
@@ -435,6 +463,7 @@ async def start(
         running = Running(
             core, address, f"{'https' if tls else 'http'}://{address}", upstream, live, server
         )
+        running.routing = routing
         if settings.quic_listen is not None:
             assert identity is not None
             running.h3, running.quic_address = await _start_quic(settings, core, stack, identity)
@@ -445,12 +474,18 @@ async def start(
             upstream=upstream,
             backend=settings.backend,
             derive_priority=settings.derive_priority,
+            routing=settings.routing,
+            workers=[spec.label for spec in settings.worker] or None,
         )
         for warning in insecure_listeners(settings):
             observer.process_event(warning.event, **warning.fields)
         # Bring-up runs with the listeners up: requests that come meanwhile get `not_ready`.
         running.ready = ready = loop.create_future()
-        running.engine = engine = asyncio.create_task(_engine(settings, core, upstream, ready))
+        if routing is not None:
+            routing.start()  # the workers' health checks: bring-up's gate waits on them
+        running.engine = engine = asyncio.create_task(
+            _engine(settings, core, upstream, ready, routing)
+        )
         stack.push_async_callback(_cancel, engine)
         if wait_ready:
             await asyncio.shield(ready)

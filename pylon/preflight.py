@@ -5,7 +5,7 @@ than asked.
   file that is missing, unreadable, not PEM, mismatched or expired, a tunnel token file that
   cannot be used, tracing asked for without the OpenTelemetry packages installed, and
   `--routing kv` without what it needs (the `dynamo` extra: Dynamo's native selection core and
-  xxhash; pylon's tokenizer; a `--tokenizer` directory).
+  xxhash; a `--tokenizer` directory).
   (Settings that contradict each other are refused earlier, by `Settings`.)
 - Warnings (process events, logged at warning): a listener off loopback that any client may use
   (`insecure_listener`), an upstream URL whose path ends in `/v1` (`upstream_path_v1`), a setting
@@ -17,7 +17,6 @@ Pure checks of files and settings: `pylon.app.start` runs them before it starts 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import ipaddress
 import ssl
 from dataclasses import dataclass, field
@@ -71,8 +70,9 @@ def check_tracing(settings: Settings) -> None:
 
 def check_routing(settings: Settings) -> None:
     """Refuse `--routing kv` where it cannot work: without the `dynamo` extra (Dynamo's native
-    selection core, xxhash for block hashes), without pylon's tokenizer, or with a
-    `--tokenizer` that is not a directory. Every other mode needs none of it."""
+    selection core, xxhash for block hashes), or with a `--tokenizer` that is not a directory
+    (the tokenizer itself is loaded as the router is built: `pylon.routing.kv.load_tokenizer`).
+    Every other mode needs none of it."""
     if settings.routing != "kv":
         return
     from pylon.core.blocks import HashingUnavailable, ensure_available
@@ -89,11 +89,6 @@ def check_routing(settings: Settings) -> None:
         raise StartupError(
             f"--routing kv: block hashing needs xxhash ({_one_line(str(exc))}): {INSTALL_HINT}"
         ) from None
-    if importlib.util.find_spec("pylon.tokenize") is None:
-        raise StartupError(
-            "--routing kv needs pylon's tokenizer (pylon.tokenize), which this build of pylon "
-            "does not have"
-        )
     tokenizer = settings.tokenizer
     if tokenizer is not None and not tokenizer.is_dir():
         why = "no such directory" if not tokenizer.exists() else "not a directory"

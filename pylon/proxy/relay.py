@@ -96,8 +96,12 @@ async def relay_sse(
     limits: RelayLimits,
     request_id: str | None,
     on_first_output: Callable[[], None],
+    on_output: Callable[[int], None] | None = None,
 ) -> PylonError | None:
-    """Relay an event stream whose head was sent; returns the failure told to the client."""
+    """Relay an event stream whose head was sent; returns the failure told to the client.
+
+    `on_output`: told, for each block relayed from the first output on, how many output
+    events it held (`output_event_count`; None: nobody counts, and nothing is counted)."""
     splitter = SseSplitter(limits.max_sse_event_bytes)
     watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
     seen_output = False
@@ -112,6 +116,8 @@ async def relay_sse(
                 if not seen_output:
                     seen_output = True
                     on_first_output()
+                if on_output is not None:
+                    on_output(output_event_count(block))
                 watchdog.arm_for(limits.output_gap_timeout, "gap between events too long")
             if sink.paused:
                 await drain_within(sink, watchdog, limits, "gap between events too long")
@@ -174,6 +180,14 @@ async def relay_raw(
         raise AlreadyAnswered("upstream_broken_mid_body") from None
     watchdog.cancel()
     sink.end()
+
+
+def output_event_count(block: bytes) -> int:
+    """Output events in a block of whole events, counted cheaply: its `data:` fields, less a
+    `[DONE]`. Engines stream one token per event by default, so this is the output token
+    count the routers' decode accounting needs (approximate where an engine batches tokens
+    into one event, or an event has several `data:` lines)."""
+    return block.count(b"data:") - block.count(b"data: [DONE]")
 
 
 def sse_error_payload(error: PylonError) -> bytes:
