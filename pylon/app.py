@@ -46,7 +46,6 @@ from pylon.upstream.pool import UpstreamPool
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from pylon.routing.kv import Tokenizer
     from pylon.server.http3 import Http3Server, QuicOptions
     from pylon.tls import TlsIdentity
 
@@ -403,13 +402,15 @@ async def start(
     span_exporter: SpanExporter | None = None,
     *,
     wait_ready: bool = True,
-    tokenizer: Tokenizer | None = None,
+    routing: Routing | None = None,
 ) -> AsyncIterator[Running]:
     """Start every listener of `settings`, then bring the engine up; exiting the context
     closes everything at once.
 
     `span_exporter`: see `build_core`.
-    `tokenizer`: for `--routing kv`, instead of loading `--tokenizer` (tests).
+    `routing`: the routing parts already built (`pylon.routing.build.build_routing`, e.g. with
+    a test's tokenizer or native core); by default they are built from `settings`. Either
+    way `start` runs their health checks and closes them.
     `wait_ready`: enter the context only once bring-up passed (raises `EngineNotReady` when the
     engine never passed its health gate); False enters at once, with bring-up running (tunnel
     requests get `503 not_ready` until `running.ready` is done).
@@ -422,10 +423,10 @@ async def start(
     for warning in config_warnings(settings):
         observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:
-        routing: Routing | None = None
-        if settings.routing != "off" and router is None:
+        if routing is None and settings.routing != "off" and router is None:
+            routing = await build_routing(settings, observer)
+        if routing is not None:
             # Closed last: the requests cancelled at close release their bookings first.
-            routing = await build_routing(settings, observer, tokenizer=tokenizer)
             stack.push_async_callback(routing.aclose)
             router = routing.router
         if settings.upstream:

@@ -29,8 +29,9 @@ from mock_dynamo.tokens import WordTokenizer, prompts
 from pylon.app import Running, start
 from pylon.logs import configure_logging
 from pylon.observe import RequestRecord
-from pylon.routing.build import Routing
+from pylon.routing.build import Routing, build_routing
 from pylon.settings import Settings, load_settings
+from router_ffi._native import NativeFactory
 from tests.cancellation import wait_for_record
 from tests.observers import EventObserver
 from tests.stack import MODEL
@@ -166,10 +167,14 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
             tokenizer: WordPrompts | None = None,
             wait_ready: bool = True,
             engine_controls: dict[int, dict[str, Any]] | None = None,
+            native: NativeFactory | None = None,
             **settings: Any,
         ) -> FleetStack:
             """`engine_controls`: {mock index: {name: value}} PUT to the mock's
-            `/test-control/<name>` before pylon starts (its records are then kept)."""
+            `/test-control/<name>` before pylon starts (its records are then kept).
+            `native`: for `kv`, a stand-in for Dynamo's native selection service (without
+            it, the real one: the test needs the `dynamo` marker); the workers then get a
+            placeholder `kv-events=` each unless `kv_block_size` gives them real ones."""
             config: dict[str, Any] = {"models": (MODEL,), **(mock or {})}
             if kv_block_size is not None:
                 config.update(
@@ -194,6 +199,8 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
                     reply.raise_for_status()
             if instance_ids is not None:
                 specs = [f"instance-id={wid}" for wid in instance_ids]
+                if routing == "kv":
+                    specs = [f"{spec},kv-events=tcp://127.0.0.1:9" for spec in specs]
                 upstream: str | None = mocks[0].base_url
             else:
                 specs = []
@@ -201,6 +208,8 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
                     spec = f"url={engine.base_url}"
                     if kv_block_size is not None:
                         spec += f",kv-events={engine.kv_events_endpoint},block-size={kv_block_size}"
+                    elif routing == "kv":
+                        spec += ",kv-events=tcp://127.0.0.1:9"  # read by the stand-in: no one
                     specs.append(spec)
                 upstream = None
             defaults: dict[str, Any] = {
@@ -218,13 +227,14 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
                 defaults["tokenizer"] = "/"  # loaded by no one: the fake is injected
             built = load_settings({**defaults, **settings})
             observer = RoutingObserver()
+            parts = await build_routing(
+                built,
+                observer,
+                tokenizer=tokenizer or (WordPrompts() if routing == "kv" else None),
+                native=native,
+            )
             running = await exits.enter_async_context(
-                start(
-                    built,
-                    observer,
-                    wait_ready=wait_ready,
-                    tokenizer=tokenizer or (WordPrompts() if routing == "kv" else None),
-                )
+                start(built, observer, wait_ready=wait_ready, routing=parts)
             )
             if wait_ready and engine_controls is None:
                 for engine in mocks:  # bring-up's probes are pylon's, not the test's
@@ -241,3 +251,52 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
             return FleetStack(running, mocks, client, built, observer)
 
         yield factory
+
+
+async def mixed_load(fleet: FleetStack, path: str = "/v1/chat/completions") -> int:
+    """A mixed load over the fleet's workers (at least 3) with every way an exchange can end
+    early; returns how many requests were sent (each ends in pylon: wait for them).
+
+    Phase 1, 24 concurrent streams: worker 0 drops 3 streams mid-way, worker 1 holds 2 back
+    before any output (pylon's first-output timeout; keep it short), worker 2 sends 2 malformed
+    events; every 6th client leaves after its first bytes. Phase 2, 12 concurrent whole
+    answers: worker 0 answers 503 twice, worker 1 cuts 2 bodies in half, worker 2 holds one
+    back until the client's own timeout (1 s) makes it leave.
+    """
+    await fleet.control(0, "faults", [{"drop_after_events": 2, "times": 3}])
+    await fleet.control(1, "faults", [{"stall_after_events": 0, "times": 2}])
+    await fleet.control(2, "faults", [{"malformed_event": True, "times": 2}])
+
+    def body(n: int, stream: bool) -> dict[str, Any]:
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"prompt {n % 4} with some words"}],
+            "max_tokens": 200,
+            "stream": stream,
+        }
+
+    async def stream(n: int) -> None:
+        headers = {"x-request-id": f"load-{n}", "x-model": MODEL}
+        async with fleet.client.stream(
+            "POST", f"{fleet.url}{path}", json=body(n, True), headers=headers
+        ) as reply:
+            async for _ in reply.aiter_bytes():
+                if n % 6 == 5:
+                    break  # the client leaves
+
+    async def whole(n: int) -> None:
+        headers = {"x-request-id": f"load-{n}", "x-model": MODEL}
+        try:
+            reply = await fleet.client.post(
+                f"{fleet.url}{path}", json=body(n, False), headers=headers, timeout=1.0
+            )
+        except (httpx.RemoteProtocolError, httpx.ReadTimeout):
+            return  # cut after its head (pylon can only close), or the client gave up
+        assert reply.status_code in (200, 503)
+
+    await asyncio.gather(*(stream(n) for n in range(24)))
+    await fleet.control(0, "faults", [{"status": 503, "times": 2}])
+    await fleet.control(1, "faults", [{"drop_after_events": 1, "times": 2}])
+    await fleet.control(2, "faults", [{"stall_after_events": 0, "times": 1}])
+    await asyncio.gather(*(whole(n) for n in range(24, 36)))
+    return 36
