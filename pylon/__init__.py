@@ -26,4 +26,7 @@ How a request flows (each layer only knows the one below it):
 - Bring-up (`pylon.bringup`, `pylon.models`, `pylon.upstream.probe`): with the listeners up, the
   engine's health gate, then the published model set (static, or `/v1/models` polled, with a
   generation per appearance); `Lifecycle.readiness()` says whether and why pylon is ready.
+- Operations (`pylon.admin`, `pylon.metrics`): the admin listener (`/metrics`, `/live`,
+  `/ready` from `Lifecycle.readiness()`), and the Prometheus metrics, an observer beside the
+  log lines.
 """

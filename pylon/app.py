@@ -1,8 +1,8 @@
 """Process wiring, the one place parts are built: Settings in, listeners running, until stopped.
 
-`build_core` assembles the transport-neutral parts (lifecycle, observer, admission, pool, router,
-tracer, queue admission, proxy) from Settings; the listeners get them injected. Nothing below
-this module reads Settings for itself, except through the frozen values built here.
+`build_core` assembles the transport-neutral parts (lifecycle, observers, metrics, admission,
+pool, router, tracer, queue admission, proxy) from Settings; the listeners get them injected.
+Nothing below this module reads Settings for itself, except through the frozen values built here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pylon.core.plan import Planner
 from pylon.core.queue import QueueAdmission, QueueTable
 from pylon.core.target import UpstreamTarget
 from pylon.lifecycle import Lifecycle
-from pylon.observe import LogObserver, Observer
+from pylon.metrics import MetricsObserver
+from pylon.observe import LogObserver, Observer, Observers
 from pylon.preflight import (
     check_files,
     check_routing,
@@ -46,6 +47,7 @@ from pylon.upstream.pool import UpstreamPool
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
+    from pylon.admin import AdminServer
     from pylon.server.http3 import Http3Server, QuicOptions
     from pylon.tls import TlsIdentity
 
@@ -75,6 +77,7 @@ class Core:
     ingress: Ingress  # what every client connection shares
     queue: QueueAdmission  # the live request tables and queue estimates (`queue.table`)
     tracer: ExchangeTracer | None = None  # None: tracing is off
+    metrics: MetricsObserver | None = None  # None when there is no admin listener to serve them
 
 
 def ingress_limits(settings: Settings) -> IngressLimits:
@@ -106,10 +109,23 @@ def build_core(
     """Assemble the proxy and its parts. Must run inside the event loop (the pool binds it).
 
     `router`: who picks the engine worker; default, every request to `upstream`.
+    `observer`: who hears the events (default, the log lines); with an admin listener, the
+    metrics hear them too (`Observers`).
     `span_exporter`: where spans go instead of the OTLP collector (tests); tracing is on when
     it is given or `settings.otel_endpoint` is set, and nothing of it is built otherwise.
     """
+    metrics = (
+        MetricsObserver(
+            settings.backend,
+            priority_ceiling=settings.priority_ceiling,
+            local_connect_retryable=settings.local_connect_failures_retryable,
+        )
+        if settings.admin_listen
+        else None
+    )
     observer = observer or LogObserver()
+    if metrics is not None:
+        observer = Observers(observer, metrics)
     lifecycle = lifecycle or Lifecycle()
     path = settings.tunnel_token_file
     auth = TokenAuth(path) if path is not None else None
@@ -127,6 +143,8 @@ def build_core(
     queue = QueueAdmission(QueueTable(settings.initial_input_tps), settings.queue_policy, adapter)
     # A re-published model is a new generation: its throughput is measured afresh.
     lifecycle.models.on_retire(queue.table.retire)
+    if metrics is not None:
+        metrics.queue_snapshot = queue.table.snapshot
     tracer: ExchangeTracer | None = None
     if settings.otel_endpoint is not None or span_exporter is not None:
         from pylon.otel import OtelTracer
@@ -152,7 +170,9 @@ def build_core(
     ingress = Ingress(
         proxy, admission, limits, lifecycle, BodyBudget(settings.max_total_body_bytes)
     )
-    return Core(lifecycle, observer, admission, proxy, pool, limits, ingress, queue, tracer)
+    return Core(
+        lifecycle, observer, admission, proxy, pool, limits, ingress, queue, tracer, metrics
+    )
 
 
 async def _embedded_mock(settings: Settings, stack: AsyncExitStack, observer: Observer) -> str:
@@ -180,13 +200,18 @@ async def _embedded_mock(settings: Settings, stack: AsyncExitStack, observer: Ob
     return str(mock.base_url)
 
 
-def _tls_identity(settings: Settings, stack: AsyncExitStack) -> TlsIdentity | None:
-    """One hot-reloaded identity for every TLS listener (TCP with a certificate, and QUIC)."""
+def _tls_identity(
+    settings: Settings, stack: AsyncExitStack, observer: Observer
+) -> TlsIdentity | None:
+    """One hot-reloaded identity for every TLS listener (TCP with a certificate, and QUIC); it
+    reports its loads and reloads to `observer` as process events."""
     if settings.tls_cert is None and settings.quic_listen is None:
         return None
     from pylon.tls import TlsIdentity
 
-    identity = TlsIdentity.from_paths(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    identity = TlsIdentity.from_paths(
+        settings.tls_cert, settings.tls_key, settings.tls_client_ca, observer.process_event
+    )
     reloader = asyncio.create_task(identity.watch(settings.tls_reload_interval))
     stack.callback(reloader.cancel)
     return identity
@@ -226,6 +251,21 @@ async def _start_quic(
         "listening_quic", address=address, alpn="h3", retry=settings.quic_retry
     )
     return h3, address
+
+
+async def _start_admin(
+    settings: Settings, core: Core, stack: AsyncExitStack
+) -> tuple[AdminServer | None, str | None]:
+    """The admin listener (`--admin-listen`), unless it is disabled; a bind failure refuses
+    the start (`StartupError`)."""
+    if core.metrics is None:
+        return None, None
+    from pylon.admin import AdminRoutes, AdminServer
+
+    admin = AdminServer(AdminRoutes(core.lifecycle, core.metrics.registry))
+    address = await admin.start(settings.admin_listen)
+    stack.callback(admin.close)
+    return admin, address
 
 
 def quic_options(settings: Settings) -> QuicOptions:
@@ -328,8 +368,14 @@ class Running:
     # keeps running model discovery afterwards.
     ready: asyncio.Future[BringUp] | None = None
     engine: asyncio.Task[None] | None = None
+    admin: AdminServer | None = None
+    admin_address: str | None = None  # the admin listener, host:port; None when disabled
     # `--routing` other than off: the workers, their health checks and the router.
     routing: Routing | None = None
+
+    @property
+    def admin_url(self) -> str | None:
+        return f"http://{self.admin_address}" if self.admin_address is not None else None
 
     async def shutdown(self, grace: float) -> None:
         """Graceful stop: no new connections or requests, in-flight ones get `grace` s."""
@@ -446,8 +492,10 @@ async def start(
                 service_name=settings.otel_service_name,
             )
         stack.callback(core.pool.close)
+        # The admin listener first: /live and /ready answer (not ready yet) while the rest starts.
+        admin, admin_address = await _start_admin(settings, core, stack)
         host, port = settings.listen_host_port
-        identity = _tls_identity(settings, stack)
+        identity = _tls_identity(settings, stack, core.observer)
         tls = settings.tls_cert is not None and identity is not None
         live = LiveConnections()
         server = await loop.create_server(
@@ -464,10 +512,15 @@ async def start(
         running = Running(
             core, address, f"{'https' if tls else 'http'}://{address}", upstream, live, server
         )
+        running.admin, running.admin_address = admin, admin_address
         running.routing = routing
         if settings.quic_listen is not None:
             assert identity is not None
             running.h3, running.quic_address = await _start_quic(settings, core, stack, identity)
+        if admin_address is not None:  # said once every listener is up: a refusal stays alone
+            observer.process_event(
+                "listening_admin", address=admin_address, paths="/metrics,/live,/ready"
+            )
         observer.process_event(
             "listening",
             address=address,

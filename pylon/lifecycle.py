@@ -1,9 +1,9 @@
 """The process lifecycle: starting, ready, draining, and the models published. One per process.
 
 Listeners, admission (the `not_ready`, `shutting_down` and `model_generation_unavailable` 503s)
-and `/ready` (`readiness`) read it; nothing else keeps a drain flag or a model set of its own.
-Connections subscribe to be told when the drain starts (HTTP/2 and HTTP/3 send GOAWAY, idle
-HTTP/1.1 keep-alives close).
+and the admin `/ready` (`readiness`) read it; nothing else keeps a drain flag or a model set of
+its own. `readiness()` is the one answer to "may traffic come here?". Connections subscribe to be
+told when the drain starts (HTTP/2 and HTTP/3 send GOAWAY, idle HTTP/1.1 keep-alives close).
 
 `STARTING` lasts until the engine passed its health gate (and, with discovery, the first poll
 ran: `pylon.bringup`); `mark_ready` then moves to `READY`. Whether pylon is *ready for traffic*

@@ -1,15 +1,18 @@
 """What happens to requests and connections, told to one `Observer`.
 
 The transports and the proxy never call a logger: they report lifecycle events here. `LogObserver`
-(structlog) writes the log lines; metrics and traces subscribe to the same events later through
-`Observers`. Each request carries one `RequestRecord` with its timestamps (loop time, seconds),
-so every observer sees the same clock readings.
+(structlog) writes the log lines; `pylon.metrics.MetricsObserver` counts them (traces can
+subscribe the same way); `Observers` hands every event to each (`pylon.app.build_core` builds
+it). Each request carries one `RequestRecord` with its timestamps (loop time, seconds) and its
+token counts, so every observer sees the same readings. An event method that does nothing is
+marked `@quiet`, and the fan-out never calls it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pylon.logs import get_lifecycle_logger, get_logger
 
@@ -27,10 +30,15 @@ class RequestRecord:
         "dispatched_at",
         "done_at",
         "first_byte_at",
+        "first_output_at",
         "head_at",
+        "input_tokens",
+        "input_tokens_source",
         "method",
         "model",
         "outcome",
+        "output_tokens",
+        "output_tokens_source",
         "path",
         "request_id",
         "status",
@@ -46,6 +54,7 @@ class RequestRecord:
         self.head_at = head_at  # the request head was received
         self.dispatched_at: float | None = None  # the request was written to the engine
         self.first_byte_at: float | None = None  # the first response byte went to the client
+        self.first_output_at: float | None = None  # the first output (event or body) arrived
         self.done_at: float | None = None
         self.request_id: str | None = None
         self.model: str | None = None
@@ -55,6 +64,12 @@ class RequestRecord:
         self.outcome = ""
         self.worker: str | None = None
         self.stripped: tuple[str, ...] = ()
+        # Token counts (see `pylon.core.usage`), and where each came from: "usage" (the engine's
+        # report), "gateway" (x-input-tokens), "estimate" (streamed data events); "" = unknown.
+        self.input_tokens: int | None = None
+        self.input_tokens_source = ""
+        self.output_tokens: int | None = None
+        self.output_tokens_source = ""
 
     def duration_ms(self) -> float | None:
         if self.done_at is None:
@@ -107,6 +122,33 @@ class Observer(Protocol):
         ...
 
 
+OBSERVER_EVENTS = (
+    "admitted",
+    "rejected",
+    "dispatched",
+    "first_output",
+    "upstream_status",
+    "upstream_failed",
+    "queue_admission",
+    "done",
+    "crashed",
+    "transport_event",
+    "process_event",
+)
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def quiet(method: F) -> F:
+    """Marks an event method that does nothing, so `Observers` does not even call it."""
+    method.quiet = True  # type: ignore[attr-defined]
+    return method
+
+
+def _ignore(*_args: Any, **_fields: Any) -> None:
+    return None
+
+
 # Log levels of the connection- and process-level events; anything unlisted logs at info.
 _WARNING_EVENTS = frozenset(
     {
@@ -134,6 +176,7 @@ LIFECYCLE_EVENTS = frozenset(
     {
         "listening",
         "listening_quic",
+        "listening_admin",
         "embedded_mock_started",
         "ready",
         "stopping",
@@ -160,6 +203,7 @@ class LogObserver:
         self._log = get_logger()
         self._lifecycle_log = get_lifecycle_logger()
 
+    @quiet
     def admitted(self, record: RequestRecord) -> None:
         return None  # the `request_done` line says it all; no line per admission
 
@@ -189,9 +233,11 @@ class LogObserver:
             threshold_ms=decision.threshold_ms,
         )
 
+    @quiet
     def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
         return None
 
+    @quiet
     def first_output(self, record: RequestRecord) -> None:
         return None
 
@@ -266,4 +312,85 @@ class LogObserver:
             self._log.info(kind, **fields)
 
 
-_: type[Observer] = LogObserver
+_log_observer: type[Observer] = LogObserver
+
+
+class Observers:
+    """Several observers as one: every event goes to each, in the order given (the log lines
+    first, then metrics, traces, ...). Each must be cheap and never raise, as for `Observer`.
+
+    Built for the hot path: an event none of them handles (methods marked `quiet`) costs one
+    call to nothing, and an event only one of them handles goes straight to it (the instance
+    attribute shadows the fan-out method below).
+    """
+
+    def __init__(self, *observers: Observer) -> None:
+        self.members = observers
+        for event in OBSERVER_EVENTS:
+            handlers = tuple(
+                handler
+                for observer in observers
+                if not getattr(handler := getattr(observer, event), "quiet", False)
+            )
+            setattr(self, "_" + event, handlers)
+            if len(handlers) <= 1:
+                setattr(self, event, handlers[0] if handlers else _ignore)
+
+    _admitted: tuple[Callable[[RequestRecord], None], ...]
+    _rejected: tuple[Callable[[RequestRecord, PylonError], None], ...]
+    _dispatched: tuple[Callable[[RequestRecord, ForwardPlan], None], ...]
+    _first_output: tuple[Callable[[RequestRecord], None], ...]
+    _upstream_status: tuple[Callable[[RequestRecord, RetryMark], None], ...]
+    _upstream_failed: tuple[Callable[[RequestRecord, PylonError, bool], None], ...]
+    _queue_admission: tuple[Callable[[RequestRecord, QueueDecision], None], ...]
+    _done: tuple[Callable[[RequestRecord], None], ...]
+    _crashed: tuple[Callable[[RequestRecord | None, BaseException | None], None], ...]
+    _transport_event: tuple[Callable[..., None], ...]
+    _process_event: tuple[Callable[..., None], ...]
+
+    def admitted(self, record: RequestRecord) -> None:
+        for handler in self._admitted:
+            handler(record)
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        for handler in self._rejected:
+            handler(record, error)
+
+    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
+        for handler in self._dispatched:
+            handler(record, plan)
+
+    def first_output(self, record: RequestRecord) -> None:
+        for handler in self._first_output:
+            handler(record)
+
+    def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
+        for handler in self._upstream_status:
+            handler(record, mark)
+
+    def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
+        for handler in self._upstream_failed:
+            handler(record, error, after_head)
+
+    def queue_admission(self, record: RequestRecord, decision: QueueDecision) -> None:
+        for handler in self._queue_admission:
+            handler(record, decision)
+
+    def done(self, record: RequestRecord) -> None:
+        for handler in self._done:
+            handler(record)
+
+    def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
+        for handler in self._crashed:
+            handler(record, exc)
+
+    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+        for handler in self._transport_event:
+            handler(kind, protocol, **fields)
+
+    def process_event(self, kind: str, /, **fields: Any) -> None:
+        for handler in self._process_event:
+            handler(kind, **fields)
+
+
+_fan_out: type[Observer] = Observers

@@ -44,7 +44,6 @@ from opentelemetry.trace import (
 )
 from opentelemetry.util.types import AttributeValue
 
-from pylon.adapters import engine_priority
 from pylon.core.contract import TraceContext
 from pylon.tracing import SPAN_NAME, ExchangeSpan, ExchangeTracer, exchange_error
 
@@ -201,7 +200,7 @@ class OtelTracer:
             attributes["pylon.worker"] = record.worker
         if request.priority is not None:
             attributes["pylon.priority"] = request.priority
-        priority = engine_priority(plan.priority)
+        priority = plan.priority.value
         if priority is not None:
             attributes["pylon.engine_priority"] = priority
         span = self._tracer.start_span(

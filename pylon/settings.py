@@ -505,6 +505,12 @@ class Settings(BaseSettings):
         description="UDP listen address for HTTP/3; unset = no QUIC listener",
         json_schema_extra=group(LISTENERS, "HOST:PORT"),
     )
+    admin_listen: str = Field(
+        "127.0.0.1:9089",
+        description="plain-HTTP admin listener: /metrics, /live, /ready (no tunnel auth); "
+        "empty = no admin listener and no metrics",
+        json_schema_extra=group(LISTENERS, "HOST:PORT"),
+    )
     quic_idle_timeout: float = Field(
         60.0,
         gt=0,
@@ -554,6 +560,14 @@ class Settings(BaseSettings):
     @classmethod
     def _valid_listen(cls, value: str) -> str:
         split_host_port(value)
+        return value
+
+    @field_validator("admin_listen")
+    @classmethod
+    def _valid_admin_listen(cls, value: str) -> str:
+        value = value.strip()
+        if value:
+            split_host_port(value)
         return value
 
     @field_validator("log_level", "log_format", mode="before")

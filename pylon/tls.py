@@ -165,6 +165,18 @@ def build_server_ssl_context(
     return context
 
 
+Report = Callable[..., None]
+
+
+def _log_report(event: str, /, **fields: Any) -> None:
+    """Without an observer: a log line, at warning for a refused reload."""
+    log = get_logger()
+    if event == "tls_reload_rejected":
+        log.warning(event, **fields)
+    else:
+        log.info(event, **fields)
+
+
 class TlsIdentity:
     """The current server identity, reloadable. One per process, shared by all TLS listeners."""
 
@@ -174,6 +186,7 @@ class TlsIdentity:
         cert_path: Path | None = None,
         key_path: Path | None = None,
         client_ca: Path | None = None,
+        report: Report | None = None,
     ) -> None:
         self._material = material
         self.cert_path = cert_path
@@ -183,21 +196,30 @@ class TlsIdentity:
         self._contexts: dict[tuple[str, ...], ssl.SSLContext] = {}
         self._listeners: list[Callable[[TlsMaterial], None]] = []
         self._seen = self._stat()
-        self._log = get_logger()
+        self._report = report or _log_report
 
     @classmethod
     def from_paths(
-        cls, cert_path: Path | None, key_path: Path | None, client_ca: Path | None = None
+        cls,
+        cert_path: Path | None,
+        key_path: Path | None,
+        client_ca: Path | None = None,
+        report: Report | None = None,
     ) -> TlsIdentity:
-        """Load the configured pair, or generate a self-signed one when neither path is set."""
+        """Load the configured pair, or generate a self-signed one when neither path is set.
+
+        `report(event, **fields)`: where the identity tells what happened to it
+        (`tls_identity_loaded`, `tls_reloaded`, `tls_reload_rejected`); pylon passes its
+        observer's `process_event`, so the log line and the metrics both see each. By default,
+        a log line."""
         if (cert_path is None) != (key_path is None):
             raise TlsMaterialError("--tls-cert and --tls-key must be given together")
         if cert_path is not None and key_path is not None:
             material = load_material(cert_path, key_path)
         else:
             material = self_signed_material()
-        identity = cls(material, cert_path, key_path, client_ca)
-        identity._log.info(
+        identity = cls(material, cert_path, key_path, client_ca, report)
+        identity._report(
             "tls_identity_loaded",
             source=material.source,
             fingerprint_sha256=material.fingerprint,
@@ -274,14 +296,12 @@ class TlsIdentity:
         try:
             material = load_material(self.cert_path, self.key_path)
         except TlsMaterialError as exc:
-            self._log.warning(
-                "tls_reload_rejected", reason=str(exc), kept=self._material.fingerprint
-            )
+            self._report("tls_reload_rejected", reason=str(exc), kept=self._material.fingerprint)
             return False
         previous = self._material
         self._material = material
         self._contexts.clear()
-        self._log.info(
+        self._report(
             "tls_reloaded",
             fingerprint_sha256=material.fingerprint,
             previous_sha256=previous.fingerprint,

@@ -219,6 +219,7 @@ def start_servers(group: ProcessGroup, workdir: Path) -> dict[str, tuple[int, in
         "--backend", "dynamo",
         "--model", "mock-model",  # the canned upstream lists no models: a static set
         "--log-level", "warning",
+        "--admin-listen", "127.0.0.1:0",  # metrics on, and no fixed port to collide on
     ]  # fmt: skip
     pylon = group.start(pylon_argv, workdir / "pylon.log")
     time.sleep(1.5)  # pylon logs JSON, not the "listening on" line start_listening waits for

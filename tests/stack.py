@@ -235,6 +235,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             defaults: dict[str, Any] = {
                 "listen": "127.0.0.1:0",
                 "quic_listen": "127.0.0.1:0",
+                "admin_listen": "127.0.0.1:0",  # never the fixed default port in tests
                 "upstream": engine.base_url,
                 "backend": backend,
                 "log_level": "warning",

@@ -11,7 +11,7 @@ from pylon.adapters.base import (
     PriorityAdapter,
     PriorityWrite,
 )
-from pylon.adapters.dynamo import PRIORITY_HEADER, DynamoAdapter
+from pylon.adapters.dynamo import DynamoAdapter
 from pylon.adapters.passthrough import PassthroughAdapter
 from pylon.adapters.sglang import SglangAdapter
 from pylon.adapters.vllm import VllmAdapter
@@ -46,23 +46,10 @@ def build_adapter(backend: str, options: AdapterOptions, *, derive: bool) -> Pri
     return factory(options) if derive else _DisabledAdapter()
 
 
-def engine_priority(write: PriorityWrite) -> int | None:
-    """The priority value an adapter derived, wherever it travels (a body field for vLLM and
-    SGLang, Dynamo's priority header); None when nothing was derived. For observation (spans,
-    metrics): off the hot path, so the writes themselves carry nothing extra."""
-    if write.body_priority is not None:
-        return write.body_priority
-    for name, value in write.headers:
-        if name == PRIORITY_HEADER:
-            return int(value)
-    return None
-
-
 __all__ = [
     "ADAPTERS",
     "AdapterOptions",
     "PriorityAdapter",
     "PriorityWrite",
     "build_adapter",
-    "engine_priority",
 ]

@@ -40,7 +40,8 @@ class DynamoAdapter:
     @staticmethod
     def _write(value: int) -> PriorityWrite:
         return PriorityWrite(
-            headers=((PRIORITY_HEADER, str(value).encode()), (STRICT_PRIORITY_HEADER, b"0"))
+            headers=((PRIORITY_HEADER, str(value).encode()), (STRICT_PRIORITY_HEADER, b"0")),
+            value=value,
         )
 
 

@@ -20,7 +20,8 @@ class SglangAdapter:
         self._low_first = options.sglang_low_priority_first
 
     def derive(self, rank: int | None) -> PriorityWrite:
-        return PriorityWrite(body_priority=self._value(rank))
+        value = self._value(rank)
+        return PriorityWrite(body_priority=value, value=value)
 
     def queue_level(self, rank: int | None) -> int:
         value = self._value(rank)

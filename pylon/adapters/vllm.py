@@ -18,7 +18,8 @@ class VllmAdapter:
         self._ceiling = options.ceiling
 
     def derive(self, rank: int | None) -> PriorityWrite:
-        return PriorityWrite(body_priority=self.queue_level(rank))
+        value = self.queue_level(rank)
+        return PriorityWrite(body_priority=value, value=value)
 
     def queue_level(self, rank: int | None) -> int:
         # vLLM serves lower values first: the body value is the order itself.

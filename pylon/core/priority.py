@@ -18,6 +18,7 @@ class PriorityWrite:
 
     headers: tuple[Header, ...] = ()
     body_priority: int | None = None  # top-level body `priority`, when the engine reads it there
+    value: int | None = None  # the engine priority value derived, wherever it is written
 
     @property
     def empty(self) -> bool:

@@ -296,3 +296,60 @@ def _strip_nested(parent: str, value: Any, stripped: list[str]) -> Any:
     if not denied or not any(key in value for key in denied):
         return value
     return _strip_keys(value, denied, parent, stripped)
+
+
+# --- metrics labels ---------------------------------------------------------------------------
+
+HEADER = "header"
+BODY = "body"
+OTHER_CONTROL = "_other"
+
+
+def _header_rule(dashed: str) -> str | None:
+    """The deny-list entry a dashed, lower-case header name falls under, as written there."""
+    if dashed in _DENIED_HEADER_NAMES:
+        return dashed
+    for prefix in _DENIED_PREFIX_NAMES:
+        if dashed.startswith(prefix):
+            return prefix + "*"
+    return None
+
+
+_DENIED_HEADER_NAMES = frozenset(name.decode("ascii") for name in DENIED_REQUEST_HEADERS)
+_DENIED_PREFIX_NAMES = tuple(prefix.decode("ascii") for prefix, _ in DENIED_REQUEST_HEADER_PREFIXES)
+_TWIN_NAMES = frozenset(
+    name.decode("ascii").replace("-", "_") for name in PYLON_OWNED_REQUEST_HEADERS | _CONTRACT_TWINS
+)
+_BODY_LABELS = frozenset(
+    [
+        *DENIED_BODY_FIELDS,
+        *(f"nvext.{key}" for key in DENIED_NVEXT_FIELDS),
+        *(f"{parent}.{key}" for parent, key in DENIED_NESTED_FIELDS),
+    ]
+)
+
+
+def stripped_control_label(name: str) -> tuple[str, str]:
+    """(control, location) for one entry of a plan's `stripped`: the metrics labels of a
+    removed client control, drawn from a fixed set (`stripped_control_labels`), never free text.
+
+    A header is labelled with the deny-list entry it matched: its own name, or its family's
+    prefix rule (`x-dynamo-*`); an underscore twin with the entry's underscore spelling
+    (`x_dynamo_*`, `x_model`). A body field is labelled with its path (`nvext.dp_rank`).
+    """
+    if name in _BODY_LABELS:
+        return name, BODY
+    if "_" in name:
+        if name in _TWIN_NAMES:
+            return name, HEADER
+        rule = _header_rule(name.replace("_", "-"))
+        return (rule.replace("-", "_"), HEADER) if rule is not None else (OTHER_CONTROL, HEADER)
+    rule = _header_rule(name)
+    return (rule, HEADER) if rule is not None else (OTHER_CONTROL, HEADER)
+
+
+def stripped_control_labels() -> frozenset[tuple[str, str]]:
+    """Every (control, location) `stripped_control_label` can return."""
+    rules = {*_DENIED_HEADER_NAMES, *(prefix + "*" for prefix in _DENIED_PREFIX_NAMES)}
+    headers = {*rules, *(rule.replace("-", "_") for rule in rules), *_TWIN_NAMES, OTHER_CONTROL}
+    return frozenset({*((label, HEADER) for label in headers), *((p, BODY) for p in _BODY_LABELS)})

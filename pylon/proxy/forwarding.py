@@ -19,6 +19,7 @@ from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.queue import QueueAdmission, QueueEntry
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import sanitize_response_headers
+from pylon.core.usage import FROM_GATEWAY
 from pylon.observe import Observer, RequestRecord
 from pylon.proxy.relay import (
     AlreadyAnswered,
@@ -81,6 +82,9 @@ class Proxy:
         try:
             if isinstance(request, TunnelRequest):
                 plan = self._planner.plan(request, body)
+                if request.input_tokens is not None:
+                    record.input_tokens = request.input_tokens
+                    record.input_tokens_source = FROM_GATEWAY
             else:
                 plan = self._planner.plan_health(request)
         except PylonError as error:
@@ -118,6 +122,7 @@ class Proxy:
                 record.done_at = self._loop.time()
                 if entry is not None:
                     entry.release(record.done_at)  # before `done`: observers see it gone
+                    entry = None
                 if span is not None:
                     span.end(record)
                 self._observer.done(record)
@@ -182,6 +187,8 @@ class Proxy:
             await self._relay_response(plan, exchange, booking, entry, sink, watchdog, record)
         except AlreadyAnswered as cut:
             record.outcome = cut.outcome
+            cut.error.request_id = plan.request_id
+            self._observer.upstream_failed(record, cut.error, after_head=True)
         except ClientStalled:
             record.outcome = "client_send_timeout"  # the stream was reset; the engine stops
         except (UpstreamBroken, UpstreamTimeout) as exc:
@@ -250,6 +257,7 @@ class Proxy:
                 self._relay,
                 plan.request_id,
                 lambda: self._first_output(booking, entry, record, True),
+                record,
                 booking.output_tokens if booking.counts_output else None,
             )
             if failure is not None:
@@ -259,12 +267,13 @@ class Proxy:
             # The head of a whole response: prefill (and generation) is over. It measures the
             # input throughput only where it ends a prefill: a successful non-stream request.
             self._first_output(booking, entry, record, status == 200 and not plan.stream_requested)
-            await relay_raw(exchange, sink, headers, watchdog, self._relay)
+            await relay_raw(exchange, sink, headers, watchdog, self._relay, record)
 
     def _first_output(
         self, booking: Booking, entry: QueueEntry | None, record: RequestRecord, sample: bool
     ) -> None:
+        record.first_output_at = now = self._loop.time()
         if entry is not None:
-            entry.first_output(self._loop.time(), sample)
+            entry.first_output(now, sample)
         booking.first_output()
         self._observer.first_output(record)

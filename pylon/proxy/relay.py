@@ -16,6 +16,8 @@ import orjson
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError, openai_error
 from pylon.core.http import Header
 from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event, iter_events
+from pylon.core.usage import FROM_ESTIMATE, FROM_USAGE, data_events, usage_at_end
+from pylon.observe import RequestRecord
 from pylon.proxy.sink import ResponseSink
 from pylon.timers import Deadline
 from pylon.upstream.pool import Exchange, UpstreamBroken, UpstreamTimeout
@@ -82,11 +84,12 @@ class AlreadyAnswered(UpstreamBroken):
     """The client already got a head; only the connection can tell it something went wrong.
 
     `outcome`: what happened, for the request's record (`upstream_timeout` or
-    `upstream_broken_mid_body`)."""
+    `upstream_broken_mid_body`); `error`: the failure, for the observers."""
 
-    def __init__(self, outcome: str) -> None:
+    def __init__(self, outcome: str, error: PylonError) -> None:
         super().__init__(outcome)
         self.outcome = outcome
+        self.error = error
 
 
 async def relay_sse(
@@ -96,28 +99,37 @@ async def relay_sse(
     limits: RelayLimits,
     request_id: str | None,
     on_first_output: Callable[[], None],
+    record: RequestRecord,
     on_output: Callable[[int], None] | None = None,
 ) -> PylonError | None:
     """Relay an event stream whose head was sent; returns the failure told to the client.
 
-    `on_output`: told, for each block relayed from the first output on, how many output
-    events it held (`output_event_count`; None: nobody counts, and nothing is counted)."""
+    Counts the output on the way (`record`'s token counts, also when the stream is cut short):
+    the engine's usage when its last events carry one, else the data events relayed.
+    `on_output`: told, for each block relayed from the first output on, how many data events
+    it held (engines stream a token per event: the routers' decode accounting); None: no one.
+    """
     splitter = SseSplitter(limits.max_sse_event_bytes)
     watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
     seen_output = False
     failure: PylonError | None = None
+    events = 0
+    previous = last = b""  # the last two blocks: where a usage report is
     try:
         while (chunk := await exchange.next_chunk()) is not None:
             block = splitter.feed_block(chunk)
             if not block:
                 continue
             sink.write(block)
+            count = data_events(block)
+            events += count
+            previous, last = last, block
             if seen_output or any(map(is_output_event, iter_events(block))):
                 if not seen_output:
                     seen_output = True
                     on_first_output()
                 if on_output is not None:
-                    on_output(output_event_count(block))
+                    on_output(count)
                 watchdog.arm_for(limits.output_gap_timeout, "gap between events too long")
             if sink.paused:
                 await drain_within(sink, watchdog, limits, "gap between events too long")
@@ -138,6 +150,8 @@ async def relay_sse(
     except SseEventTooLarge as exc:
         failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
         exchange.fail(UpstreamBroken(str(exc)))  # the connection cannot be reused
+    finally:
+        count_tokens(record, previous, last, events)
     if failure is not None:
         failure.request_id = request_id
         sink.write(error_event(sse_error_payload(failure)))
@@ -151,14 +165,17 @@ async def relay_raw(
     headers: list[Header],
     watchdog: Watchdog,
     limits: RelayLimits,
+    record: RequestRecord,
 ) -> None:
     """Relay any other response as it comes; a break after the head cuts the stream.
 
     The body must keep coming: the output-gap timeout runs between pieces, so an engine that
-    stalls after its head cannot hold the request (and the client) forever.
+    stalls after its head cannot hold the request (and the client) forever. A usage report at
+    the body's end gives `record` its token counts.
     """
     sink.start(exchange.status, headers, content_length(exchange.headers))
     gap = limits.output_gap_timeout
+    previous = last = b""  # the last two pieces of the body: where a usage report is
     try:
         while True:
             if not exchange.ready:
@@ -169,25 +186,37 @@ async def relay_raw(
             if chunk is None:
                 break
             sink.write(chunk)
+            previous, last = last, chunk
             if sink.paused:
                 await drain_within(sink, watchdog, limits, "the response body stopped arriving")
-    except UpstreamTimeout:
+    except UpstreamTimeout as exc:
         # The head is out; a half body cannot be signalled in HTTP/1.1 except by closing.
         sink.abort()
-        raise AlreadyAnswered("upstream_timeout") from None
-    except UpstreamBroken:
+        error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_TIMEOUT)
+        raise AlreadyAnswered("upstream_timeout", error) from None
+    except UpstreamBroken as exc:
         sink.abort()
-        raise AlreadyAnswered("upstream_broken_mid_body") from None
+        error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+        raise AlreadyAnswered("upstream_broken_mid_body", error) from None
     watchdog.cancel()
     sink.end()
+    if last:
+        count_tokens(record, previous, last, None)
 
 
-def output_event_count(block: bytes) -> int:
-    """Output events in a block of whole events, counted cheaply: its `data:` fields, less a
-    `[DONE]`. Engines stream one token per event by default, so this is the output token
-    count the routers' decode accounting needs (approximate where an engine batches tokens
-    into one event, or an event has several `data:` lines)."""
-    return block.count(b"data:") - block.count(b"data: [DONE]")
+def count_tokens(record: RequestRecord, previous: bytes, last: bytes, events: int | None) -> None:
+    """The response's token counts onto `record`: the engine's usage when its end carries one,
+    else (a stream) the `events` relayed as the output estimate."""
+    usage = usage_at_end(previous, last)
+    if usage is not None:
+        given, made = usage
+        if given is not None:
+            record.input_tokens, record.input_tokens_source = given, FROM_USAGE
+        if made is not None:
+            record.output_tokens, record.output_tokens_source = made, FROM_USAGE
+            return
+    if events is not None:
+        record.output_tokens, record.output_tokens_source = events, FROM_ESTIMATE
 
 
 def sse_error_payload(error: PylonError) -> bytes:

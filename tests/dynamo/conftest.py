@@ -128,6 +128,8 @@ def gateway(dynamo_stack: object, tmp_path_factory: pytest.TempPathFactory) -> I
             "dynamo",
             "--log-level",
             "warning",
+            "--admin-listen",
+            "127.0.0.1:0",  # never the fixed default port in tests
         ]
     elif mode in ("reference", "passthrough"):
         cmd = [

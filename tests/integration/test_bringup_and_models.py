@@ -56,6 +56,13 @@ async def control(stack: Stack, name: str, value: Any) -> None:
 # --- the health gate ---------------------------------------------------------------------------
 
 
+async def ready_endpoint(stack: Stack) -> tuple[int, Any]:
+    """What the admin listener's `/ready` answers (status, JSON body)."""
+    assert stack.running.admin_url is not None
+    reply = await stack.client.get(f"{stack.running.admin_url}/ready")
+    return reply.status_code, reply.json()
+
+
 async def test_the_gate_passes_on_the_first_path_that_answers_2xx_in_order(
     make_stack: StackFactory,
 ) -> None:
@@ -102,6 +109,7 @@ async def test_requests_during_the_gate_get_503_not_ready_on_every_transport(
         wait_ready=False, engine_controls={"health": {"status": 503}}, **FAST_GATE
     )
     assert lifecycle(stack).readiness() == (False, "engine_not_ready")
+    assert await ready_endpoint(stack) == (503, {"ready": False, "reason": "engine_not_ready"})
     for protocol in PROTOCOLS:
         reply = await stack.send(protocol, CHAT, tunnel(f"early-{protocol}"), chat())
         assert_retryable_503(reply, "not_ready", f"early-{protocol}")
@@ -114,6 +122,7 @@ async def test_requests_during_the_gate_get_503_not_ready_on_every_transport(
     async with asyncio.timeout(5):
         await stack.running.ready
     assert lifecycle(stack).readiness() == (True, "ready")
+    assert await ready_endpoint(stack) == (200, {"ready": True, "reason": "ready"})
     for protocol in PROTOCOLS:
         reply = await stack.send(protocol, CHAT, tunnel(f"late-{protocol}"), chat())
         assert reply.status == 200, reply
@@ -159,6 +168,7 @@ async def test_discovery_adds_retires_and_republishes_with_generations(
     retired = {(f["model"], f["generation"]) for f in observer.of("model_retired", after=mark)}
     assert retired == {(MODEL, 1), ("b", 1)}
     assert lifecycle(stack).readiness() == (False, "no_models")
+    assert await ready_endpoint(stack) == (503, {"ready": False, "reason": "no_models"})
     reply = await stack.send("http1", CHAT, tunnel("gone", "b"), chat("b"))
     assert_retryable_503(reply, "model_generation_unavailable", "gone")
 
@@ -167,6 +177,7 @@ async def test_discovery_adds_retires_and_republishes_with_generations(
     again = await observer.wait_for("model_published", after=mark, model="b")
     assert again["generation"] == 2 and models.generation("b") == 2
     assert lifecycle(stack).readiness() == (True, "ready")
+    assert await ready_endpoint(stack) == (200, {"ready": True, "reason": "ready"})
     assert (await stack.send("h3", CHAT, tunnel("back", "b"), chat("b"))).status == 200
 
 
@@ -253,6 +264,7 @@ async def test_readiness_flips_first_on_drain_while_in_flight_requests_finish(
             await asyncio.sleep(0)  # pylon runs in this loop: let it read the bytes
     stack.drain()
     assert lifecycle(stack).readiness() == (False, "draining")
+    assert await ready_endpoint(stack) == (503, {"ready": False, "reason": "draining"})
     late_writer.write(b"x-model: %s\r\n\r\n" % MODEL.encode())
     async with asyncio.timeout(5):
         refused = await late_reader.read()

@@ -25,12 +25,22 @@ from tests.certs import make_ca, make_leaf, write_pair
 
 PYLON = [sys.executable, "-m", "pylon"]
 ENGINE = [sys.executable, "-m", "mock_dynamo"]
+# Every pylon started here has its admin listener on an ephemeral port, never the fixed default.
+ADMIN = {"PYLON_ADMIN_LISTEN": "127.0.0.1:0"}
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without any PYLON_* or OTEL_* variable but the ephemeral admin listener."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("PYLON_", "OTEL_"))},
+        **ADMIN,
+    }
 
 
 def run_pylon(
     *args: str, env: dict[str, str] | None = None, python: list[str] = PYLON
 ) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYLON_", "OTEL_"))}
+    clean = clean_env()
     return subprocess.run(
         [*python, *args],
         capture_output=True,
@@ -114,9 +124,11 @@ def test_bad_values_exit_nonzero_with_one_line(
 
 def test_serve_with_no_upstream_runs_the_embedded_mock() -> None:
     """The README's run command, end to end: pylon serve, then a request through it."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYLON_")}
     proc = subprocess.Popen(
-        [*PYLON, "serve", "--listen", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True, env=clean
+        [*PYLON, "serve", "--listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
     )
     try:
         assert proc.stderr is not None
@@ -270,7 +282,7 @@ def log_lines(proc: subprocess.Popen[str], until: str, limit: float = 20) -> lis
 
 
 def start_pylon(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYLON_")}
+    clean = clean_env()
     return subprocess.Popen(
         [*PYLON, "serve", *args], stderr=subprocess.PIPE, text=True, env={**clean, **(env or {})}
     )
@@ -453,6 +465,33 @@ def test_a_port_in_use_is_one_line() -> None:
             run_pylon("serve", "--listen", f"127.0.0.1:{port}", "--upstream", "http://127.0.0.1:9")
         )
     assert line.startswith("pylon: cannot start: ") and "address already in use" in line
+
+
+def test_an_admin_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refusal(
+            run_pylon(
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                f"127.0.0.1:{port}",
+                "--upstream",
+                "http://127.0.0.1:9",
+            )
+        )
+    assert line == f"pylon: --admin-listen 127.0.0.1:{port}: cannot listen: address already in use"
+
+
+def test_the_admin_listener_flag() -> None:
+    assert Settings.model_fields["admin_listen"].default == "127.0.0.1:9089"
+    assert effective("--admin-listen", "")["admin_listen"] == ""  # disabled
+    assert effective("--admin-listen", "[::1]:0")["admin_listen"] == "[::1]:0"
+    line = refusal(run_pylon("config", "--admin-listen", "nowhere"))
+    assert line.startswith("pylon: invalid setting admin_listen (--admin-listen): ")
 
 
 def test_a_refusal_comes_before_any_log_line(files: dict[str, str]) -> None:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pylon.adapters import ADAPTERS, AdapterOptions, build_adapter, engine_priority
+from pylon.adapters import ADAPTERS, AdapterOptions, build_adapter
 from pylon.adapters.base import I32_MAX
 from pylon.adapters.dynamo import PRIORITY_HEADER, STRICT_PRIORITY_HEADER
 from pylon.core.plan import Planner
@@ -93,18 +93,18 @@ def test_passthrough_writes_nothing(ceiling: int, rank: int | None) -> None:
 )
 @FAST
 @given(ceiling=ceilings, rank=ranks)
-def test_engine_priority_reads_back_the_derived_value(
+def test_the_write_carries_the_derived_value(
     backend: str, low_first: bool, ceiling: int, rank: int | None
 ) -> None:
     """What spans and metrics report is the value the engine gets, wherever it travels."""
     write = adapter(backend, ceiling, low_first=low_first).derive(rank)
     if backend == "passthrough":
-        assert engine_priority(write) is None
+        assert write.value is None
     elif backend == "dynamo":
-        assert engine_priority(write) == dynamo_value(ceiling, rank)
+        assert write.value == dynamo_value(ceiling, rank)
     else:
-        assert engine_priority(write) == body_value(backend, ceiling, rank, low_first)
-    assert engine_priority(adapter(backend, ceiling, derive=False).derive(rank)) is None
+        assert write.value == body_value(backend, ceiling, rank, low_first)
+    assert adapter(backend, ceiling, derive=False).derive(rank).value is None
 
 
 # --- order properties, in each engine's own polarity ------------------------------------------

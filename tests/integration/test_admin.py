@@ -1,0 +1,225 @@
+"""The admin listener: /live, /ready (through start, readiness and drain), /metrics content
+negotiation, and its bounds (methods, paths, head size, bodies, timeouts, connections)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+
+from pylon import admin
+from pylon.admin import AdminRoutes, AdminServer
+from pylon.app import start
+from pylon.lifecycle import Lifecycle
+from pylon.metrics import MetricsObserver
+from pylon.observe import LogObserver
+from pylon.preflight import StartupError
+from pylon.settings import load_settings
+from tests.integration.conftest import raw_exchange
+from tests.stack import Stack, StackFactory
+
+
+def admin_url(stack: Stack) -> str:
+    assert stack.running.admin_url is not None
+    return stack.running.admin_url
+
+
+def admin_address(stack: Stack) -> tuple[str, int]:
+    assert stack.running.admin_address is not None
+    host, port = stack.running.admin_address.rsplit(":", 1)
+    return host, int(port)
+
+
+def problem_of(raw: bytes) -> tuple[int, dict[str, str], dict[str, object]]:
+    """(status, headers, JSON body) of one raw HTTP/1.1 answer."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    status = int(lines[0].split()[1])
+    fields = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return status, fields, json.loads(body)
+
+
+@contextlib.asynccontextmanager
+async def bare_admin(lifecycle: Lifecycle) -> AsyncIterator[AdminServer]:
+    server = AdminServer(AdminRoutes(lifecycle, MetricsObserver("dynamo").registry))
+    await server.start("127.0.0.1:0")
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def test_live_and_ready_then_drain(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", quic_listen=None)
+    url = admin_url(stack)
+    live = await stack.client.get(f"{url}/live")
+    assert (live.status_code, live.json()) == (200, {"live": True})
+    ready = await stack.client.get(f"{url}/ready")
+    assert (ready.status_code, ready.json()) == (200, {"ready": True, "reason": "ready"})
+    stack.drain()  # what SIGTERM does first
+    ready = await stack.client.get(f"{url}/ready")
+    assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "draining"})
+    assert ready.headers["content-type"] == "application/json"
+    assert (await stack.client.get(f"{url}/live")).status_code == 200  # still alive
+
+
+async def test_not_ready_while_starting() -> None:
+    lifecycle = Lifecycle()
+    async with bare_admin(lifecycle) as server, httpx.AsyncClient(timeout=5) as client:
+        ready = await client.get(f"http://{server.address}/ready")
+        assert (ready.status_code, ready.json()) == (
+            503,
+            {"ready": False, "reason": "engine_not_ready"},
+        )
+        lifecycle.mark_ready()  # the engine passed its gate, but no model is published yet
+        ready = await client.get(f"http://{server.address}/ready")
+        assert (ready.status_code, ready.json()) == (503, {"ready": False, "reason": "no_models"})
+        lifecycle.models.apply(["m"])
+        assert (await client.get(f"http://{server.address}/ready")).status_code == 200
+
+
+async def test_metrics_in_text_or_openmetrics(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", quic_listen=None)
+    url = f"{admin_url(stack)}/metrics"
+    text = await stack.client.get(url)
+    assert text.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "# TYPE pylon_build_info gauge" in text.text
+    accept = "application/openmetrics-text; version=1.0.0; charset=utf-8,text/plain;q=0.5"
+    reply = await stack.client.get(url, headers={"accept": accept})
+    assert reply.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert reply.text.endswith("# EOF\n")
+    families = {f.name: f.type for f in openmetrics_families(reply.text)}
+    assert families["pylon_build"] == "info"
+    assert families["pylon_requests"] == "counter"
+    assert families["pylon_request_duration_seconds"] == "histogram"
+    # An Accept header the client library cannot parse: plain text, not an error.
+    odd = await stack.client.get(url, headers={"accept": "application/openmetrics-text; version=x"})
+    assert odd.status_code == 200 and "pylon_build_info" in odd.text
+
+
+async def test_head_unknown_paths_and_other_methods(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", quic_listen=None)
+    url = admin_url(stack)
+    head = await stack.client.head(f"{url}/live")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == str(len(b'{"live":true}'))
+    missing = await stack.client.get(f"{url}/v1/chat/completions")
+    assert missing.status_code == 404
+    assert missing.headers["content-type"] == "application/problem+json"
+    assert missing.json()["code"] == "not_found"
+    for method in ("POST", "PUT", "DELETE", "OPTIONS"):
+        refused = await stack.client.request(method, f"{url}/metrics")
+        assert refused.status_code == 405, method
+        assert refused.headers["allow"] == "GET, HEAD"
+        assert refused.json()["code"] == "method_not_allowed"
+    # No tunnel request ever reached the engine through the admin port.
+    assert await stack.records() == []
+
+
+async def test_keep_alive_answers_pipelined_requests_in_order() -> None:
+    async with bare_admin(Lifecycle()) as server:
+        host, port = server.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /live HTTP/1.1\r\nhost: x\r\n\r\nGET /ready HTTP/1.1\r\nhost: x\r\n\r\n")
+        first = await reader.readuntil(b"}")
+        second = await reader.readuntil(b"}")
+        assert first.startswith(b"HTTP/1.1 200 OK") and first.endswith(b'{"live":true}')
+        assert second.startswith(b"HTTP/1.1 503 Service Unavailable")
+        writer.close()
+
+
+async def test_bounded_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with bare_admin(Lifecycle()) as server:
+        host, port = server.address.rsplit(":", 1)
+        address = (host, int(port))
+        huge = (
+            b"GET /live HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * admin.MAX_HEAD_BYTES + b"\r\n\r\n"
+        )
+        status, fields, body = problem_of(await raw_exchange(*address, huge))
+        assert (status, body["code"], fields["connection"]) == (431, "headers_too_large", "close")
+        many = b"GET /live HTTP/1.1\r\n" + b"x-h: 1\r\n" * (admin.MAX_HEADERS + 1) + b"\r\n"
+        status, _, body = problem_of(await raw_exchange(*address, many))
+        assert (status, body["code"]) == (431, "headers_too_large")
+        with_body = b"GET /live HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc"
+        status, _, body = problem_of(await raw_exchange(*address, with_body))
+        assert (status, body["code"]) == (413, "body_not_allowed")
+        status, _, body = problem_of(
+            await raw_exchange(*address, b"GET /live HTTP/1.1\r\nbad\r\n\r\n")
+        )
+        assert (status, body["code"]) == (400, "malformed_request")
+        # A request that stops half-way is answered 408 and closed, not kept forever.
+        monkeypatch.setattr(admin, "REQUEST_TIMEOUT", 0.2)
+        status, _, body = problem_of(await raw_exchange(*address, b"GET /live HTTP/1.1\r\nho"))
+        assert (status, body["code"]) == (408, "request_timeout")
+
+
+async def test_connections_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admin, "MAX_CONNECTIONS", 2)
+    async with bare_admin(Lifecycle()) as server:
+        host, port = server.address.rsplit(":", 1)
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        async with asyncio.timeout(5):
+            while server.connections < 2:  # accepted on the loop: wait for both
+                await asyncio.sleep(0)
+        status, _, body = problem_of(await raw_exchange(host, int(port), b""))
+        assert (status, body["code"]) == (503, "too_many_connections")
+        for _, writer in held:
+            writer.close()
+
+
+async def test_an_empty_admin_listen_disables_it(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", quic_listen=None, admin_listen="")
+    assert stack.running.admin is None and stack.running.admin_address is None
+    assert stack.running.core.metrics is None
+    assert isinstance(stack.running.core.observer, LogObserver)  # no fan-out, no metrics cost
+    reply = await stack.post("/v1/chat/completions", {"model": "mock-model", "messages": []})
+    assert reply.status_code == 200
+
+
+async def test_an_admin_port_in_use_refuses_the_start() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = load_settings(
+            {
+                "listen": "127.0.0.1:0",
+                "admin_listen": f"127.0.0.1:{port}",
+                "upstream": "http://127.0.0.1:9",
+            }
+        )
+        with pytest.raises(StartupError, match=rf"--admin-listen 127\.0\.0\.1:{port}: cannot"):
+            async with start(settings):
+                pytest.fail("started without its admin listener")
+
+
+async def test_a_failing_collector_is_a_500_not_a_hang() -> None:
+    class Broken:
+        armed = False
+
+        def collect(self) -> list[object]:
+            if self.armed:
+                raise RuntimeError("a bug")
+            return []
+
+    metrics = MetricsObserver("dynamo")
+    broken = Broken()
+    metrics.registry.register(broken)  # type: ignore[arg-type]
+    broken.armed = True
+    server = AdminServer(AdminRoutes(Lifecycle(), metrics.registry))
+    await server.start("127.0.0.1:0")
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            reply = await client.get(f"http://{server.address}/metrics")
+        assert reply.status_code == 500
+        assert reply.json()["code"] == "internal_error"
+    finally:
+        server.close()

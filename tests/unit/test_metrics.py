@@ -1,0 +1,205 @@
+"""The metrics' bounded labels and arithmetic, without a server: `MetricsObserver` fed events by
+hand, read back through prometheus-client's own parser."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pylon.core.errors import ClientError, ErrorCode, UpstreamError
+from pylon.core.plan import ForwardPlan
+from pylon.core.priority import PriorityWrite
+from pylon.core.retry import RetryMark
+from pylon.core.sanitize import (
+    DENIED_BODY_FIELDS,
+    DENIED_NVEXT_FIELDS,
+    header_denied_reason,
+    sanitize_request_headers,
+    stripped_control_label,
+    stripped_control_labels,
+)
+from pylon.metrics import MetricsObserver
+from pylon.observe import RequestRecord
+
+# --- stripped-control labels ---------------------------------------------------------------
+
+
+def test_labels_name_the_rule_never_the_client_text() -> None:
+    assert stripped_control_label("x-dynamo-request-priority") == ("x-dynamo-*", "header")
+    assert stripped_control_label("x-dynamo-anything-at-all-1234") == ("x-dynamo-*", "header")
+    assert stripped_control_label("x_dynamo_anything") == ("x_dynamo_*", "header")
+    assert stripped_control_label("x-dynamo_mixed") == ("x_dynamo_*", "header")
+    assert stripped_control_label("x-worker-instance-id") == ("x-worker-instance-id", "header")
+    assert stripped_control_label("x_worker_instance_id") == ("x_worker_instance_id", "header")
+    assert stripped_control_label("x_model") == ("x_model", "header")  # a tunnel header's twin
+    assert stripped_control_label("priority") == ("priority", "body")
+    assert stripped_control_label("nvext.backend_instance_id") == (
+        "nvext.backend_instance_id",
+        "body",
+    )
+    assert stripped_control_label("vllm_xargs.session_id") == ("vllm_xargs.session_id", "body")
+    assert stripped_control_label("not-a-control") == ("_other", "header")
+
+
+def test_no_body_label_is_also_a_header_rule() -> None:
+    """A plan's `stripped` mixes header names and body paths: their labels cannot collide."""
+    bodies = {label for label, location in stripped_control_labels() if location == "body"}
+    assert set(DENIED_BODY_FIELDS) <= bodies
+    assert {f"nvext.{key}" for key in DENIED_NVEXT_FIELDS} <= bodies
+    for label in bodies:
+        assert header_denied_reason(label.encode()) is None, label
+
+
+_header_name = st.one_of(
+    st.sampled_from(
+        [
+            "x-dynamo-",
+            "x_dynamo_",
+            "x-stargate-",
+            "x-gateway-",
+            "X-Override-",
+            "x-smg-",
+            "x-epp-",
+            "x-worker-instance-id",
+            "x_tenant_id",
+            "x_request_id",
+            "x_model",
+            "x-session-id",
+            "forwarded",
+            "connection",
+            "x-ordinary",
+        ]
+    ).flatmap(lambda stem: st.text("abcxyz-_0", max_size=8).map(lambda tail: stem + tail)),
+    st.text("abcdefghijklmnopqrstuvwxyz-_", min_size=1, max_size=20),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_header_name, max_size=10))
+def test_every_stripped_header_has_a_bounded_label(names: list[str]) -> None:
+    stripped = sanitize_request_headers([(n.encode(), b"1") for n in names]).stripped
+    allowed = stripped_control_labels()
+    for name in stripped:
+        label = stripped_control_label(name)
+        assert label in allowed
+        assert label[0] != "_other", name  # whatever the sanitizer strips, a rule matched
+
+
+# --- the observer --------------------------------------------------------------------------
+
+
+def scrape(metrics: MetricsObserver) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """sample name -> {sorted labels: value}."""
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            labels = tuple(sorted(sample.labels.items()))
+            samples.setdefault(sample.name, {})[labels] = sample.value
+    return samples
+
+
+def record(model: str | None, transport: str = "http1", at: float = 100.0) -> RequestRecord:
+    entry = RequestRecord(transport, 1, at)
+    entry.model = model
+    return entry
+
+
+def plan(priority: int | None) -> ForwardPlan:
+    return ForwardPlan(
+        "POST",
+        "/v1/chat/completions",
+        (),
+        b"{}",
+        "r",
+        "m",
+        False,
+        (),
+        PriorityWrite(value=priority),
+    )
+
+
+def forward(metrics: MetricsObserver, entry: RequestRecord, status: int = 200) -> None:
+    """A forwarded request's events, as the proxy sends them, 0.5 s from head to done."""
+    entry.dispatched_at = entry.head_at + 0.1
+    metrics.dispatched(entry, plan(7))
+    entry.first_byte_at = entry.first_output_at = entry.head_at + 0.2
+    metrics.first_output(entry)
+    entry.status = status
+    entry.done_at = entry.head_at + 0.5
+    metrics.done(entry)
+
+
+def test_models_past_the_limit_are_counted_as_other() -> None:
+    metrics = MetricsObserver("dynamo", model_limit=2)
+    for model in ("a", "b", "c", "d", "a", None, "_other", "_none"):
+        forward(metrics, record(model))
+    totals = scrape(metrics)["pylon_requests_total"]
+    by_model = {dict(labels)["model"]: value for labels, value in totals.items()}
+    assert by_model == {"a": 2, "b": 1, "_other": 3, "_none": 2}
+
+
+def test_in_flight_counts_the_requests_at_the_engine() -> None:
+    metrics = MetricsObserver("vllm")
+    first, second = record("m", "h2"), record("m", "h2")
+    for entry in (first, second):
+        entry.dispatched_at = 1.0
+        metrics.dispatched(entry, plan(None))
+    key = (("backend", "vllm"), ("model", "m"), ("transport", "h2"))
+    assert scrape(metrics)["pylon_requests_in_flight"][key] == 2
+    first.done_at = second.done_at = 2.0
+    metrics.done(first)
+    assert scrape(metrics)["pylon_requests_in_flight"][key] == 1
+    metrics.done(second)
+    assert scrape(metrics)["pylon_requests_in_flight"][key] == 0
+    # A request pylon refused before the engine never counted as in flight.
+    refused = record("m", "h2")
+    metrics.rejected(refused, ClientError("x", code=ErrorCode.MODEL_MISMATCH))
+    assert scrape(metrics)["pylon_requests_in_flight"][key] == 0
+
+
+def test_histograms_are_cumulative() -> None:
+    metrics = MetricsObserver("dynamo")
+    for _ in range(3):
+        forward(metrics, record("m"))
+    samples = scrape(metrics)
+    buckets = samples["pylon_request_duration_seconds_bucket"]
+    assert buckets[(("le", "0.25"), ("model", "m"))] == 0
+    assert buckets[(("le", "0.5"), ("model", "m"))] == 3
+    assert buckets[(("le", "+Inf"), ("model", "m"))] == 3
+    assert samples["pylon_request_duration_seconds_count"][(("model", "m"),)] == 3
+    assert abs(samples["pylon_request_duration_seconds_sum"][(("model", "m"),)] - 1.5) < 1e-9
+    head = samples["pylon_request_time_to_response_head_seconds_bucket"]
+    assert head[(("le", "0.1"), ("model", "m"))] == 0
+    assert head[(("le", "0.25"), ("model", "m"))] == 3
+    priority = samples["pylon_engine_priority_bucket"]
+    assert priority[(("backend", "dynamo"), ("le", "0.0"))] == 0
+    assert priority[(("backend", "dynamo"), ("le", "225.0"))] == 3  # 3600 / 16
+
+
+def test_markings_are_counted_as_written() -> None:
+    metrics = MetricsObserver("dynamo", local_connect_retryable=True)
+    metrics.rejected(record("m"), UpstreamError("x", code=ErrorCode.SHUTTING_DOWN))
+    metrics.upstream_status(record("m"), RetryMark(False, "missing_upstream_retry_header"))
+    refused = UpstreamError("refused", code=ErrorCode.UPSTREAM_UNAVAILABLE)
+    metrics.upstream_failed(record("m"), refused, after_head=False)
+    broken = UpstreamError("cut", code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+    metrics.upstream_failed(record("m"), broken, after_head=True)
+    samples = scrape(metrics)
+    assert samples["pylon_retry_markings_total"] == {
+        (("reason", "shutting_down"), ("retryable", "true")): 1,
+        (("reason", "missing_upstream_retry_header"), ("retryable", "false")): 1,
+        (("reason", "local_connect_failure"), ("retryable", "true")): 1,
+    }
+    assert samples["pylon_upstream_errors_total"] == {
+        (("reason", "upstream_unavailable"), ("stage", "before_head")): 1,
+        (("reason", "upstream_protocol_error"), ("stage", "after_head")): 1,
+    }
+
+
+def test_each_pylon_has_its_own_registry() -> None:
+    one, two = MetricsObserver("dynamo"), MetricsObserver("dynamo")
+    forward(one, record("m"))
+    assert "pylon_requests_total" in scrape(one)
+    assert "pylon_requests_total" not in scrape(two)

@@ -1,0 +1,56 @@
+"""`Observers`: every observer hears every event it handles, in order; quiet ones cost nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pylon.core.errors import ClientError, ErrorCode
+from pylon.observe import LogObserver, Observers, RequestRecord, quiet
+
+
+class Noting(LogObserver):
+    def __init__(self, name: str, heard: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self._name = name
+        self._heard = heard
+
+    def admitted(self, record: RequestRecord) -> None:  # an override: not quiet any more
+        self._heard.append((self._name, "admitted"))
+
+    def done(self, record: RequestRecord) -> None:
+        self._heard.append((self._name, "done"))
+
+    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+        self._heard.append((self._name, f"{kind}/{protocol}/{fields}"))
+
+    @quiet
+    def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
+        raise AssertionError("a quiet handler is never called")
+
+
+def test_events_reach_every_observer_in_order() -> None:
+    heard: list[tuple[str, str]] = []
+    both = Observers(Noting("first", heard), Noting("second", heard))
+    record = RequestRecord("h2", 1, 0.0)
+    both.admitted(record)
+    both.done(record)
+    both.transport_event("h2_flood", "h2", kind="ping")
+    both.crashed(record, None)
+    both.rejected(record, ClientError("x", code=ErrorCode.MISSING_MODEL))  # LogObserver's line
+    assert heard == [
+        ("first", "admitted"),
+        ("second", "admitted"),
+        ("first", "done"),
+        ("second", "done"),
+        ("first", "h2_flood/h2/{'kind': 'ping'}"),
+        ("second", "h2_flood/h2/{'kind': 'ping'}"),
+    ]
+
+
+def test_one_handler_is_called_directly_and_quiet_ones_not_at_all() -> None:
+    heard: list[tuple[str, str]] = []
+    alone = Noting("alone", heard)
+    both = Observers(LogObserver(), alone)
+    assert both.admitted == alone.admitted  # LogObserver.admitted is quiet
+    assert both.first_output.__name__ == "_ignore"  # quiet everywhere: nothing to call
+    assert both.members[1] is alone
