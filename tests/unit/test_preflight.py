@@ -142,3 +142,14 @@ def test_tracing_without_the_packages_is_refused(monkeypatch: pytest.MonkeyPatch
 def test_service_name_without_tracing_is_named() -> None:
     assert events(settings(otel_service_name="svc")) == [("setting_ignored", "otel_service_name")]
     assert events(settings(otel_service_name="svc", otel_endpoint="http://c:4318")) == []
+
+
+def test_worker_health_flags_without_routing_are_named() -> None:
+    assert events(settings(worker_eject_after=5, worker_health_path="/ready")) == [
+        ("setting_ignored", "worker_health_path"),
+        ("setting_ignored", "worker_eject_after"),
+    ]
+    routed = settings(
+        routing="round-robin", worker=["url=http://127.0.0.1:9001"], worker_eject_after=5
+    )
+    assert events(routed) == []
