@@ -484,6 +484,8 @@ async def start(
         core = build_core(
             settings, upstream, observer=observer, router=router, span_exporter=span_exporter
         )
+        if core.metrics is not None and routing is not None:
+            core.metrics.routing_snapshot = routing.snapshot
         if core.tracer is not None:  # closed last, once every exchange has ended
             stack.push_async_callback(_close_tracer, core.tracer)
             observer.process_event(

@@ -140,6 +140,19 @@ class FleetStack:
     async def wait_record(self, index: int, request_id: str, event: str) -> dict[str, Any]:
         return await wait_for_record(self.client, self.mocks[index].base_url, request_id, event)
 
+    async def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The admin listener's /metrics: {(sample name, sorted labels): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        assert self.running.admin_url is not None, "the admin listener is off"
+        reply = await self.client.get(f"{self.running.admin_url}/metrics")
+        reply.raise_for_status()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(reply.text)
+            for sample in family.samples
+        }
+
     def connections_in_use(self) -> dict[str, int]:
         """Engine connections open and not idle in pylon's pool, per worker target."""
         pool = self.running.core.pool

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from pylon.core.target import UpstreamTarget
 from pylon.routing import Router
-from pylon.routing.fleet import Fleet
+from pylon.routing.fleet import Fleet, WorkerView
 from pylon.routing.health import HealthChecker
 from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.round_robin import RoundRobinRouter
@@ -26,6 +26,16 @@ if TYPE_CHECKING:
     from pylon.routing.kv import KvRouter, Tokenizer
     from pylon.settings import Settings
     from router_ffi._native import NativeFactory
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSnapshot:
+    """What the metrics read at scrape time: each worker, and the kv selects' latencies."""
+
+    policy: str
+    workers: tuple[WorkerView, ...]
+    select_bounds: tuple[float, ...] = ()
+    select_seconds: tuple[float, ...] | None = None  # counts per bound, +Inf, sum; None: no kv
 
 
 @dataclass
@@ -44,6 +54,18 @@ class Routing:
         """Start the health loop (its first round at once)."""
         if self._task is None:
             self._task = asyncio.create_task(self.checks.run(), name="pylon-worker-health")
+
+    def snapshot(self) -> RoutingSnapshot:
+        if self.kv is None:
+            return RoutingSnapshot(self.mode, self.fleet.views())
+        from pylon.routing.kv import SELECT_SECONDS_BUCKETS
+
+        return RoutingSnapshot(
+            self.mode,
+            self.fleet.views(),
+            SELECT_SECONDS_BUCKETS,
+            tuple(self.kv.select_seconds),
+        )
 
     def active_bookings(self) -> dict[str, int]:
         """Bookings in flight per worker label (all zero when nothing is in flight)."""

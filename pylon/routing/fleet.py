@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from pylon.core.http import Header
 from pylon.core.target import UpstreamTarget
@@ -32,6 +33,7 @@ class Worker:
     __slots__ = (
         "active",
         "admitted",
+        "decisions",
         "ever_admitted",
         "failures",
         "headers",
@@ -52,6 +54,7 @@ class Worker:
         self.target = target
         self.headers = headers
         self.active = 0  # bookings in flight
+        self.decisions: dict[str, int] = {}  # bookings made, by the policy that chose it
         self.admitted = False  # routers may choose it (health checks decide)
         self.ever_admitted = False
         self.failures = 0  # consecutive failed health checks
@@ -110,6 +113,13 @@ class Fleet:
     def active_by_worker(self) -> dict[str, int]:
         return {worker.label: worker.active for worker in self.workers}
 
+    def views(self) -> tuple[WorkerView, ...]:
+        """Each worker's state now (for metrics, read at scrape time)."""
+        return tuple(
+            WorkerView(worker.label, worker.admitted, worker.active, dict(worker.decisions))
+            for worker in self.workers
+        )
+
     def discovery_target(self) -> UpstreamTarget | None:
         """Where pylon asks for the model list: the first admitted worker (None: none is)."""
         admitted = self.admitted
@@ -137,19 +147,34 @@ class Fleet:
         return "; ".join(f"{worker.label}: {worker.last_result}" for worker in self.workers)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    label: str
+    admitted: bool
+    active: int  # bookings in flight
+    decisions: dict[str, int]  # bookings made so far, by policy
+
+
+def count_decision(worker: Worker, policy: str) -> None:
+    decisions = worker.decisions
+    decisions[policy] = decisions.get(policy, 0) + 1
+
+
 class WorkerBooking:
-    """A request in flight on one worker (the round-robin and least-loaded routers' booking)."""
+    """A request in flight on one worker (the round-robin and least-loaded routers' booking);
+    `policy` names the router that chose it (counted per worker)."""
 
     __slots__ = ("_released", "_worker", "headers", "target", "worker")
     counts_output = False
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, policy: str) -> None:
         self._worker = worker
         self.target = worker.target
         self.headers = worker.headers
         self.worker = worker.label
         self._released = False
         worker.active += 1
+        count_decision(worker, policy)
 
     def first_output(self) -> None:
         return None

@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import time
+from bisect import bisect_left
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pylon.core.http import Header
 from pylon.core.plan import ForwardPlan
 from pylon.routing import Booking, NoWorker, Router
-from pylon.routing.fleet import Fleet, Worker
+from pylon.routing.fleet import Fleet, Worker, count_decision
 from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.round_robin import no_worker
 
@@ -50,6 +52,11 @@ if TYPE_CHECKING:
 # SGLang read (and a Dynamo frontend reads as an alias). Both are in pylon's request deny-lists.
 INSTANCE_RANK_HEADER = b"x-dynamo-dp-rank"
 URL_RANK_HEADER = b"x-data-parallel-rank"
+POLICY = "kv"
+# Select-and-reserve latency (seconds), as the event loop waits for it: ~0.12 ms typical.
+SELECT_SECONDS_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0
+)  # fmt: skip
 
 
 class Tokenizer(Protocol):
@@ -96,6 +103,7 @@ class KvBooking:
         self.worker = worker.label
         self._released = False
         worker.active += 1
+        count_decision(worker, POLICY)
 
     @property
     def reservation(self) -> Reservation:
@@ -151,6 +159,8 @@ class KvRouter:
         self._fallback = LeastLoadedRouter(fleet)
         self.fallbacks = 0  # requests booked least-loaded: nothing to tokenize
         self.errors = 0  # requests booked least-loaded: the tokenizer or the core failed
+        # Select latencies: one count per SELECT_SECONDS_BUCKETS bound, +Inf, then the sum.
+        self.select_seconds: list[float] = [0] * (len(SELECT_SECONDS_BUCKETS) + 1) + [0.0]
         fleet.on_change(self._refilter)
 
     @property
@@ -180,6 +190,7 @@ class KvRouter:
             selection_id=core.new_selection_id(),
             allowed_worker_ids=self._allowed,
         )
+        started = time.perf_counter()
         try:
             reservation = core.select_and_reserve(request)
         except self._no_worker_errors as exc:
@@ -187,6 +198,10 @@ class KvRouter:
         except self._ffi_error as exc:
             self._failed("select_and_reserve", str(exc))
             return self._fallback.book(plan)
+        elapsed = time.perf_counter() - started
+        latencies = self.select_seconds
+        latencies[bisect_left(SELECT_SECONDS_BUCKETS, elapsed)] += 1
+        latencies[-1] += elapsed
         wid = reservation.worker_id
         worker = self._by_id.get(wid)
         if worker is None:  # the core only knows the workers upserted from the same fleet

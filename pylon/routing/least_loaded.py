@@ -13,6 +13,8 @@ from pylon.routing import Booking, Router
 from pylon.routing.fleet import Fleet, Worker, WorkerBooking
 from pylon.routing.round_robin import no_worker
 
+POLICY = "least-loaded"
+
 
 def least_loaded(admitted: tuple[Worker, ...], start: int) -> int:
     """Index in `admitted` (non-empty) of the first worker with the fewest bookings, scanning
@@ -43,7 +45,7 @@ class LeastLoadedRouter:
             raise no_worker(self._fleet)
         index = least_loaded(admitted, self._next)
         self._next = index + 1
-        return WorkerBooking(admitted[index])
+        return WorkerBooking(admitted[index], POLICY)
 
 
 _: type[Router] = LeastLoadedRouter

@@ -6,6 +6,8 @@ from pylon.core.plan import ForwardPlan
 from pylon.routing import Booking, NoWorker, Router
 from pylon.routing.fleet import Fleet, WorkerBooking
 
+POLICY = "round-robin"
+
 
 def no_worker(fleet: Fleet) -> NoWorker:
     """What a router raises when no worker is admitted (every one failed its health checks)."""
@@ -31,7 +33,7 @@ class RoundRobinRouter:
             raise no_worker(self._fleet)
         index = self._next % len(admitted)
         self._next = index + 1
-        return WorkerBooking(admitted[index])
+        return WorkerBooking(admitted[index], POLICY)
 
 
 _: type[Router] = RoundRobinRouter

@@ -139,6 +139,11 @@ async def test_a_repeated_prefix_goes_to_the_worker_that_holds_it(
     assert core.quiesce()
     assert all(w.active_requests == 0 for group in core.loads() for w in group.workers)
     assert sum(fleet.routing.active_bookings().values()) == 0
+    metrics = await fleet.metrics()
+    holder_label = (("policy", "kv"), ("worker", fleet.label(holder)))
+    assert metrics[("pylon_router_decisions_total", holder_label)] >= 5
+    assert metrics[("pylon_router_select_seconds_count", (("policy", "kv"),))] == 6
+    assert 0 < metrics[("pylon_router_select_seconds_sum", (("policy", "kv"),))] < 6
 
 
 @pytest.mark.dynamo

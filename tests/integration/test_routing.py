@@ -41,6 +41,13 @@ async def test_round_robin_takes_the_workers_in_turn(make_fleet: FleetFactory) -
     await fleet.observer.wait_done(6)
     assert fleet.observer.finished["rr-4"].worker == fleet.label(1)
     assert fleet.routing.active_bookings() == dict.fromkeys((fleet.label(i) for i in range(3)), 0)
+    metrics = await fleet.metrics()
+    for index in range(3):
+        worker = (("worker", fleet.label(index)),)
+        decided = (("policy", "round-robin"), ("worker", fleet.label(index)))
+        assert metrics[("pylon_router_decisions_total", decided)] == 2
+        assert metrics[("pylon_router_active_bookings", worker)] == 0
+        assert metrics[("pylon_router_worker_healthy", worker)] == 1
 
 
 async def test_least_loaded_avoids_the_busy_worker(make_fleet: FleetFactory) -> None:
@@ -116,6 +123,9 @@ async def test_no_admitted_worker_is_a_retryable_503_before_any_engine(
     for index in range(2):
         assert await fleet.inference_records(index) == []
     assert sum(fleet.routing.active_bookings().values()) == 0
+    metrics = await fleet.metrics()
+    for index in range(2):
+        assert metrics[("pylon_router_worker_healthy", (("worker", fleet.label(index)),))] == 0
 
 
 async def test_bring_up_admits_the_healthy_workers_and_the_rest_join_later(

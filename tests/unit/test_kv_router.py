@@ -96,7 +96,8 @@ async def test_a_booking_tells_the_core_what_the_exchange_does(fake: Refusing) -
     assert sid.startswith("pylon-")  # minted by pylon
     assert fake.last_request["token_ids"] == list(b"abcdefgh")
     assert "cache_salt" not in fake.last_request or fake.last_request["cache_salt"] is None
-    assert fleet.workers[0].active == 1
+    assert fleet.workers[0].active == 1 and fleet.workers[0].decisions == {"kv": 1}
+    assert sum(router.select_seconds[:-1]) == 1 and router.select_seconds[-1] > 0
     booking.first_output()
     booking.first_output()
     booking.output_tokens(3)
