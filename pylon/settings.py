@@ -183,12 +183,6 @@ class Settings(BaseSettings):
         "per dp rank), block-size=16, dp-size=1; also [[worker]] tables in --config",
         json_schema_extra=group(ROUTING, "SPEC", repeatable=True, separator=WORKER_ENV_SEPARATOR),
     )
-    tokenizer: Path | None = Field(
-        None,
-        description="local Hugging Face model directory (tokenizer.json, tokenizer_config.json "
-        "with its chat template): --routing kv tokenizes prompts with it as the engine does",
-        json_schema_extra=group(ROUTING, "DIR"),
-    )
     worker_health_path: str = Field(
         "/health",
         description="path each worker's active health check GETs (2xx = healthy)",
@@ -371,6 +365,14 @@ class Settings(BaseSettings):
         False,
         description="mark engine connect failures retryable",
         json_schema_extra=group(ENGINE),
+    )
+    tokenizer: Path | None = Field(
+        None,
+        description="local Hugging Face model dir (tokenizer.json, tokenizer_config.json with "
+        "its chat template) that KV-aware routing tokenizes prompts with, exactly as the "
+        "--backend engine does; loaded and checked at start (needs the dynamo extra: pip "
+        "install 'pylon[dynamo]')",
+        json_schema_extra=group(ENGINE, "DIR"),
     )
     # --- queue admission ---
     queue_admission: bool = Field(

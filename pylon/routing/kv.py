@@ -31,7 +31,6 @@ import importlib
 import time
 from bisect import bisect_left
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pylon.core.http import Header
@@ -66,25 +65,33 @@ class Tokenizer(Protocol):
         ...
 
 
-def load_tokenizer(directory: Path) -> Tokenizer:
-    """pylon's tokenizer (`pylon.tokenize`) for the `--tokenizer` directory.
+def load_tokenizer(settings: Settings) -> Tokenizer:
+    """pylon's tokenizer (`pylon.tokenize.Tokenizer`) for `--tokenizer`, in the dialect of
+    `--backend`. Raises `StartupError` (one line) when it cannot be loaded.
 
-    Raises `StartupError` (one line) when it cannot be loaded."""
+    (`pylon.tokenize` is built on its own branch; where it provides `preflight.load_tokenizer`,
+    that one loads the same tokenizer once and `build_routing` takes it as `tokenizer`.)"""
     from pylon.preflight import StartupError
 
+    directory = settings.tokenizer
+    assert directory is not None, "Settings require --tokenizer for --routing kv"
+    flag = f"--tokenizer {directory}"
+    if settings.backend == "passthrough":
+        raise StartupError(
+            f"{flag}: --backend passthrough does not say how the engine tokenizes; name the "
+            "engine with --backend dynamo, vllm or sglang"
+        )
     try:
-        module = importlib.import_module("pylon.tokenize")
+        module: Any = importlib.import_module("pylon.tokenize")
     except ImportError as exc:
         raise StartupError(
             f"--routing kv needs pylon's tokenizer (pylon.tokenize): {exc}"
         ) from None
-    load: Callable[[Path], Tokenizer] | None = getattr(module, "load", None)
-    if load is None:
-        raise StartupError("pylon.tokenize has no load(directory): this build cannot tokenize")
     try:
-        return load(directory)
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"--tokenizer {directory}: {' '.join(str(exc).split())}") from None
+        loaded: Tokenizer = module.Tokenizer(directory, dialect=settings.backend)
+    except (OSError, ValueError) as exc:  # pylon.tokenize.TokenizerError is a ValueError
+        raise StartupError(f"{flag}: {' '.join(str(exc).split())}") from None
+    return loaded
 
 
 class KvBooking:
@@ -251,8 +258,7 @@ async def build_kv_router(
     from router_ffi import WorkerSpec as NativeWorker
 
     if tokenizer is None:
-        assert settings.tokenizer is not None, "Settings require --tokenizer for --routing kv"
-        tokenizer = await asyncio.to_thread(load_tokenizer, settings.tokenizer)
+        tokenizer = await asyncio.to_thread(load_tokenizer, settings)
     loop = asyncio.get_running_loop()
 
     def on_error(error: RouterFfiError) -> None:  # on the core's owner thread
