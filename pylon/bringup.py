@@ -272,21 +272,11 @@ async def bring_up(
     instead (see above; already running)."""
     health_path = None
     fleet = workers.fleet if workers is not None else None
-    if workers is not None:
-        if settings.upstream_health_gate:
+    if settings.upstream_health_gate:
+        if workers is not None:
             health_path = await _fleet_gate(settings, workers, observer)
-    elif settings.upstream_health_gate:
-        assert target is not None
-        gate = HealthGate(
-            target,
-            health_paths(settings.upstream_health_path),
-            wait=settings.upstream_health_wait,
-            interval=settings.upstream_health_interval,
-            timeout=settings.upstream_health_timeout,
-            observer=observer,
-            fetch=fetch,
-        )
-        health_path = await gate.run()
+        else:
+            health_path = await _engine_gate(settings, _known(target), observer, fetch)
     discovery = None
     if settings.model:
         report_change(observer, lifecycle.models.apply(settings.model), "static")
@@ -302,6 +292,21 @@ async def bring_up(
         await discovery.poll()
     lifecycle.mark_ready()
     return BringUp(health_path, discovery)
+
+
+async def _engine_gate(
+    settings: Settings, target: UpstreamTarget, observer: Observer, fetch: Fetch
+) -> str:
+    gate = HealthGate(
+        target,
+        health_paths(settings.upstream_health_path),
+        wait=settings.upstream_health_wait,
+        interval=settings.upstream_health_interval,
+        timeout=settings.upstream_health_timeout,
+        observer=observer,
+        fetch=fetch,
+    )
+    return await gate.run()
 
 
 def _known(target: UpstreamTarget | None) -> UpstreamTarget:
