@@ -28,6 +28,7 @@ from pylon.metrics import MetricsObserver
 from pylon.observe import LogObserver, Observer, Observers
 from pylon.preflight import (
     check_files,
+    check_routing,
     check_tracing,
     config_warnings,
     insecure_listeners,
@@ -36,6 +37,7 @@ from pylon.preflight import (
 )
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
+from pylon.routing.build import Routing, build_routing
 from pylon.server.budget import BodyBudget
 from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import Http2Connection, ProtocolSwitch
@@ -384,6 +386,8 @@ class Running:
     engine: asyncio.Task[None] | None = None
     admin: AdminServer | None = None
     admin_address: str | None = None  # the admin listener, host:port; None when disabled
+    # `--routing` other than off: the workers, their health checks and the router.
+    routing: Routing | None = None
 
     @property
     def admin_url(self) -> str | None:
@@ -409,12 +413,22 @@ async def _close_tracer(tracer: ExchangeTracer) -> None:
 
 
 async def _engine(
-    settings: Settings, core: Core, upstream: str, ready: asyncio.Future[BringUp]
+    settings: Settings,
+    core: Core,
+    upstream: str,
+    ready: asyncio.Future[BringUp],
+    routing: Routing | None = None,
 ) -> None:
-    """Bring the engine up (health gate, first models), settle `ready`, then keep discovering."""
+    """Bring the engine up (health gate, first models), settle `ready`, then keep discovering.
+
+    With `routing`, the gate is the workers' health checks (see `pylon.bringup`)."""
     try:
         result = await bring_up(
-            settings, UpstreamTarget.from_url(upstream), core.lifecycle, core.observer
+            settings,
+            UpstreamTarget.from_url(upstream) if routing is None else None,
+            core.lifecycle,
+            core.observer,
+            workers=routing.checks if routing is not None else None,
         )
     except asyncio.CancelledError:
         ready.cancel()
@@ -432,6 +446,11 @@ async def _engine(
             models=published[:READY_LINE_MODELS],
             model_count=len(published),
             model_source="discovery" if result.discovery is not None else "static",
+            **(
+                {}
+                if routing is None
+                else {"routing": routing.mode, "workers_admitted": len(routing.fleet.admitted)}
+            ),
         )
     if result.discovery is not None:
         await result.discovery.run()
@@ -446,11 +465,15 @@ async def start(
     *,
     wait_ready: bool = True,
     tokenizer: Tokenizer | None = None,
+    routing: Routing | None = None,
 ) -> AsyncIterator[Running]:
     """Start every listener of `settings`, then bring the engine up; exiting the context
     closes everything at once.
 
     `span_exporter`: see `build_core`.
+    `routing`: the routing parts already built (`pylon.routing.build.build_routing`, e.g. with
+    a test's tokenizer or native core); by default they are built from `settings`. Either
+    way `start` runs their health checks and closes them.
     `wait_ready`: enter the context only once bring-up passed (raises `EngineNotReady` when the
     engine never passed its health gate); False enters at once, with bring-up running (tunnel
     requests get `503 not_ready` until `running.ready` is done).
@@ -460,16 +483,24 @@ async def start(
     observer = observer or LogObserver()
     check_files(settings)  # StartupError before anything starts
     check_tracing(settings)
+    check_routing(settings)
     if tokenizer is None:
         tokenizer = load_tokenizer(settings)
     for warning in [*config_warnings(settings), *tokenizer_warnings(tokenizer)]:
         observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:
-        upstream = (
-            str(settings.upstream)
-            if settings.upstream
-            else await _embedded_mock(settings, stack, observer)
-        )
+        if routing is None and settings.routing != "off" and router is None:
+            routing = await build_routing(settings, observer, tokenizer=tokenizer)
+        if routing is not None:
+            # Closed last: the requests cancelled at close release their bookings first.
+            stack.push_async_callback(routing.aclose)
+            router = routing.router
+        if settings.upstream:
+            upstream = str(settings.upstream)
+        elif settings.routing != "off":
+            upstream = ""  # url= workers only: each request goes to its worker's own URL
+        else:
+            upstream = await _embedded_mock(settings, stack, observer)
         core = build_core(
             settings,
             upstream,
@@ -478,6 +509,8 @@ async def start(
             span_exporter=span_exporter,
             tokenizer=tokenizer,
         )
+        if core.metrics is not None and routing is not None:
+            core.metrics.routing_snapshot = routing.snapshot
         if core.tracer is not None:  # closed last, once every exchange has ended
             stack.push_async_callback(_close_tracer, core.tracer)
             observer.process_event(
@@ -507,6 +540,7 @@ async def start(
             core, address, f"{'https' if tls else 'http'}://{address}", upstream, live, server
         )
         running.admin, running.admin_address = admin, admin_address
+        running.routing = routing
         if settings.quic_listen is not None:
             assert identity is not None
             running.h3, running.quic_address = await _start_quic(settings, core, stack, identity)
@@ -521,12 +555,18 @@ async def start(
             upstream=upstream,
             backend=settings.backend,
             derive_priority=settings.derive_priority,
+            routing=settings.routing,
+            workers=[spec.label for spec in settings.worker] or None,
         )
         for warning in insecure_listeners(settings):
             observer.process_event(warning.event, **warning.fields)
         # Bring-up runs with the listeners up: requests that come meanwhile get `not_ready`.
         running.ready = ready = loop.create_future()
-        running.engine = engine = asyncio.create_task(_engine(settings, core, upstream, ready))
+        if routing is not None:
+            routing.start()  # the workers' health checks: bring-up's gate waits on them
+        running.engine = engine = asyncio.create_task(
+            _engine(settings, core, upstream, ready, routing)
+        )
         stack.push_async_callback(_cancel, engine)
         if wait_ready:
             await asyncio.shield(ready)

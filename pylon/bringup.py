@@ -15,6 +15,12 @@ and tunnel requests get `503 not_ready` (retryable).
    everything, a generation per appearance).
 3. `Lifecycle.mark_ready()`.
 
+With `--routing` other than off (a `Fleet` of workers), the gate is the workers' own active
+health checks (`pylon.routing.health`, already running): it passes as soon as one worker is
+admitted, and fails like the single-engine gate when none is within `--upstream-health-wait`
+(the line then says what each worker answered last). The other workers join as their checks
+pass. Discovery asks the first admitted worker (the replicas serve the same models).
+
 Everything is reported to the `Observer` as process events:
 
 - `engine_health_probe` (debug): one failed probe: `path`, `result`, `round`;
@@ -44,6 +50,7 @@ if TYPE_CHECKING:
     from pylon.core.target import UpstreamTarget
     from pylon.lifecycle import Lifecycle
     from pylon.observe import Observer
+    from pylon.routing.health import HealthChecker
     from pylon.settings import Settings
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
@@ -154,12 +161,15 @@ class HealthGate:
 
 
 class ModelDiscovery:
-    """Poll the engine's `/v1/models` into the catalog: once (`poll`), or forever (`run`)."""
+    """Poll the engine's `/v1/models` into the catalog: once (`poll`), or forever (`run`).
+
+    `target`: the engine, or a function naming the engine to ask now (None: none can be asked,
+    and the poll fails)."""
 
     def __init__(
         self,
         catalog: ModelCatalog,
-        target: UpstreamTarget,
+        target: UpstreamTarget | Callable[[], UpstreamTarget | None],
         *,
         interval: float,
         timeout: float,
@@ -188,9 +198,12 @@ class ModelDiscovery:
         changes nothing: the last good set stays."""
         clock = self._clock or asyncio.get_running_loop().time
         started = clock()
+        target = self._target() if callable(self._target) else self._target
+        if target is None:
+            return self._failed("no_worker", "no engine worker is admitted to ask", started)
         try:
             reply = await self._fetch(
-                self._target, MODELS_PATH, timeout=self._timeout, max_body=MAX_MODEL_LIST_BYTES
+                target, MODELS_PATH, timeout=self._timeout, max_body=MAX_MODEL_LIST_BYTES
             )
             if not 200 <= reply.status < 300:
                 return self._failed("status", f"{MODELS_PATH} answered {reply.status}", started)
@@ -246,32 +259,31 @@ class BringUp:
 
 async def bring_up(
     settings: Settings,
-    target: UpstreamTarget,
+    target: UpstreamTarget | None,
     lifecycle: Lifecycle,
     observer: Observer,
     *,
     fetch: Fetch = fetch,
+    workers: HealthChecker | None = None,
 ) -> BringUp:
-    """The health gate, then the first model set, then `READY`. Raises `EngineNotReady`."""
+    """The health gate, then the first model set, then `READY`. Raises `EngineNotReady`.
+
+    `target`: the one engine (`--routing off`); `workers`: the health checks of the workers
+    instead (see above; already running)."""
     health_path = None
+    fleet = workers.fleet if workers is not None else None
     if settings.upstream_health_gate:
-        gate = HealthGate(
-            target,
-            health_paths(settings.upstream_health_path),
-            wait=settings.upstream_health_wait,
-            interval=settings.upstream_health_interval,
-            timeout=settings.upstream_health_timeout,
-            observer=observer,
-            fetch=fetch,
-        )
-        health_path = await gate.run()
+        if workers is not None:
+            health_path = await _fleet_gate(settings, workers, observer)
+        else:
+            health_path = await _engine_gate(settings, _known(target), observer, fetch)
     discovery = None
     if settings.model:
         report_change(observer, lifecycle.models.apply(settings.model), "static")
     else:
         discovery = ModelDiscovery(
             lifecycle.models,
-            target,
+            fleet.discovery_target if fleet is not None else _known(target),
             interval=settings.model_discovery_interval,
             timeout=settings.model_discovery_timeout,
             observer=observer,
@@ -280,3 +292,60 @@ async def bring_up(
         await discovery.poll()
     lifecycle.mark_ready()
     return BringUp(health_path, discovery)
+
+
+async def _engine_gate(
+    settings: Settings, target: UpstreamTarget, observer: Observer, fetch: Fetch
+) -> str:
+    gate = HealthGate(
+        target,
+        health_paths(settings.upstream_health_path),
+        wait=settings.upstream_health_wait,
+        interval=settings.upstream_health_interval,
+        timeout=settings.upstream_health_timeout,
+        observer=observer,
+        fetch=fetch,
+    )
+    return await gate.run()
+
+
+def _known(target: UpstreamTarget | None) -> UpstreamTarget:
+    assert target is not None, "an engine target or a fleet"
+    return target
+
+
+async def _fleet_gate(settings: Settings, workers: HealthChecker, observer: Observer) -> str:
+    """Wait for the first admitted worker; `EngineNotReady` after `--upstream-health-wait`
+    (the first round of checks is always waited for, so a wait of 0 is one round)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    wait = settings.upstream_health_wait
+    path = workers.path
+    fleet = workers.fleet
+    await workers.first_round()  # bounded by --worker-health-timeout
+    if fleet.admitted or await fleet.wait_admitted(started + wait - loop.time()):
+        admitted = fleet.admitted
+        observer.process_event(
+            "engine_healthy",
+            upstream=admitted[0].label,
+            path=path,
+            workers_admitted=len(admitted),
+            workers=len(fleet.workers),
+            waited_s=round(loop.time() - started, 3),
+        )
+        return path
+    count = len(fleet.workers)
+    detail = (
+        f"none of the {count} engine worker{'s' if count != 1 else ''} passed its health check "
+        f"(GET {path}) within --upstream-health-wait {wait:g} s (last answers: "
+        f"{fleet.describe_health()})"
+    )
+    last = {worker.label: worker.last_result for worker in fleet.workers}
+    observer.process_event(
+        "engine_health_gate_failed",
+        detail=detail,
+        waited_s=round(loop.time() - started, 3),
+        rounds=workers.rounds,
+        last=last,
+    )
+    raise EngineNotReady(detail)

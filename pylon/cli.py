@@ -61,6 +61,12 @@ def is_repeatable(name: str) -> bool:
     return bool(_extra(Settings.model_fields[name]).get("repeatable"))
 
 
+def separator_name(name: str) -> str:
+    """How a repeatable setting's environment variable separates its values, in words."""
+    separator = _extra(Settings.model_fields[name]).get("separator", ",")
+    return "comma" if separator == "," else f"'{separator}'"
+
+
 def field_group(name: str) -> str:
     """The topic a setting is listed under (in `--help` and docs/operations.md)."""
     return str(_extra(Settings.model_fields[name])["group"])
@@ -98,7 +104,7 @@ def help_text(name: str) -> str:
     if allowed:
         parts.append(f"[choices: {', '.join(allowed)}]")
     if is_repeatable(name):
-        parts.append("[repeatable; env var: comma-separated]")
+        parts.append(f"[repeatable; env var: {separator_name(name)}-separated]")
     parts.append(f"[default: {default_text(field.default)}]")
     parts.append(f"[env var: {ENV_PREFIX}{name.upper()}]")
     # `[` starts rich markup in typer's help: escaped, so the brackets stay visible.
@@ -222,11 +228,18 @@ def main_options(
 def serve(**kwargs: Any) -> None:
     """Run pylon in front of an engine (or an embedded mock_dynamo when --upstream is unset)."""
     settings = _build(kwargs)
-    from pylon.preflight import StartupError, check_files, check_tracing, load_tokenizer
+    from pylon.preflight import (
+        StartupError,
+        check_files,
+        check_routing,
+        check_tracing,
+        load_tokenizer,
+    )
 
     try:
         check_files(settings)  # first, so a refusal is the only line (start() checks again)
         check_tracing(settings)
+        check_routing(settings)
         tokenizer = load_tokenizer(settings)  # loaded once: start() takes this one
     except StartupError as exc:
         _die(str(exc))

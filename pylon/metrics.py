@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from pylon.core.queue import QueueDecision, QueueSnapshot
     from pylon.core.retry import RetryMark
     from pylon.observe import RequestRecord
+    from pylon.routing.build import RoutingSnapshot
 
 MODEL_LABEL_LIMIT = 100  # distinct client model names with a label of their own
 OTHER_MODEL = "_other"  # every model past the limit
@@ -218,6 +219,32 @@ METRICS: tuple[MetricSpec, ...] = (
         "reloads of --tls-cert / --tls-key: `ok` (the new pair is in use) or `rejected` (kept "
         "the old one)",
     ),
+    MetricSpec(
+        "pylon_router_active_bookings",
+        "gauge",
+        ("worker",),
+        "requests booked on the engine worker and not finished (with --routing other than off)",
+    ),
+    MetricSpec(
+        "pylon_router_worker_healthy",
+        "gauge",
+        ("worker",),
+        "1 while the worker is admitted by its health checks, 0 while it is ejected (or not "
+        "admitted yet)",
+    ),
+    MetricSpec(
+        "pylon_router_decisions_total",
+        "counter",
+        ("worker", "policy"),
+        "requests booked on the worker, by the policy that chose it (with --routing kv, "
+        "`least-loaded` counts the requests with no prompt to route by)",
+    ),
+    MetricSpec(
+        "pylon_router_select_seconds",
+        "histogram",
+        ("policy",),
+        "time the event loop waited for Dynamo's native select-and-reserve (--routing kv)",
+    ),
 )
 _SPECS = {spec.name: spec for spec in METRICS}
 
@@ -336,6 +363,8 @@ class MetricsObserver:
         self._models_published = 0
         # Set once the queue table exists (`pylon.app.build_core`): read at scrape time only.
         self.queue_snapshot: Callable[[], Iterable[QueueSnapshot]] | None = None
+        # Set by `pylon.app.start` with --routing other than off: read at scrape time only.
+        self.routing_snapshot: Callable[[], RoutingSnapshot] | None = None
         self._tls_not_after: float | None = None
         self._tls_reloads = dict.fromkeys(_TLS_RELOAD_RESULTS, 0)
         self._build = {"version": _version(), "python": platform.python_version()}
@@ -561,6 +590,28 @@ class MetricsObserver:
         yield expiry
         reloads = {(result,): count for result, count in self._tls_reloads.items()}
         yield _counter("pylon_tls_reloads_total", reloads)
+        yield from self._routing_families()
+
+    def _routing_families(self) -> Iterator[Metric]:
+        active = _gauge("pylon_router_active_bookings")
+        healthy = _gauge("pylon_router_worker_healthy")
+        decisions: dict[tuple[str, str], int] = {}
+        select = _histogram("pylon_router_select_seconds")
+        snapshot = self.routing_snapshot() if self.routing_snapshot is not None else None
+        if snapshot is not None:
+            for worker in snapshot.workers:
+                active.add_metric([worker.label], worker.active)
+                healthy.add_metric([worker.label], 1 if worker.admitted else 0)
+                for policy, count in worker.decisions.items():
+                    decisions[(worker.label, policy)] = count
+            if snapshot.select_seconds is not None:
+                latencies = list(snapshot.select_seconds)
+                buckets = histogram_buckets(snapshot.select_bounds, latencies)
+                select.add_metric([snapshot.policy], buckets, latencies[-1])
+        yield active
+        yield healthy
+        yield _counter("pylon_router_decisions_total", decisions)
+        yield select
 
     def _queue_families(self) -> Iterator[Metric]:
         estimates = _gauge("pylon_queue_estimate_milliseconds")

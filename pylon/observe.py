@@ -165,6 +165,9 @@ _WARNING_EVENTS = frozenset(
         "unknown_env_var",
         "forced_stop",
         "tracing_error",
+        "worker_ejected",
+        "kv_routing_failed",
+        "kv_router_error",
     }
 )
 _ERROR_EVENTS = frozenset({"engine_health_gate_failed"})
@@ -182,7 +185,12 @@ LIFECYCLE_EVENTS = frozenset(
     }
 )
 _DEBUG_EVENTS = frozenset(
-    {"h2_stream_reset_by_client", "stream_reset_by_client", "engine_health_probe"}
+    {
+        "h2_stream_reset_by_client",
+        "stream_reset_by_client",
+        "engine_health_probe",
+        "worker_health_probe",
+    }
 )
 
 

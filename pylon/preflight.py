@@ -3,9 +3,10 @@ than asked.
 
 - Refusals (`StartupError`, one line; `pylon serve` exits 2): a certificate, key or client CA
   file that is missing, unreadable, not PEM, mismatched or expired, a tunnel token file that
-  cannot be used, tracing asked for without the OpenTelemetry packages installed, and a
+  cannot be used, tracing asked for without the OpenTelemetry packages installed, a
   `--tokenizer` model dir that cannot be loaded (`load_tokenizer`, which also hands the loaded
-  tokenizer on, so it is loaded once).
+  tokenizer on, so it is loaded once), and `--routing kv` without what it needs (the `dynamo`
+  extra: Dynamo's native selection core and xxhash; a `--tokenizer` directory).
   (Settings that contradict each other are refused earlier, by `Settings`.)
 - Warnings (process events, logged at warning): a listener off loopback that any client may use
   (`insecure_listener`), an upstream URL whose path ends in `/v1` (`upstream_path_v1`), a setting
@@ -114,6 +115,37 @@ def tokenizer_warnings(tokenizer: Tokenizer | None) -> list[StartupWarning]:
     ]
 
 
+def check_routing(settings: Settings) -> None:
+    """Refuse `--routing kv` where it cannot work: without the `dynamo` extra (Dynamo's native
+    selection core, xxhash for block hashes), or with a `--tokenizer` that is not a directory
+    (the tokenizer itself is loaded as the router is built: `pylon.routing.kv.load_tokenizer`).
+    Every other mode needs none of it."""
+    if settings.routing != "kv":
+        return
+    from pylon.core.blocks import HashingUnavailable, ensure_available
+    from router_ffi import INSTALL_HINT, NativeUnavailable
+    from router_ffi._native import load_native
+
+    try:
+        load_native()
+    except NativeUnavailable as exc:
+        raise StartupError(f"--routing kv: {_one_line(str(exc))}") from None
+    try:
+        ensure_available()
+    except HashingUnavailable as exc:
+        raise StartupError(
+            f"--routing kv: block hashing needs xxhash ({_one_line(str(exc))}): {INSTALL_HINT}"
+        ) from None
+    tokenizer = settings.tokenizer
+    if tokenizer is not None and not tokenizer.is_dir():
+        why = "no such directory" if not tokenizer.exists() else "not a directory"
+        raise StartupError(f"--tokenizer {tokenizer}: {why}")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def _read(flag: str, path: Path) -> bytes:
     try:
         return path.read_bytes()
@@ -182,6 +214,13 @@ _QUEUE_TUNING = (
     "queue_admission_factor",
     "queue_admission_retry_after_ms",
 )
+_WORKER_HEALTH_TUNING = (
+    "worker_health_path",
+    "worker_health_interval",
+    "worker_health_timeout",
+    "worker_eject_after",
+    "worker_readmit_after",
+)
 
 
 def config_warnings(settings: Settings) -> list[StartupWarning]:
@@ -228,7 +267,9 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
     if not settings.queue_admission:
         for name in _QUEUE_TUNING:
             ignored(name, "--no-queue-admission: no request is refused for its queue estimate")
-    ignored("tokenizer", "no KV-aware router in this build reads it yet (--routing kv)")
+    if settings.routing == "off":
+        for name in _WORKER_HEALTH_TUNING:
+            ignored(name, "--routing off: there are no workers to check")
     return warnings
 
 

@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AnyHttpUrl,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -33,15 +40,21 @@ from pylon.adapters import ADAPTERS, AdapterOptions
 from pylon.adapters.base import I32_MAX
 from pylon.core.queue import QueuePolicy
 from pylon.core.retry import RetryPolicy
+from pylon.routing.spec import WorkerSpec, WorkerSpecError, parse_worker_spec, worker_from_table
 
 MiB = 1024 * 1024
 KiB = 1024
 Backend = Literal["dynamo", "vllm", "sglang", "passthrough"]
+Routing = Literal["off", "round-robin", "least-loaded", "kv"]
+# A worker as a setting: parsed from its SPEC (or a [[worker]] table), shown as its SPEC.
+Worker = Annotated[WorkerSpec, PlainSerializer(lambda spec: spec.text(), return_type=str)]
+WORKER_ENV_SEPARATOR = ";"  # a SPEC holds commas, so PYLON_WORKER separates specs with `;`
 ENV_PREFIX = "PYLON_"
 
 # The topics of `pylon serve --help` and of docs/operations.md, in the order they are shown.
 LISTENERS = "Listeners"
 ENGINE = "Engine"
+ROUTING = "Routing"
 QUEUE = "Queue admission"
 BRINGUP = "Engine bring-up and models"
 LIMITS = "Limits"
@@ -55,6 +68,7 @@ TRACING = "Tracing"
 GROUPS = (
     LISTENERS,
     ENGINE,
+    ROUTING,
     BRINGUP,
     QUEUE,
     LIMITS,
@@ -78,17 +92,26 @@ OTLP_PROTOCOL = "http/protobuf"
 OTLP_TRACES_PATH = "v1/traces"
 
 
-def group(topic: str, metavar: str | None = None, *, repeatable: bool = False) -> dict[str, Any]:
+def group(
+    topic: str,
+    metavar: str | None = None,
+    *,
+    repeatable: bool = False,
+    separator: str = ",",
+) -> dict[str, Any]:
     """A field's topic (and, when the type does not say it, what its value is: BYTES, ...).
 
     `repeatable`: a list whose flag is given once per value (`--model a --model b`); its
-    environment variable and a plain string take the values comma-separated.
+    environment variable and a plain string take the values `separator`-separated (a comma,
+    unless the values hold commas themselves).
     """
     extra: dict[str, Any] = {"group": topic}
     if metavar is not None:
         extra["metavar"] = metavar
     if repeatable:
         extra["repeatable"] = True
+        if separator != ",":
+            extra["separator"] = separator
     return extra
 
 
@@ -143,6 +166,54 @@ class Settings(BaseSettings):
         False,
         description="SGLang runs --schedule-low-priority-values-first",
         json_schema_extra=group(ENGINE),
+    )
+    # --- routing ---
+    routing: Routing = Field(
+        "off",
+        description="how a request picks its engine worker: off (every request to --upstream), "
+        "round-robin, least-loaded (fewest requests in flight) or kv (the worker that holds "
+        "the prompt's KV cache and is not overloaded; needs --tokenizer and the dynamo extra)",
+        json_schema_extra=group(ROUTING),
+    )
+    worker: Annotated[tuple[Worker, ...], NoDecode] = Field(
+        (),
+        description="an engine worker to route to (repeatable; needs --routing other than off): "
+        "comma-separated key=value, url=http://HOST:PORT (its own URL) or instance-id=U64 (a "
+        "Dynamo instance behind the --upstream frontend), plus kv-events=tcp://HOST:PORT (one "
+        "per dp rank), block-size=16, dp-size=1; also [[worker]] tables in --config",
+        json_schema_extra=group(ROUTING, "SPEC", repeatable=True, separator=WORKER_ENV_SEPARATOR),
+    )
+    worker_health_path: str = Field(
+        "/health",
+        description="path each worker's active health check GETs (2xx = healthy)",
+        json_schema_extra=group(ROUTING, "PATH"),
+    )
+    worker_health_interval: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between health checks of each worker",
+        json_schema_extra=group(ROUTING),
+    )
+    worker_health_timeout: float = Field(
+        1.0,
+        gt=0,
+        description="seconds one worker health check may take (longer = a failure)",
+        json_schema_extra=group(ROUTING),
+    )
+    worker_eject_after: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="consecutive failed health checks that take a worker out of routing",
+        json_schema_extra=group(ROUTING, "CHECKS"),
+    )
+    worker_readmit_after: int = Field(
+        2,
+        ge=1,
+        le=1000,
+        description="consecutive passed health checks that bring an ejected worker back (a "
+        "worker is admitted at start after its first passed check)",
+        json_schema_extra=group(ROUTING, "CHECKS"),
     )
     # --- engine bring-up and models ---
     upstream_health_gate: bool = Field(
@@ -571,6 +642,41 @@ class Settings(BaseSettings):
             split_host_port(value)
         return value
 
+    @field_validator("worker", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        """SPEC strings (flags; the environment's `;`-separated), [[worker]] tables (config
+        file) or specs -> a tuple of `WorkerSpec`; the first bad one is the error."""
+        if isinstance(value, str):
+            value = [part for part in value.split(WORKER_ENV_SEPARATOR) if part.strip()]
+        if isinstance(value, (WorkerSpec, Mapping)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"expected worker specs, got {value!r}")
+        specs = []
+        for item in value:
+            try:
+                if isinstance(item, str):
+                    specs.append(parse_worker_spec(item))
+                elif isinstance(item, Mapping):
+                    specs.append(worker_from_table(item))
+                elif isinstance(item, WorkerSpec):
+                    specs.append(item)
+                else:
+                    raise WorkerSpecError(f"not a worker spec: {item!r}")
+            except WorkerSpecError as exc:
+                raise ValueError(str(exc)) from None
+        return tuple(specs)
+
+    @field_validator("worker_health_path")
+    @classmethod
+    def _valid_worker_health_path(cls, value: str) -> str:
+        if not value.startswith("/") or not _ORIGIN_FORM.fullmatch(value):
+            raise ValueError(
+                f"not a request path: {value!r} (a path such as /health, visible ASCII)"
+            )
+        return value
+
     @field_validator("upstream_health_path", "model", mode="before")
     @classmethod
     def _repeatable(cls, value: Any) -> Any:
@@ -626,6 +732,66 @@ class Settings(BaseSettings):
                     raise ValueError(
                         f"{flag} has no effect with --no-upstream-health-gate (no health probes)"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _routing_takes_effect(self) -> Settings:
+        """Workers and routing modes that could not do what they say refuse the start."""
+        mode, workers = self.routing, self.worker
+        if mode == "off":
+            if workers:
+                raise ValueError(
+                    "--worker needs --routing round-robin, least-loaded or kv: with --routing "
+                    "off every request goes to --upstream and the workers would be ignored"
+                )
+            if self.tokenizer is not None:
+                raise ValueError("--tokenizer is only used by --routing kv")
+            return self
+        if not workers:
+            raise ValueError(f"--routing {mode} needs at least one --worker")
+        ids: set[int] = set()
+        urls: set[str] = set()
+        for spec in workers:
+            if spec.url is not None:
+                if spec.url in urls:
+                    raise ValueError(f"--worker url={spec.url} is given twice")
+                urls.add(spec.url)
+            if spec.worker_id in ids:
+                raise ValueError(
+                    f"--worker {spec.label}: worker id {spec.worker_id} is given twice"
+                )
+            ids.add(spec.worker_id)
+        pinned = [spec for spec in workers if spec.instance_id is not None]
+        if pinned:
+            if self.backend != "dynamo":
+                raise ValueError(
+                    f"--worker {pinned[0].label} needs --backend dynamo (a Dynamo frontend "
+                    f"pins the instance by header), not {self.backend}"
+                )
+            if self.upstream is None:
+                raise ValueError(
+                    f"--worker {pinned[0].label} needs --upstream: the Dynamo frontend in "
+                    "front of the instance"
+                )
+        elif self.upstream is not None:
+            raise ValueError(
+                f"--upstream is not used with --routing {mode} and only url= workers (requests "
+                "go to the workers' own URLs): drop it, or route to instance-id= workers"
+            )
+        if mode == "kv":
+            for spec in workers:
+                if not spec.kv_events:
+                    raise ValueError(
+                        f"--routing kv: --worker {spec.label} has no kv-events= endpoint (the "
+                        "KV router follows each worker's cache through its KV events)"
+                    )
+            if self.tokenizer is None:
+                raise ValueError(
+                    "--routing kv needs --tokenizer DIR: prompts are tokenized as the engine "
+                    "does, to find the worker that holds their KV blocks"
+                )
+        elif self.tokenizer is not None:
+            raise ValueError("--tokenizer is only used by --routing kv")
         return self
 
     @model_validator(mode="after")

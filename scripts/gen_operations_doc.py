@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pylon.cli import choices, default_text, field_group, is_repeatable, metavar
+from pylon.cli import choices, default_text, field_group, is_repeatable, metavar, separator_name
 from pylon.metrics import METRICS
 from pylon.settings import GROUPS, Settings
 
@@ -32,7 +32,9 @@ def _type(name: str) -> str:
     if field.annotation is bool:
         return "bool"
     if is_repeatable(name):
-        return f"{metavar(name)}, repeatable"
+        separator = separator_name(name)
+        env = "" if separator == "comma" else f" (env var: {separator}-separated)"
+        return f"{metavar(name)}, repeatable{env}"
     return metavar(name)
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleet import make_fleet
 from tests.stack import make_stack
 
 os.environ.setdefault("PYLON_ADMIN_LISTEN", "127.0.0.1:0")
 
-__all__ = ["make_stack", "tokenizer_models"]
+__all__ = ["make_fleet", "make_stack", "tokenizer_models"]
 
 
 @pytest.fixture(scope="session")

@@ -107,7 +107,7 @@ class Proxy:
             except NoWorker as exc:
                 self.reject(sink, UpstreamError(str(exc), code=ErrorCode.NO_WORKER), record)
                 return
-            record.worker = booking.target.label
+            record.worker = booking.worker
             span: ExchangeSpan | None = None
             try:
                 trace = None
@@ -258,6 +258,7 @@ class Proxy:
                 plan.request_id,
                 lambda: self._first_output(booking, entry, record, True),
                 record,
+                booking.output_tokens if booking.counts_output else None,
             )
             if failure is not None:
                 record.outcome = failure.code.value

@@ -100,11 +100,14 @@ async def relay_sse(
     request_id: str | None,
     on_first_output: Callable[[], None],
     record: RequestRecord,
+    on_output: Callable[[int], None] | None = None,
 ) -> PylonError | None:
     """Relay an event stream whose head was sent; returns the failure told to the client.
 
     Counts the output on the way (`record`'s token counts, also when the stream is cut short):
     the engine's usage when its last events carry one, else the data events relayed.
+    `on_output`: told, for each block relayed from the first output on, how many data events
+    it held (engines stream a token per event: the routers' decode accounting); None: no one.
     """
     splitter = SseSplitter(limits.max_sse_event_bytes)
     watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
@@ -118,12 +121,15 @@ async def relay_sse(
             if not block:
                 continue
             sink.write(block)
-            events += data_events(block)
+            count = data_events(block)
+            events += count
             previous, last = last, block
             if seen_output or any(map(is_output_event, iter_events(block))):
                 if not seen_output:
                     seen_output = True
                     on_first_output()
+                if on_output is not None:
+                    on_output(count)
                 watchdog.arm_for(limits.output_gap_timeout, "gap between events too long")
             if sink.paused:
                 await drain_within(sink, watchdog, limits, "gap between events too long")

@@ -42,6 +42,11 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "pylon_models_published": ("gauge", frozenset()),
     "pylon_tls_certificate_expiry_timestamp_seconds": ("gauge", frozenset()),
     "pylon_tls_reloads": ("counter", frozenset({"result"})),
+    # With --routing other than off (empty families otherwise: tests/integration/test_routing.py)
+    "pylon_router_active_bookings": ("gauge", frozenset({"worker"})),
+    "pylon_router_worker_healthy": ("gauge", frozenset({"worker"})),
+    "pylon_router_decisions": ("counter", frozenset({"worker", "policy"})),
+    "pylon_router_select_seconds": ("histogram", frozenset({"policy"})),
 }
 # prometheus-client's process collector, namespaced: present, not pinned label by label.
 PROCESS = ("pylon_process_cpu_seconds", "pylon_process_resident_memory_bytes")

@@ -23,16 +23,21 @@ CHAT = "/v1/chat/completions"
 
 
 class RecordingBooking:
-    def __init__(self, target: UpstreamTarget, log: list[str]) -> None:
+    counts_output = True
+
+    def __init__(self, target: UpstreamTarget, log: list[str], tokens: list[int]) -> None:
         self.target = target
+        self.worker = target.label
         self.headers = ((b"x-worker-pin", b"7"),)
         self._log = log
+        self._tokens = tokens
 
     def first_output(self) -> None:
         self._log.append("first_output")
 
     def output_tokens(self, count: int) -> None:
-        self._log.append(f"tokens:{count}")
+        assert self._log == ["first_output"], "output is counted from the first output on"
+        self._tokens.append(count)
 
     def release(self, outcome: str) -> None:
         self._log.append(f"release:{outcome}")
@@ -44,10 +49,14 @@ class RecordingRouter:
     def __init__(self) -> None:
         self.target: UpstreamTarget | None = None
         self.lives: dict[str, list[str]] = {}
+        self.tokens: dict[str, list[int]] = {}  # what `output_tokens` was told, per block
 
     def book(self, plan: ForwardPlan) -> Booking:
         assert self.target is not None and plan.request_id is not None
-        return RecordingBooking(self.target, self.lives.setdefault(plan.request_id, []))
+        rid = plan.request_id
+        return RecordingBooking(
+            self.target, self.lives.setdefault(rid, []), self.tokens.setdefault(rid, [])
+        )
 
 
 class RecordingObserver(LogObserver):
@@ -96,10 +105,17 @@ async def test_booking_is_released_once_after_the_exchange_on_success(
     make_stack: StackFactory,
 ) -> None:
     stack, router = await routed_stack(make_stack)
+    bodies = {}
     for request_id, stream in (("ok-stream", True), ("ok-json", False)):
         reply = await stack.post(CHAT, chat(stream), headers={"x-request-id": request_id})
         assert reply.status_code == 200
         assert router.lives[request_id] == ["first_output", "release:ok"]
+        bodies[request_id] = reply.content
+    # Every output event of the stream was counted ([DONE] not); a whole JSON answer counts
+    # nothing (its booking ends with it).
+    data_events = [line for line in bodies["ok-stream"].splitlines() if line.startswith(b"data:")]
+    assert sum(router.tokens["ok-stream"]) == len(data_events) - 1 >= 8
+    assert router.tokens["ok-json"] == []
     # The booking's trusted header is part of what the engine received.
     assert ["x-worker-pin", "7"] in (await stack.last_request())["headers"]
 

@@ -146,6 +146,13 @@ def test_service_name_without_tracing_is_named() -> None:
 
 # --- --tokenizer ------------------------------------------------------------------------------
 
+KV_WORKER = "url=http://127.0.0.1:9001,kv-events=tcp://127.0.0.1:5557"
+
+
+def kv_settings(tokenizer: object, **overrides: Any) -> Settings:
+    """--tokenizer is read by the kv router only (any other mode refuses it)."""
+    return settings(routing="kv", worker=[KV_WORKER], tokenizer=str(tokenizer), **overrides)
+
 
 def test_the_tokenizer_is_loaded_once_in_the_backends_dialect(
     tokenizer_models: dict[str, Path],
@@ -155,15 +162,13 @@ def test_the_tokenizer_is_loaded_once_in_the_backends_dialect(
     assert load_tokenizer(settings()) is None
     model = tokenizer_models["chatml"]
     for backend in ("dynamo", "vllm", "sglang"):
-        tokenizer = load_tokenizer(settings(tokenizer=str(model), backend=backend))
+        tokenizer = load_tokenizer(kv_settings(model, backend=backend))
         assert tokenizer is not None and tokenizer.dialect == backend
         assert tokenizer_warnings(tokenizer) == []
     # The passthrough backend names no engine, so nothing says how it tokenizes.
     with pytest.raises(StartupError, match="--backend passthrough") as refused:
-        load_tokenizer(settings(tokenizer=str(model), backend="passthrough"))
+        load_tokenizer(kv_settings(model, backend="passthrough"))
     assert str(refused.value).startswith(f"--tokenizer {model}: ")
-    # Until a KV-aware router reads it, the setting is said to have no effect.
-    assert ("setting_ignored", "tokenizer") in events(settings(tokenizer=str(model)))
 
 
 def test_a_tokenizer_dir_that_cannot_be_used_is_refused(
@@ -172,14 +177,14 @@ def test_a_tokenizer_dir_that_cannot_be_used_is_refused(
     from pylon.preflight import load_tokenizer, tokenizer_warnings
 
     with pytest.raises(StartupError, match=r"has no tokenizer\.json") as refused:
-        load_tokenizer(settings(tokenizer=str(tmp_path)))
+        load_tokenizer(kv_settings(tmp_path))
     assert str(refused.value).startswith(f"--tokenizer {tmp_path}: ")
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "tokenizer.json").write_bytes(
         (tokenizer_models["chatml"] / "tokenizer.json").read_bytes()
     )
-    tokenizer = load_tokenizer(settings(tokenizer=str(bare)))
+    tokenizer = load_tokenizer(kv_settings(bare))
     [warning] = tokenizer_warnings(tokenizer)
     assert warning.event == "tokenizer_without_chat_template"
 
@@ -191,4 +196,15 @@ def test_a_missing_tokenization_package_says_how_to_install(
 
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(StartupError, match=r"'tokenizers' package.*pip install 'pylon\[dynamo\]'"):
-        load_tokenizer(settings(tokenizer=str(tokenizer_models["chatml"])))
+        load_tokenizer(kv_settings(tokenizer_models["chatml"]))
+
+
+def test_worker_health_flags_without_routing_are_named() -> None:
+    assert events(settings(worker_eject_after=5, worker_health_path="/ready")) == [
+        ("setting_ignored", "worker_health_path"),
+        ("setting_ignored", "worker_eject_after"),
+    ]
+    routed = settings(
+        routing="round-robin", worker=["url=http://127.0.0.1:9001"], worker_eject_after=5
+    )
+    assert events(routed) == []

@@ -1,9 +1,18 @@
 """Which engine worker gets a request, and the booking that lives exactly as long as the exchange.
 
 The proxy asks its `Router` for a `Booking` right before dispatch, tells the booking when the
-first output arrives, and releases it in the forwarding `finally`: success, engine error,
-timeout, client cancel and shutdown all free it. `SingleUpstream` (one `--upstream`, today's
-behaviour) is the default; the load-aware and KV-aware routers implement the same Protocol.
+first output arrives (and, where the booking counts output, how many output events followed),
+and releases it in the forwarding `finally`: success, engine error, timeout, client cancel and
+shutdown all free it.
+
+- `SingleUpstream` (`--routing off`, one `--upstream`, today's behaviour) is the default.
+- `spec`: `--worker SPEC` parsed into a frozen `WorkerSpec`.
+- `fleet`: the configured workers, which of them are admitted (healthy), their bookings in
+  flight; `health`: the active health checks that eject and re-admit workers.
+- `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol.
+- `build`: `build_routing(settings, ...)`, the routing parts for `pylon.app.start`.
+
+docs/routing.md explains the modes, the worker spec and the booking lifetime.
 """
 
 from __future__ import annotations
@@ -32,6 +41,17 @@ class Booking(Protocol):
         """Trusted headers pylon writes for this worker (e.g. a Dynamo worker pin)."""
         ...
 
+    @property
+    def worker(self) -> str:
+        """How logs name the worker (its URL, or `instance-id=<id>`)."""
+        ...
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether the relay should report output (`output_tokens`); False spares the relay
+        the counting on every output block."""
+        ...
+
     def first_output(self) -> None:
         """Prefill is done: the engine produced its first output (or its response head)."""
         ...
@@ -58,11 +78,13 @@ class Router(Protocol):
 class StaticBooking:
     """A booking with nothing to account: one fixed target, shared by every request."""
 
-    __slots__ = ("headers", "target")
+    __slots__ = ("headers", "target", "worker")
+    counts_output = False
 
     def __init__(self, target: UpstreamTarget, headers: tuple[Header, ...] = ()) -> None:
         self.target = target
         self.headers = headers
+        self.worker = target.label
 
     def first_output(self) -> None:
         return None

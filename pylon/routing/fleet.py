@@ -1,0 +1,188 @@
+"""The configured workers: where each one is dispatched, whether it is admitted, what it carries.
+
+A `Worker` is built once from its `WorkerSpec`:
+
+- `url=` worker: its own `UpstreamTarget` (the pool keeps connections, and the per-target cap,
+  per worker), no extra header;
+- `instance-id=` worker: the `--upstream` Dynamo frontend's target, plus the trusted pin
+  `x-dynamo-worker-instance-id: <decimal u64>` (pylon's deny-lists strip every client copy of
+  `x-dynamo-*`, its aliases and the body pins, so only pylon writes it).
+
+`Fleet` holds them in spec order, the tuple of admitted ones (what routers choose from; rebuilt
+only when health changes it, so a choice reads one tuple) and each worker's bookings in flight
+(`Worker.active`, counted by the bookings themselves). `WorkerBooking` is the booking of the
+load-aware routers: it counts itself on its worker from booking to release, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pylon.core.http import Header
+from pylon.core.target import UpstreamTarget
+from pylon.routing.spec import WorkerSpec
+
+INSTANCE_PIN_HEADER = b"x-dynamo-worker-instance-id"
+
+
+class Worker:
+    """One worker: its spec, dispatch (target and trusted headers) and live state."""
+
+    __slots__ = (
+        "active",
+        "admitted",
+        "decisions",
+        "ever_admitted",
+        "failures",
+        "headers",
+        "index",
+        "label",
+        "last_result",
+        "passes",
+        "spec",
+        "target",
+    )
+
+    def __init__(
+        self, spec: WorkerSpec, index: int, target: UpstreamTarget, headers: tuple[Header, ...]
+    ) -> None:
+        self.spec = spec
+        self.index = index  # position in the configured list
+        self.label = spec.label
+        self.target = target
+        self.headers = headers
+        self.active = 0  # bookings in flight
+        self.decisions: dict[str, int] = {}  # bookings made, by the policy that chose it
+        self.admitted = False  # routers may choose it (health checks decide)
+        self.ever_admitted = False
+        self.failures = 0  # consecutive failed health checks
+        self.passes = 0  # consecutive passed health checks
+        self.last_result = "not checked yet"
+
+    def __repr__(self) -> str:
+        return f"Worker({self.label!r}, admitted={self.admitted}, active={self.active})"
+
+
+def make_worker(spec: WorkerSpec, index: int, frontend: UpstreamTarget | None) -> Worker:
+    """Where `spec`'s requests go: its own URL, or the frontend with the instance pin."""
+    if spec.url is not None:
+        return Worker(spec, index, UpstreamTarget.from_url(spec.url), ())
+    assert frontend is not None, "Settings require --upstream for instance-id workers"
+    pin = (INSTANCE_PIN_HEADER, str(spec.instance_id).encode("ascii"))
+    return Worker(spec, index, frontend, (pin,))
+
+
+class Fleet:
+    """The workers, which are admitted, and a way to wait for the first admission."""
+
+    def __init__(self, workers: Sequence[Worker]) -> None:
+        assert workers, "a fleet has at least one worker"
+        self.workers: tuple[Worker, ...] = tuple(workers)
+        self.admitted: tuple[Worker, ...] = ()
+        self._changed: asyncio.Event | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[WorkerSpec], frontend: UpstreamTarget | None) -> Fleet:
+        return cls([make_worker(spec, index, frontend) for index, spec in enumerate(specs)])
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every change of the admitted set (e.g. to rebuild a filter)."""
+        self._listeners.append(listener)
+
+    def set_admitted(self, worker: Worker, admitted: bool) -> None:
+        if worker.admitted == admitted:
+            return
+        worker.admitted = admitted
+        if admitted:
+            worker.ever_admitted = True
+        self.admitted = tuple(w for w in self.workers if w.admitted)
+        for listener in self._listeners:
+            listener()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    @property
+    def active(self) -> int:
+        """Bookings in flight, all workers together."""
+        return sum(worker.active for worker in self.workers)
+
+    def active_by_worker(self) -> dict[str, int]:
+        return {worker.label: worker.active for worker in self.workers}
+
+    def views(self) -> tuple[WorkerView, ...]:
+        """Each worker's state now (for metrics, read at scrape time)."""
+        return tuple(
+            WorkerView(worker.label, worker.admitted, worker.active, dict(worker.decisions))
+            for worker in self.workers
+        )
+
+    def discovery_target(self) -> UpstreamTarget | None:
+        """Where pylon asks for the model list: the first admitted worker (None: none is)."""
+        admitted = self.admitted
+        return admitted[0].target if admitted else None
+
+    async def wait_admitted(self, timeout: float) -> bool:
+        """Wait until at least one worker is admitted; False when `timeout` ran out first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.admitted:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+            except TimeoutError:
+                return bool(self.admitted)
+        return True
+
+    def describe_health(self) -> str:
+        """Each worker's last health answer, for the one line that says why none is admitted."""
+        return "; ".join(f"{worker.label}: {worker.last_result}" for worker in self.workers)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    label: str
+    admitted: bool
+    active: int  # bookings in flight
+    decisions: dict[str, int]  # bookings made so far, by policy
+
+
+def count_decision(worker: Worker, policy: str) -> None:
+    decisions = worker.decisions
+    decisions[policy] = decisions.get(policy, 0) + 1
+
+
+class WorkerBooking:
+    """A request in flight on one worker (the round-robin and least-loaded routers' booking);
+    `policy` names the router that chose it (counted per worker)."""
+
+    __slots__ = ("_released", "_worker", "headers", "target", "worker")
+    counts_output = False
+
+    def __init__(self, worker: Worker, policy: str) -> None:
+        self._worker = worker
+        self.target = worker.target
+        self.headers = worker.headers
+        self.worker = worker.label
+        self._released = False
+        worker.active += 1
+        count_decision(worker, policy)
+
+    def first_output(self) -> None:
+        return None
+
+    def output_tokens(self, count: int) -> None:
+        return None
+
+    def release(self, outcome: str) -> None:
+        if not self._released:
+            self._released = True
+            self._worker.active -= 1

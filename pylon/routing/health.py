@@ -1,0 +1,183 @@
+"""Active health checks per worker: eject after N failures in a row, re-admit after M passes.
+
+Every `interval` seconds, one round: each `url=` worker gets one `GET <url><path>` (pylon's own
+bounded probe, `pylon.upstream.probe.fetch`: never a pool connection, never queued behind
+tunnel traffic), all at once, each within `timeout`. `instance-id=` workers share one probe of
+the Dynamo frontend: a 2xx that lists `instances` (Dynamo's `/health` does, with each
+`instance_id`) passes exactly the listed instances; a 2xx without that list passes them all.
+
+Per worker (`pylon.routing.fleet.Worker`): a 2xx passes, anything else (a status, no connection,
+a timeout) fails. A worker starts not admitted and is admitted by its first pass (so the first
+round at start decides); afterwards `eject_after` consecutive failures eject it and
+`readmit_after` consecutive passes re-admit it. Routers only choose admitted workers; a request
+when none is admitted gets 503 `no_worker` (retryable) without touching any engine.
+
+Reported to the `Observer` as process events: `worker_admitted` (first admission),
+`worker_ejected` (warning: `worker`, `failures`, `detail`), `worker_readmitted` (`worker`,
+`passes`), and `worker_health_probe` (debug: one failed check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import orjson
+
+from pylon.bringup import Fetch
+from pylon.routing.fleet import Fleet, Worker
+from pylon.upstream.probe import FetchError, fetch
+
+if TYPE_CHECKING:
+    from pylon.core.target import UpstreamTarget
+    from pylon.observe import Observer
+
+MAX_HEALTH_BODY = 1024 * 1024  # a Dynamo frontend's /health lists every instance
+Sleep = Callable[[float], Awaitable[None]]
+
+
+def listed_instances(body: bytes) -> frozenset[int] | None:
+    """The instance ids a Dynamo frontend's `/health` lists (`instances[].instance_id`), or
+    None when the body has no such list (then the frontend's status speaks for all)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("instances"), list):
+        return None
+    ids = set()
+    for instance in data["instances"]:
+        if not isinstance(instance, dict):
+            continue
+        endpoint = instance.get("endpoint")
+        wid = instance.get("instance_id")
+        if endpoint not in (None, "generate"):
+            continue  # a frontend lists other endpoints' instances too
+        if isinstance(wid, int) and not isinstance(wid, bool) and 0 <= wid < 1 << 64:
+            ids.add(wid)
+    return frozenset(ids)
+
+
+class HealthChecker:
+    """The health loop over one fleet (see the module docstring)."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        path: str,
+        interval: float,
+        timeout: float,
+        eject_after: int,
+        readmit_after: int,
+        observer: Observer,
+        fetch: Fetch = fetch,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._fleet = fleet
+        self._path = path
+        self._interval = interval
+        self._timeout = timeout
+        self._eject_after = eject_after
+        self._readmit_after = readmit_after
+        self._observer = observer
+        self._fetch = fetch
+        self._sleep = sleep
+        self._url_workers = tuple(w for w in fleet.workers if w.spec.url is not None)
+        self._pinned = tuple(w for w in fleet.workers if w.spec.instance_id is not None)
+        self._first_round = asyncio.Event()
+        self.rounds = 0
+
+    @property
+    def fleet(self) -> Fleet:
+        return self._fleet
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    async def first_round(self) -> None:
+        """Wait until the first round of checks has been applied."""
+        await self._first_round.wait()
+
+    async def run(self) -> None:
+        """Rounds every `interval` seconds, the first at once, until cancelled."""
+        while True:
+            await self.check_once()
+            await self._sleep(self._interval)
+
+    async def check_once(self) -> None:
+        """One round: every worker probed (concurrently), then every result applied."""
+        self.rounds += 1
+        probes: list[Awaitable[None]] = [self._check_url(w) for w in self._url_workers]
+        if self._pinned:
+            probes.append(self._check_pinned(self._pinned[0].target))
+        await asyncio.gather(*probes)
+        self._first_round.set()
+
+    async def _check_url(self, worker: Worker) -> None:
+        try:
+            reply = await self._fetch(
+                worker.target, self._path, timeout=self._timeout, max_body=MAX_HEALTH_BODY
+            )
+        except FetchError as exc:
+            self.apply(worker, False, exc.detail)
+            return
+        ok = 200 <= reply.status < 300
+        self.apply(worker, ok, "ok" if ok else f"status {reply.status}")
+
+    async def _check_pinned(self, frontend: UpstreamTarget) -> None:
+        try:
+            reply = await self._fetch(
+                frontend, self._path, timeout=self._timeout, max_body=MAX_HEALTH_BODY
+            )
+        except FetchError as exc:
+            for worker in self._pinned:
+                self.apply(worker, False, f"frontend: {exc.detail}")
+            return
+        if not 200 <= reply.status < 300:
+            for worker in self._pinned:
+                self.apply(worker, False, f"frontend: status {reply.status}")
+            return
+        listed = listed_instances(reply.body)
+        for worker in self._pinned:
+            if listed is None or worker.spec.instance_id in listed:
+                self.apply(worker, True, "ok")
+            else:
+                self.apply(worker, False, f"not listed in the frontend's {self._path} instances")
+
+    def apply(self, worker: Worker, ok: bool, result: str) -> None:
+        """One check's result: count it, and eject or (re-)admit the worker when due."""
+        worker.last_result = result
+        fleet = self._fleet
+        if ok:
+            worker.failures = 0
+            worker.passes += 1
+            if worker.admitted:
+                return
+            if not worker.ever_admitted:
+                fleet.set_admitted(worker, True)
+                self._observer.process_event(
+                    "worker_admitted", worker=worker.label, path=self._path
+                )
+            elif worker.passes >= self._readmit_after:
+                fleet.set_admitted(worker, True)
+                self._observer.process_event(
+                    "worker_readmitted", worker=worker.label, passes=worker.passes
+                )
+            return
+        worker.passes = 0
+        worker.failures += 1
+        self._observer.process_event(
+            "worker_health_probe", worker=worker.label, path=self._path, result=result
+        )
+        if worker.admitted and worker.failures >= self._eject_after:
+            fleet.set_admitted(worker, False)
+            self._observer.process_event(
+                "worker_ejected",
+                worker=worker.label,
+                failures=worker.failures,
+                detail=f"{worker.failures} health checks failed in a row; last: {result}",
+                active=worker.active,
+            )

@@ -1,0 +1,285 @@
+"""`--routing kv`: the worker that holds the prompt's KV cache and is not overloaded, chosen by
+Dynamo's native selection core (`router_ffi.SelectionCore`), booked for exactly the exchange.
+
+At start every worker is upserted into the core with its KV-event endpoints (the core follows
+each engine's cache through them). Per request:
+
+1. the prompt's token ids: the injected `Tokenizer` renders `/v1/completions` prompts and
+   `/v1/chat/completions` messages exactly as the engine does (`prompt_tokens(path, body)` on
+   the body pylon forwards: client steering fields already stripped);
+2. `select_and_reserve` with a pylon-minted selection id, the admitted workers only
+   (`allowed_worker_ids`, rebuilt when health changes the admitted set) and the cache salt from
+   what pylon trusts (never the client: pylon strips every client `cache_salt`, `nvext.cache_salt`
+   and `x-tenant-id`, so the engine hashes unsalted and so does the router, unless a trusted
+   `salt` function is given);
+3. the `KvBooking`: `first_output` -> the reservation's `prefill_complete`, `output_tokens` ->
+   its `output_tokens` (one native output block per `block-size` tokens), `release` -> `free`.
+   The forwarding `finally` releases it on every exit path; a release after the core's shutdown
+   is a no-op.
+
+A request with nothing to tokenize (another route, a GET, a body the tokenizer cannot read) is
+booked least-loaded over the admitted workers instead (counted in `KvRouter.fallbacks`), as is
+one the core refuses for a reason other than load (counted in `errors`, reported). No admitted
+worker, or a native 503 (no schedulable worker), is `NoWorker`: 503, retryable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pylon.core.http import Header
+from pylon.core.plan import ForwardPlan
+from pylon.routing import Booking, NoWorker, Router
+from pylon.routing.fleet import Fleet, Worker, count_decision
+from pylon.routing.least_loaded import LeastLoadedRouter
+from pylon.routing.round_robin import no_worker
+
+if TYPE_CHECKING:
+    from pylon.observe import Observer
+    from pylon.settings import Settings
+    from router_ffi import Reservation, RouterFfiError, SelectionCore
+    from router_ffi._native import NativeFactory
+
+# The DP-rank pin pylon writes next to the worker, when the worker has several ranks: Dynamo's
+# own header for an instance behind the frontend; for a worker's own URL, the header vLLM and
+# SGLang read (and a Dynamo frontend reads as an alias). Both are in pylon's request deny-lists.
+INSTANCE_RANK_HEADER = b"x-dynamo-dp-rank"
+URL_RANK_HEADER = b"x-data-parallel-rank"
+POLICY = "kv"
+# Select-and-reserve latency (seconds), as the event loop waits for it: ~0.12 ms typical.
+SELECT_SECONDS_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0
+)  # fmt: skip
+
+
+class Tokenizer(Protocol):
+    def prompt_tokens(self, path: str, body: bytes) -> list[int] | None:
+        """The prompt's token ids as the engine will see them, or None when the request has
+        no prompt to route by (another route, or a body it cannot read)."""
+        ...
+
+
+class KvBooking:
+    """One request's reservation on the worker the core chose."""
+
+    __slots__ = ("_released", "_reservation", "_worker", "headers", "target", "worker")
+    counts_output = True
+
+    def __init__(
+        self, worker: Worker, reservation: Reservation, headers: tuple[Header, ...]
+    ) -> None:
+        self._worker = worker
+        self._reservation = reservation
+        self.target = worker.target
+        self.headers = headers
+        self.worker = worker.label
+        self._released = False
+        worker.active += 1
+        count_decision(worker, POLICY)
+
+    @property
+    def reservation(self) -> Reservation:
+        return self._reservation
+
+    def first_output(self) -> None:
+        self._reservation.prefill_complete()
+
+    def output_tokens(self, count: int) -> None:
+        self._reservation.output_tokens(count)
+
+    def release(self, outcome: str) -> None:
+        if not self._released:
+            self._released = True
+            self._worker.active -= 1
+            self._reservation.free()
+
+
+class KvRouter:
+    """The `kv` mode's router over one `SelectionCore` (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: SelectionCore,
+        fleet: Fleet,
+        tokenizer: Tokenizer,
+        observer: Observer,
+        *,
+        salt: Callable[[ForwardPlan], str | None] | None = None,
+    ) -> None:
+        from router_ffi import (
+            NoWorkerAvailable,
+            RouterFfiError,
+            SelectRequest,
+            ServiceClosed,
+            TokenPrompt,
+        )
+
+        self._core = core
+        self._fleet = fleet
+        self._tokenizer = tokenizer
+        self._observer = observer
+        self._salt = salt
+        self._select_request = SelectRequest
+        self._token_prompt = TokenPrompt
+        self._no_worker_errors: tuple[type[Exception], ...] = (NoWorkerAvailable, ServiceClosed)
+        self._ffi_error = RouterFfiError
+        self._by_id = {worker.spec.worker_id: worker for worker in fleet.workers}
+        self._rank_headers = {
+            worker.spec.worker_id: _rank_headers(worker) for worker in fleet.workers
+        }
+        self._allowed: tuple[int, ...] | None = None
+        self._fallback = LeastLoadedRouter(fleet)
+        self.fallbacks = 0  # requests booked least-loaded: nothing to tokenize
+        self.errors = 0  # requests booked least-loaded: the tokenizer or the core failed
+        # Select latencies: one count per SELECT_SECONDS_BUCKETS bound, +Inf, then the sum.
+        self.select_seconds: list[float] = [0] * (len(SELECT_SECONDS_BUCKETS) + 1) + [0.0]
+        fleet.on_change(self._refilter)
+
+    @property
+    def core(self) -> SelectionCore:
+        return self._core
+
+    def _refilter(self) -> None:
+        admitted = self._fleet.admitted
+        everyone = len(admitted) == len(self._fleet.workers)
+        self._allowed = None if everyone else tuple(w.spec.worker_id for w in admitted)
+
+    def book(self, plan: ForwardPlan) -> Booking:
+        if not self._fleet.admitted:
+            raise no_worker(self._fleet)
+        try:
+            tokens = self._tokenizer.prompt_tokens(plan.target.partition("?")[0], plan.body)
+        except Exception as exc:  # the tokenizer's bug must not fail the request
+            self._failed("tokenize", f"{type(exc).__name__}")
+            return self._fallback.book(plan)
+        if not tokens:
+            self.fallbacks += 1
+            return self._fallback.book(plan)
+        core = self._core
+        salt = self._salt(plan) if self._salt is not None else None
+        request = self._select_request(
+            self._token_prompt(tokens, cache_salt=salt),
+            selection_id=core.new_selection_id(),
+            allowed_worker_ids=self._allowed,
+        )
+        started = time.perf_counter()
+        try:
+            reservation = core.select_and_reserve(request)
+        except self._no_worker_errors as exc:
+            raise NoWorker(f"no engine worker can take the request now: {exc}") from None
+        except self._ffi_error as exc:
+            self._failed("select_and_reserve", str(exc))
+            return self._fallback.book(plan)
+        elapsed = time.perf_counter() - started
+        latencies = self.select_seconds
+        latencies[bisect_left(SELECT_SECONDS_BUCKETS, elapsed)] += 1
+        latencies[-1] += elapsed
+        wid = reservation.worker_id
+        worker = self._by_id.get(wid)
+        if worker is None:  # the core only knows the workers upserted from the same fleet
+            reservation.free()
+            self._failed("select_and_reserve", f"the core chose an unknown worker {wid}")
+            return self._fallback.book(plan)
+        headers = worker.headers
+        ranks = self._rank_headers[wid]
+        if ranks:
+            headers = headers + ranks[reservation.selection.dp_rank]
+        return KvBooking(worker, reservation, headers)
+
+    def _failed(self, op: str, detail: str) -> None:
+        self.errors += 1
+        self._observer.process_event("kv_routing_failed", op=op, detail=detail)
+
+    async def aclose(self) -> None:
+        """Shut the selection core down (its in-flight native calls finish first); bookings
+        released afterwards are no-ops."""
+        report = await asyncio.to_thread(self._core.shutdown)
+        self._observer.process_event(
+            "kv_router_stopped", drained=report.drained, abandoned=report.abandoned
+        )
+
+
+def _rank_headers(worker: Worker) -> tuple[tuple[Header, ...], ...]:
+    """Per DP rank, the rank pin (none for a single-rank worker)."""
+    if worker.spec.dp_size == 1:
+        return ()
+    name = URL_RANK_HEADER if worker.spec.url is not None else INSTANCE_RANK_HEADER
+    return tuple(((name, str(rank).encode("ascii")),) for rank in range(worker.spec.dp_size))
+
+
+async def build_kv_router(
+    settings: Settings,
+    fleet: Fleet,
+    observer: Observer,
+    *,
+    tokenizer: Tokenizer | None = None,
+    native: NativeFactory | None = None,
+) -> KvRouter:
+    """The selection core with every worker upserted, and the router over it.
+
+    Raises `StartupError` (one line) when the core cannot start or refuses a worker."""
+    from pylon.preflight import StartupError
+    from router_ffi import RouterFfiError, SelectionCore
+    from router_ffi import WorkerSpec as NativeWorker
+
+    if tokenizer is None:
+        from pylon.preflight import load_tokenizer
+
+        loaded = await asyncio.to_thread(load_tokenizer, settings)
+        assert loaded is not None, "Settings require --tokenizer for --routing kv"
+        tokenizer = loaded
+    loop = asyncio.get_running_loop()
+
+    def on_error(error: RouterFfiError) -> None:  # on the core's owner thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            loop.call_soon_threadsafe(_report_native_error, observer, error)
+
+    def start() -> SelectionCore:
+        core = SelectionCore(on_error=on_error, native=native)
+        try:
+            for worker in fleet.workers:
+                spec = worker.spec
+                record = core.upsert_worker(
+                    NativeWorker(
+                        worker_id=spec.worker_id,
+                        endpoint=worker.label,
+                        block_size=spec.block_size,
+                        kv_events=spec.kv_events,
+                        dp_size=spec.dp_size,
+                    )
+                )
+                if not record.schedulable:
+                    reasons = ", ".join(record.not_schedulable_reasons) or record.lifecycle
+                    raise StartupError(
+                        f"--worker {worker.label}: Dynamo's selection core will not schedule "
+                        f"it ({reasons})"
+                    )
+        except BaseException:
+            core.shutdown()
+            raise
+        return core
+
+    try:
+        core = await asyncio.to_thread(start)
+    except RouterFfiError as exc:
+        raise StartupError(f"--routing kv: {' '.join(str(exc).split())}") from None
+    router = KvRouter(core, fleet, tokenizer, observer)
+    observer.process_event(
+        "kv_router_started",
+        workers=[worker.label for worker in fleet.workers],
+        kv_events={worker.label: list(worker.spec.kv_events) for worker in fleet.workers},
+    )
+    return router
+
+
+def _report_native_error(observer: Observer, error: Any) -> None:
+    observer.process_event("kv_router_error", detail=str(error))
+
+
+_: type[Router] = KvRouter
+__: type[Booking] = KvBooking

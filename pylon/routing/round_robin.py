@@ -1,0 +1,39 @@
+"""`--routing round-robin`: each request to the next admitted worker, in turn."""
+
+from __future__ import annotations
+
+from pylon.core.plan import ForwardPlan
+from pylon.routing import Booking, NoWorker, Router
+from pylon.routing.fleet import Fleet, WorkerBooking
+
+POLICY = "round-robin"
+
+
+def no_worker(fleet: Fleet) -> NoWorker:
+    """What a router raises when no worker is admitted (every one failed its health checks)."""
+    count = len(fleet.workers)
+    return NoWorker(
+        f"no engine worker can take the request: none of the {count} "
+        f"worker{'s' if count != 1 else ''} passes its health checks now"
+    )
+
+
+class RoundRobinRouter:
+    """Cycles over the admitted workers; an ejected worker drops out of the cycle at once."""
+
+    __slots__ = ("_fleet", "_next")
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        self._next = 0
+
+    def book(self, plan: ForwardPlan) -> Booking:
+        admitted = self._fleet.admitted
+        if not admitted:
+            raise no_worker(self._fleet)
+        index = self._next % len(admitted)
+        self._next = index + 1
+        return WorkerBooking(admitted[index], POLICY)
+
+
+_: type[Router] = RoundRobinRouter
