@@ -483,9 +483,10 @@ async def start(
     observer = observer or LogObserver()
     check_files(settings)  # StartupError before anything starts
     check_tracing(settings)
-    check_routing(settings)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(settings)
+    if routing is None:  # prebuilt routing parts (tests) bring their own core and tokenizer
+        check_routing(settings)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(settings)
     for warning in [*config_warnings(settings), *tokenizer_warnings(tokenizer)]:
         observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:

@@ -11,6 +11,7 @@ time, selection failures as `SelectionServiceError` with `kind` and `status_code
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -51,8 +52,17 @@ class NativeService(Protocol):
 NativeFactory = Callable[[], NativeService]
 
 
+# The native core logs through its own Rust subscriber straight to stderr, which pylon's operators
+# read as one JSON object per line: ask it for JSON lines, warnings and worse only. An operator's
+# own DYN_LOG / DYN_LOGGING_JSONL win (set before the module is first imported, as it reads them
+# once).
+NATIVE_LOG_DEFAULTS = {"DYN_LOGGING_JSONL": "1", "DYN_LOG": "warn"}
+
+
 def load_native() -> Any:
     """`dynamo._core`, or `NativeUnavailable` saying how to install it."""
+    for name, value in NATIVE_LOG_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     try:
         from dynamo import _core
     except (ImportError, OSError) as exc:  # OSError: a wheel whose shared library does not load
