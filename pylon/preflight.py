@@ -118,10 +118,14 @@ def tokenizer_warnings(tokenizer: Tokenizer | None) -> list[StartupWarning]:
 def check_routing(settings: Settings) -> None:
     """Refuse `--routing kv` where it cannot work: without the `dynamo` extra (Dynamo's native
     selection core, xxhash for block hashes), or with a `--tokenizer` that is not a directory
-    (the tokenizer itself is loaded as the router is built: `pylon.routing.kv.load_tokenizer`).
-    Every other mode needs none of it."""
+    (the tokenizer itself is then loaded by `load_tokenizer`). Every other mode needs none of
+    it."""
     if settings.routing != "kv":
         return
+    tokenizer = settings.tokenizer  # first: the one refusal that does not depend on the install
+    if tokenizer is not None and not tokenizer.is_dir():
+        why = "no such directory" if not tokenizer.exists() else "not a directory"
+        raise StartupError(f"--tokenizer {tokenizer}: {why}")
     from pylon.core.blocks import HashingUnavailable, ensure_available
     from router_ffi import INSTALL_HINT, NativeUnavailable
     from router_ffi._native import load_native
@@ -136,10 +140,6 @@ def check_routing(settings: Settings) -> None:
         raise StartupError(
             f"--routing kv: block hashing needs xxhash ({_one_line(str(exc))}): {INSTALL_HINT}"
         ) from None
-    tokenizer = settings.tokenizer
-    if tokenizer is not None and not tokenizer.is_dir():
-        why = "no such directory" if not tokenizer.exists() else "not a directory"
-        raise StartupError(f"--tokenizer {tokenizer}: {why}")
 
 
 def _one_line(text: str) -> str:
