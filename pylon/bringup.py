@@ -215,26 +215,22 @@ class ModelDiscovery:
         except Exception as exc:  # a bug: reported, never the end of discovery
             return self._failed("error", f"{exc.__class__.__name__}: {exc}", started)
         report_change(self._observer, self._catalog.apply(names), "discovery")
-        self._observer.process_event(
-            "model_discovery_poll",
-            outcome="ok",
-            reason=None,
-            detail=None,
-            models=len(self._catalog.published),
-            duration_ms=self._elapsed_ms(started),
-        )
+        self._report("ok", None, None, started)
         return True
 
     def _failed(self, reason: str, detail: str, started: float) -> bool:
+        self._report("failed", reason, detail, started)
+        return False
+
+    def _report(self, outcome: str, reason: str | None, detail: str | None, started: float) -> None:
         self._observer.process_event(
             "model_discovery_poll",
-            outcome="failed",
+            outcome=outcome,
             reason=reason,
             detail=detail,
             models=len(self._catalog.published),
             duration_ms=self._elapsed_ms(started),
         )
-        return False
 
     def _elapsed_ms(self, started: float) -> float:
         clock = self._clock or asyncio.get_running_loop().time
