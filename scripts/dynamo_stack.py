@@ -197,12 +197,16 @@ class _Proc:
 class DynamoStack:
     """Broker + frontend (KV router, queueing on) + mocker workers, all on 127.0.0.1.
 
+    ``router_mode="direct"`` makes the frontend route only by the worker pin a request carries
+    (``x-dynamo-worker-instance-id``); an unpinned request then gets 400.
+
     Ports left as ``None`` are picked free at start.  ``speedup_ratio`` 1.0 simulates realistic
     GPU timing, 10 is fast, 0 means no simulated delay.
     """
 
     num_workers: int = 2
     speedup_ratio: float = 10.0
+    router_mode: str = "kv"  # the frontend's --router-mode: kv, round-robin, random, direct
     router_queue_threshold: float | None = 0.0
     http_port: int | None = None
     worker_ports: list[int] | None = None
@@ -271,7 +275,7 @@ class DynamoStack:
             "--http-port",
             str(self.http_port),
             "--router-mode",
-            "kv",
+            self.router_mode,
             "--discovery-backend",
             "file",
             "--request-plane",
