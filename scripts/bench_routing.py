@@ -16,12 +16,14 @@ listener's `pylon_router_select_seconds`, kv only), and how the requests spread 
 workers. Each worker's cache holds a third of the trace's distinct blocks, so the fleet can
 hold the whole working set only if each prefix stays on one worker.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_routing.py            # ~2 min, 4 policies
+    PYTHONPATH=. .venv/bin/python scripts/bench_routing.py            # ~2 min, 5 rows
     PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --duration 60 --policies kv,kv@3
 
 `kv@W` is `--routing kv` with the native core's overlap weight set to W through the pylon
 process's environment (`DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT`; Dynamo's default, and pylon's
-today, is 1: a cached block saves as much as one block of decode load costs).
+today, is 1: a cached block saves as much as one block of decode load costs). `vllm-router` is
+vllm-router (PyPI; `--vllm-router PATH` or on PATH) with `--policy cache_aware` in front of the
+same fresh mocks instead of pylon.
 
 Everything binds to 127.0.0.1; every process is killed on exit (also on Ctrl-C / SIGTERM).
 """
@@ -34,6 +36,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -56,8 +59,9 @@ from dynamo_stack import build_model_dir  # noqa: E402
 from procs import ProcessGroup, free_port  # noqa: E402
 
 MODEL = "mock-model"
-POLICIES = ("round-robin", "least-loaded", "kv")
-DEFAULT_POLICIES = "round-robin,least-loaded,kv,kv@8"
+POLICIES = ("round-robin", "least-loaded", "kv", "vllm-router")
+# vllm-router is left out of the default run (with a note) when its binary is not found.
+DEFAULT_POLICIES = "round-robin,least-loaded,kv,kv@8,vllm-router"
 
 # Word pool for the synthetic text: lowercase pseudo-words, deterministic per seed.
 _SYLLABLES = [c + v for c in "bcdfghklmnprstvz" for v in "aeiou"]
@@ -228,6 +232,13 @@ class Fleet:
             self.mocks.append(f"http://127.0.0.1:{port}")
             self.kv_events.append(f"tcp://127.0.0.1:{kv_port}")
         listen, admin = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{listen}"
+        self.admin = f"http://127.0.0.1:{admin}"
+        for url in self.mocks:
+            _wait_http(f"{url}/test-control/kv", 30.0)
+        if self.mode == "vllm-router":
+            self._start_vllm_router(listen, admin, env)
+            return
         argv = [
             str(Path(sys.executable).parent / "pylon"), "serve",
             "--listen", f"127.0.0.1:{listen}", "--admin-listen", f"127.0.0.1:{admin}",
@@ -243,13 +254,23 @@ class Fleet:
         pylon_env = dict(env)
         if self.overlap_weight:
             pylon_env["DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT"] = self.overlap_weight
-        self.url = f"http://127.0.0.1:{listen}"
-        self.admin = f"http://127.0.0.1:{admin}"
-        # Mocks first: pylon's bring-up waits for their health checks anyway.
-        for url in self.mocks:
-            _wait_http(f"{url}/test-control/kv", 30.0)
         self._spawn(f"pylon-{self.policy}", argv, pylon_env)
         _wait_http(f"{self.admin}/ready", 60.0)
+
+    def _start_vllm_router(self, listen: int, admin: int, env: dict[str, str]) -> None:
+        """vllm-router (PyPI) in its cache-aware policy (an approximate radix tree of the
+        request text per worker, with its default load-balance thresholds)."""
+        binary = self.args.vllm_router or shutil.which("vllm-router")
+        if not binary:
+            raise RuntimeError("vllm-router not found (pip install vllm-router; --vllm-router)")
+        argv = [
+            binary, "--host", "127.0.0.1", "--port", str(listen),
+            "--worker-urls", *self.mocks, "--policy", "cache_aware",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(admin),
+            "--log-level", "warning",
+        ]  # fmt: skip
+        self._spawn(f"vllm-router-{self.policy}", argv, env)
+        _wait_http(f"{self.url}/health", 60.0)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = (self.logs / f"{name}.log").open("wb")
@@ -358,9 +379,11 @@ async def replay(fleet: Fleet, trace: Trace) -> Row:
         before = await _kv_view(session, fleet.mocks)
         outcomes += await _send(session, fleet.url, trace.requests[trace.warmup :], len(warm))
         after = await _kv_view(session, fleet.mocks)
-        async with session.get(f"{fleet.admin}/metrics") as reply:
-            reply.raise_for_status()
-            metrics = await reply.text()
+        metrics = ""
+        if fleet.mode != "vllm-router":
+            async with session.get(f"{fleet.admin}/metrics") as reply:
+                reply.raise_for_status()
+                metrics = await reply.text()
     measured = outcomes[trace.warmup :]
     errors = [o for o in outcomes if o.error is not None or o.ttft_s is None]
     row.errors = len(errors)
@@ -468,7 +491,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--policies",
         default=DEFAULT_POLICIES,
         help="comma-separated pylon --routing modes; kv@W: kv with the native core's overlap "
-        "weight W (DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT)",
+        "weight W (DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT); vllm-router: vllm-router's cache_aware "
+        "policy instead of pylon",
     )
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--groups", type=int, default=48, help="prefix groups (system prompts)")
@@ -492,8 +516,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=None, help="default: a temporary one")
     p.add_argument("--json-out", type=Path, default=None)
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument(
+        "--vllm-router",
+        default=None,
+        help="the vllm-router binary for the `vllm-router` policy (default: on PATH)",
+    )
     args = p.parse_args(argv)
     args.policy_list = [s.strip() for s in args.policies.split(",") if s.strip()]
+    if args.policies == DEFAULT_POLICIES and not (args.vllm_router or shutil.which("vllm-router")):
+        print(
+            "vllm-router not found (pip install vllm-router): its row is left out", file=sys.stderr
+        )
+        args.policy_list.remove("vllm-router")
     for policy in args.policy_list:
         mode, at, weight = policy.partition("@")
         if mode not in POLICIES or (at and (mode != "kv" or not _is_number(weight))):
