@@ -1,0 +1,609 @@
+"""Routing quality: one shared-prefix trace replayed through pylon's routing modes.
+
+Each policy gets a fresh fleet: N mock_dynamo workers (`--flavor dynamo`) with the engine
+model on (the tiny offline model dir of `scripts/dynamo_stack.py` as tokenizer, an LRU prefix
+cache, a prefill lane whose speed makes a cache miss cost tens of ms, KV events on ZMQ), and a
+pylon (`--routing POLICY`) in front of them. The same trace is replayed against each: many
+prefix groups (a long system prompt each), several conversations per group, several turns per
+conversation, Poisson arrivals (open loop), streaming chat completions. The client is one
+asyncio process (aiohttp) and measures the time to first token (the first SSE `data:` line).
+
+Reported per policy, over the requests after the warm-up (the first turn of one conversation
+per group, in the trace's first seconds, so that every prefix has been seen once):
+mean / p50 / p99 TTFT, the prefix-cache hit rate (full prompt blocks found, from each mock's
+`GET /test-control/kv`, counted over the same window), pylon's select latency (the admin
+listener's `pylon_router_select_seconds`, kv only), and how the requests spread over the
+workers. Each worker's cache holds a third of the trace's distinct blocks, so the fleet can
+hold the whole working set only if each prefix stays on one worker.
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_routing.py            # ~2 min, 5 rows
+    PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --duration 60 --policies kv,kv@3
+
+`kv@W` is `--routing kv` with the native core's overlap weight set to W through the pylon
+process's environment (`DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT`; Dynamo's default, and pylon's
+today, is 1: a cached block saves as much as one block of decode load costs). `vllm-router` is
+vllm-router (PyPI; `--vllm-router PATH` or on PATH) with `--policy cache_aware` in front of the
+same fresh mocks instead of pylon.
+
+Everything binds to 127.0.0.1; every process is killed on exit (also on Ctrl-C / SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from dynamo_stack import build_model_dir  # noqa: E402
+from procs import ProcessGroup, free_port  # noqa: E402
+
+MODEL = "mock-model"
+POLICIES = ("round-robin", "least-loaded", "kv", "vllm-router")
+# vllm-router is left out of the default run (with a note) when its binary is not found.
+DEFAULT_POLICIES = "round-robin,least-loaded,kv,kv@8,vllm-router"
+
+# Word pool for the synthetic text: lowercase pseudo-words, deterministic per seed.
+_SYLLABLES = [c + v for c in "bcdfghklmnprstvz" for v in "aeiou"]
+
+
+def _words(rng: random.Random, count: int) -> str:
+    return " ".join(
+        "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(count)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    at: float  # seconds after the start of the replay
+    group: int
+    session: int
+    turn: int
+    body: bytes
+
+
+@dataclass
+class Trace:
+    requests: list[Request]
+    prompt_tokens: list[int]
+    distinct_blocks: int
+    prefix_tokens: float  # mean tokens of a group's system prompt (rendered)
+    warmup: int  # the first `warmup` requests are not measured
+
+
+def build_trace(args: argparse.Namespace, model_dir: Path) -> Trace:
+    """Groups x sessions x turns chat requests, each session's turns in order, randomly
+    interleaved, at Poisson arrival times of rate `args.rate` over `args.duration` s."""
+    from mock_dynamo.tokens import load_tokenizer, prompts
+    from pylon.core.blocks import block_hashes, sequence_hashes
+
+    rng = random.Random(args.seed)
+    systems = [_words(rng, args.prefix_words) for _ in range(args.groups)]
+    sessions: list[tuple[int, list[str], list[str]]] = []  # group, user turns, assistant turns
+    for group in range(args.groups):
+        for _ in range(args.sessions):
+            users = [_words(rng, args.turn_words) for _ in range(args.turns)]
+            replies = [_words(rng, args.turn_words) for _ in range(args.turns)]
+            sessions.append((group, users, replies))
+    # Warm-up: the first turn of each group's first conversation, one per group, so every
+    # prefix has been seen once before the measured part (which then has no cold misses).
+    first = [group * args.sessions for group in range(args.groups)]
+    rng.shuffle(first)
+    rest = [s for s in range(len(sessions)) for _ in range(args.turns)]
+    for sid in first:
+        rest.remove(sid)
+    rng.shuffle(rest)
+    order = first + rest
+    count = len(order)
+    rate = count / args.duration
+    at = 0.0
+    next_turn = [0] * len(sessions)
+    tokenizer = load_tokenizer(str(model_dir), "dynamo")
+    requests: list[Request] = []
+    lengths: list[int] = []
+    blocks: set[int] = set()
+    for sid in order:
+        group, users, replies = sessions[sid]
+        turn = next_turn[sid]
+        next_turn[sid] += 1
+        messages = [{"role": "system", "content": systems[group]}]
+        for k in range(turn):
+            messages.append({"role": "user", "content": users[k]})
+            messages.append({"role": "assistant", "content": replies[k]})
+        messages.append({"role": "user", "content": users[turn]})
+        body = {
+            "model": MODEL,
+            "messages": messages,
+            "stream": True,
+            "max_tokens": args.num_tokens,
+        }
+        tokens = prompts(tokenizer, "chat", body)[0]
+        lengths.append(len(tokens))
+        blocks.update(sequence_hashes(block_hashes(tokens, args.block_size)))
+        requests.append(Request(at, group, sid, turn, json.dumps(body).encode()))
+        at += rng.expovariate(rate)
+    prefix = [
+        len(prompts(tokenizer, "chat", {"messages": [{"role": "system", "content": s}]})[0])
+        for s in systems[:8]
+    ]
+    return Trace(requests, lengths, len(blocks), statistics.fmean(prefix), len(first))
+
+
+@dataclass
+class Outcome:
+    ttft_s: float | None = None
+    total_s: float | None = None
+    status: int = 0
+    error: str | None = None
+    lag_s: float = 0.0  # how late the client sent it (a saturated client shows here)
+
+
+@dataclass
+class Row:
+    policy: str
+    mode: str
+    requests: int = 0
+    measured: int = 0
+    errors: int = 0
+    ttft_mean_ms: float = math.nan
+    ttft_p50_ms: float = math.nan
+    ttft_p99_ms: float = math.nan
+    hit_rate: float = math.nan
+    token_hit_rate: float = math.nan
+    select_count: int = 0
+    select_mean_us: float = math.nan
+    select_p50_us: str = "-"
+    select_p99_us: str = "-"
+    fallbacks: int = 0
+    per_worker: list[int] = field(default_factory=list)
+    max_lag_ms: float = 0.0
+    slowest: list[tuple[float, int, int, int]] = field(default_factory=list)  # ms, n, group, turn
+    failed: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    rank = max(0, math.ceil(q * len(ordered)) - 1)
+    return ordered[rank]
+
+
+class Fleet:
+    """N mocks and one pylon, as subprocesses of one ProcessGroup."""
+
+    def __init__(
+        self, args: argparse.Namespace, policy: str, model_dir: Path, cache_blocks: int, logs: Path
+    ) -> None:
+        self.args = args
+        self.policy = policy
+        # `kv@W`: --routing kv with the native core's overlap weight W
+        # (DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT; Dynamo's default is 1).
+        self.mode, _, self.overlap_weight = policy.partition("@")
+        self.model_dir = model_dir
+        self.cache_blocks = cache_blocks
+        self.logs = logs
+        self.group = ProcessGroup()
+        self.mocks: list[str] = []
+        self.kv_events: list[str] = []
+        self.url = ""
+        self.admin = ""
+
+    def start(self) -> None:
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("DYN_ROUTER_")},
+            "PYTHONPATH": str(ROOT),
+        }
+        args = self.args
+        for index in range(args.workers):
+            port, kv_port = free_port(), free_port()
+            argv = [
+                sys.executable, "-m", "mock_dynamo", "--host", "127.0.0.1", "--port", str(port),
+                "--flavor", "dynamo", "--model", MODEL, "--ttft-ms", str(args.ttft_ms),
+                "--token-delay-ms", str(args.token_delay_ms),
+                "--num-tokens", str(args.num_tokens), "--capacity", "1",
+                "--kv-block-size", str(args.block_size),
+                "--kv-cache-blocks", str(self.cache_blocks),
+                "--prefill-tokens-per-s", str(args.prefill_tokens_per_s),
+                "--tokenizer", str(self.model_dir), "--kv-events-port", str(kv_port),
+                "--log-level", "warning",
+            ]  # fmt: skip
+            self._spawn(f"mock{index}-{self.policy}", argv, env)
+            self.mocks.append(f"http://127.0.0.1:{port}")
+            self.kv_events.append(f"tcp://127.0.0.1:{kv_port}")
+        listen, admin = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{listen}"
+        self.admin = f"http://127.0.0.1:{admin}"
+        for url in self.mocks:
+            _wait_http(f"{url}/test-control/kv", 30.0)
+        if self.mode == "vllm-router":
+            self._start_vllm_router(listen, admin, env)
+            return
+        argv = [
+            str(Path(sys.executable).parent / "pylon"), "serve",
+            "--listen", f"127.0.0.1:{listen}", "--admin-listen", f"127.0.0.1:{admin}",
+            "--backend", "dynamo", "--routing", self.mode, "--log-level", "warning",
+        ]  # fmt: skip
+        for url, events in zip(self.mocks, self.kv_events, strict=True):
+            spec = f"url={url}"
+            if self.mode == "kv":
+                spec += f",kv-events={events},block-size={args.block_size}"
+            argv += ["--worker", spec]
+        if self.mode == "kv":
+            argv += ["--tokenizer", str(self.model_dir)]
+        pylon_env = dict(env)
+        if self.overlap_weight:
+            pylon_env["DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT"] = self.overlap_weight
+        self._spawn(f"pylon-{self.policy}", argv, pylon_env)
+        _wait_http(f"{self.admin}/ready", 60.0)
+
+    def _start_vllm_router(self, listen: int, admin: int, env: dict[str, str]) -> None:
+        """vllm-router (PyPI) in its cache-aware policy (an approximate radix tree of the
+        request text per worker, with its default load-balance thresholds)."""
+        binary = self.args.vllm_router or shutil.which("vllm-router")
+        if not binary:
+            raise RuntimeError("vllm-router not found (pip install vllm-router; --vllm-router)")
+        argv = [
+            binary, "--host", "127.0.0.1", "--port", str(listen),
+            "--worker-urls", *self.mocks, "--policy", "cache_aware",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(admin),
+            "--log-level", "warning",
+        ]  # fmt: skip
+        self._spawn(f"vllm-router-{self.policy}", argv, env)
+        _wait_http(f"{self.url}/health", 60.0)
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        log = (self.logs / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+        log.close()
+        self.group.track(proc)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f}s: {last}")
+
+
+async def _kv_view(session: aiohttp.ClientSession, mocks: list[str]) -> list[dict[str, Any]]:
+    views = []
+    for url in mocks:
+        async with session.get(f"{url}/test-control/kv") as reply:
+            reply.raise_for_status()
+            views.append(await reply.json())
+    return views
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, request: Request, n: int, lag: float
+) -> Outcome:
+    outcome = Outcome(lag_s=lag)
+    headers = {
+        "content-type": "application/json",
+        "x-model": MODEL,
+        "x-request-id": f"route-{n}",
+    }
+    started = time.perf_counter()
+    try:
+        async with session.post(
+            f"{url}/v1/chat/completions", data=request.body, headers=headers
+        ) as reply:
+            outcome.status = reply.status
+            if reply.status != 200:
+                outcome.error = f"status {reply.status}: {(await reply.text())[:200]}"
+                return outcome
+            async for line in reply.content:
+                if outcome.ttft_s is None and line.startswith(b"data:"):
+                    outcome.ttft_s = time.perf_counter() - started
+            outcome.total_s = time.perf_counter() - started
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+async def _send(
+    session: aiohttp.ClientSession, url: str, requests: list[Request], first: int
+) -> list[Outcome]:
+    """Send each request at its time (open loop, relative to the first one's); wait for all."""
+    tasks: list[asyncio.Task[Outcome]] = []
+    origin = requests[0].at if requests else 0.0
+    start = time.perf_counter()
+    for n, request in enumerate(requests, first):
+        due = request.at - origin
+        delay = start + due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lag = max(0.0, time.perf_counter() - start - due)
+        tasks.append(asyncio.create_task(_one(session, url, request, n, lag)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def replay(fleet: Fleet, trace: Trace) -> Row:
+    row = Row(fleet.policy, fleet.mode, requests=len(trace.requests))
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if fleet.mode == "kv":  # the selection core's SUBs hear every event from now on
+            for url in fleet.mocks:
+                params = {"wait_subscribers": "1", "timeout": "15"}
+                async with session.get(f"{url}/test-control/kv", params=params) as reply:
+                    reply.raise_for_status()
+        for url in fleet.mocks:  # pylon's bring-up probes are not part of the run
+            async with session.post(f"{url}/test-control/reset") as reply:
+                reply.raise_for_status()
+        # Warm-up (every prefix once), drained before the measured part starts on its own
+        # clock, so that no measured request queues behind the warm-up's cold prefills.
+        warm = trace.requests[: trace.warmup]
+        outcomes = await _send(session, fleet.url, warm, 0)
+        before = await _kv_view(session, fleet.mocks)
+        outcomes += await _send(session, fleet.url, trace.requests[trace.warmup :], len(warm))
+        after = await _kv_view(session, fleet.mocks)
+        metrics = ""
+        if fleet.mode != "vllm-router":
+            async with session.get(f"{fleet.admin}/metrics") as reply:
+                reply.raise_for_status()
+                metrics = await reply.text()
+    measured = outcomes[trace.warmup :]
+    errors = [o for o in outcomes if o.error is not None or o.ttft_s is None]
+    row.errors = len(errors)
+    if errors:
+        print(f"  {fleet.policy}: {len(errors)} failed, e.g. {errors[0].error}", file=sys.stderr)
+    ttfts = [o.ttft_s * 1000 for o in measured if o.ttft_s is not None and o.error is None]
+    row.measured = len(ttfts)
+    row.ttft_mean_ms = statistics.fmean(ttfts) if ttfts else math.nan
+    row.ttft_p50_ms = percentile(ttfts, 0.50)
+    row.ttft_p99_ms = percentile(ttfts, 0.99)
+    row.max_lag_ms = max(o.lag_s for o in outcomes) * 1000
+    row.slowest = sorted(
+        (
+            (round(o.ttft_s * 1000, 1), n, r.group, r.turn)
+            for n, (o, r) in enumerate(zip(outcomes, trace.requests, strict=True))
+            if o.ttft_s is not None and n >= trace.warmup
+        ),
+        reverse=True,
+    )[:10]
+    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
+    misses = sum(a["misses"] - b["misses"] for a, b in zip(after, before, strict=True))
+    row.hit_rate = hits / (hits + misses) if hits + misses else math.nan
+    cached = sum(
+        a["cached_tokens"] - b["cached_tokens"] for a, b in zip(after, before, strict=True)
+    )
+    prompt = sum(
+        a["prompt_tokens"] - b["prompt_tokens"] for a, b in zip(after, before, strict=True)
+    )
+    row.token_hit_rate = cached / prompt if prompt else math.nan
+    row.per_worker = [a["requests"] for a in after]
+    _read_metrics(metrics, row)
+    return row
+
+
+def _read_metrics(text: str, row: Row) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: list[tuple[float, float]] = []
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pylon_router_select_seconds_bucket":
+                buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name == "pylon_router_select_seconds_sum":
+                total += sample.value
+            elif sample.name == "pylon_router_select_seconds_count":
+                count += sample.value
+            elif (
+                sample.name == "pylon_router_decisions_total"
+                and row.mode == "kv"
+                and sample.labels.get("policy") == "least-loaded"
+            ):
+                row.fallbacks += int(sample.value)
+    row.select_count = int(count)
+    if not count:
+        return
+    row.select_mean_us = total / count * 1e6
+    buckets.sort()
+
+    def bound(q: float) -> str:
+        for le, cumulative in buckets:
+            if cumulative >= q * count:
+                return "<= %g" % (le * 1e6) if math.isfinite(le) else "> 1 s"
+        return "-"
+
+    row.select_p50_us = bound(0.50)
+    row.select_p99_us = bound(0.99)
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        "| policy | requests (measured) | errors | TTFT mean ms | TTFT p50 ms | TTFT p99 ms "
+        "| p99 vs round-robin | block hit rate | token hit rate | select mean us "
+        "| select p50 us | select p99 us | kv fallbacks | requests per worker (whole trace) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    base = next((r.ttft_p99_ms for r in rows if r.policy == "round-robin"), math.nan)
+    lines = []
+    for r in rows:
+        if r.failed:
+            lines.append(f"| {r.policy} | FAILED: {r.failed} |" + " |" * 12)
+            continue
+        ratio = base / r.ttft_p99_ms if r.ttft_p99_ms else math.nan
+        select_mean = "-" if math.isnan(r.select_mean_us) else f"{r.select_mean_us:.0f}"
+        lines.append(
+            f"| {r.policy} | {r.requests} ({r.measured}) | {r.errors} | {r.ttft_mean_ms:.1f} "
+            f"| {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | {ratio:.2f}x | {r.hit_rate:.1%} "
+            f"| {r.token_hit_rate:.1%} | {select_mean} | {r.select_p50_us} | {r.select_p99_us} "
+            f"| {r.fallbacks if r.mode == 'kv' else '-'} "
+            f"| {'/'.join(str(n) for n in r.per_worker)} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text)) and float(text) >= 0
+    except ValueError:
+        return False
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help="comma-separated pylon --routing modes; kv@W: kv with the native core's overlap "
+        "weight W (DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT); vllm-router: vllm-router's cache_aware "
+        "policy instead of pylon",
+    )
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--groups", type=int, default=48, help="prefix groups (system prompts)")
+    p.add_argument("--sessions", type=int, default=8, help="conversations per group")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    p.add_argument("--prefix-words", type=int, default=330, help="words per system prompt")
+    p.add_argument("--turn-words", type=int, default=12, help="words per user / assistant turn")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds the trace spans")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=1 / 3,
+        help="each worker's cache, as a fraction of the trace's distinct blocks",
+    )
+    p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
+    p.add_argument("--ttft-ms", type=float, default=1.0, help="the mocks' fixed TTFT part")
+    p.add_argument("--token-delay-ms", type=float, default=2.0)
+    p.add_argument("--num-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--model-dir", type=Path, default=None, help="default: a temporary one")
+    p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--keep-logs", action="store_true")
+    p.add_argument(
+        "--vllm-router",
+        default=None,
+        help="the vllm-router binary for the `vllm-router` policy (default: on PATH)",
+    )
+    args = p.parse_args(argv)
+    args.policy_list = [s.strip() for s in args.policies.split(",") if s.strip()]
+    if args.policies == DEFAULT_POLICIES and not (args.vllm_router or shutil.which("vllm-router")):
+        print(
+            "vllm-router not found (pip install vllm-router): its row is left out", file=sys.stderr
+        )
+        args.policy_list.remove("vllm-router")
+    for policy in args.policy_list:
+        mode, at, weight = policy.partition("@")
+        if mode not in POLICIES or (at and (mode != "kv" or not _is_number(weight))):
+            p.error(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}, kv@WEIGHT")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
+    fleets: list[Fleet] = []
+
+    def on_term(signum: int, _frame: FrameType | None) -> None:
+        for fleet in fleets:
+            fleet.close()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    model_dir = build_model_dir(args.model_dir or logs / "model")
+    trace = build_trace(args, model_dir)
+    cache_blocks = max(1, round(trace.distinct_blocks * args.cache_fraction))
+    rate = len(trace.requests) / max(trace.requests[-1].at, 1e-9)
+    print(
+        f"trace: {len(trace.requests)} requests, {args.groups} groups x {args.sessions} "
+        f"sessions x {args.turns} turns, {rate:.1f} req/s over {trace.requests[-1].at:.1f} s; "
+        f"prompt tokens mean {statistics.fmean(trace.prompt_tokens):.0f} "
+        f"(system prompt ~{trace.prefix_tokens:.0f}); {trace.distinct_blocks} distinct blocks, "
+        f"{cache_blocks} per worker cache; a full miss costs "
+        f"~{statistics.fmean(trace.prompt_tokens) / args.prefill_tokens_per_s * 1000:.0f} ms",
+        file=sys.stderr,
+    )
+    rows: list[Row] = []
+    try:
+        for policy in args.policy_list:
+            fleet = Fleet(args, policy, model_dir, cache_blocks, logs)
+            fleets.append(fleet)
+            began = time.monotonic()
+            try:
+                fleet.start()
+                row = asyncio.run(replay(fleet, trace))
+            except Exception as exc:  # one failed policy must not hide the others
+                row = Row(policy, fleet.mode, failed=f"{type(exc).__name__}: {exc}")
+            finally:
+                fleet.close()
+            rows.append(row)
+            print(
+                f"  {policy}: done in {time.monotonic() - began:.0f} s "
+                f"(p99 {row.ttft_p99_ms:.1f} ms, hit {row.hit_rate:.1%}, "
+                f"client max lag {row.max_lag_ms:.0f} ms)",
+                file=sys.stderr,
+            )
+    finally:
+        for fleet in fleets:
+            fleet.close()
+    print(table(rows))
+    if args.json_out:
+        args.json_out.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "trace": {
+                        "requests": len(trace.requests),
+                        "distinct_blocks": trace.distinct_blocks,
+                        "cache_blocks_per_worker": cache_blocks,
+                        "prompt_tokens_mean": statistics.fmean(trace.prompt_tokens),
+                    },
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
+    failed = any(r.failed or r.errors for r in rows)
+    if failed or args.keep_logs:
+        print(f"logs kept in {logs}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
