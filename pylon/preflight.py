@@ -270,6 +270,8 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
     if settings.routing == "off":
         for name in _WORKER_HEALTH_TUNING:
             ignored(name, "--routing off: there are no workers to check")
+    if settings.routing != "kv":
+        ignored("kv_overlap_weight", "only --routing kv weighs cached prefixes")
     return warnings
 
 

@@ -215,6 +215,16 @@ class Settings(BaseSettings):
         "worker is admitted at start after its first passed check)",
         json_schema_extra=group(ROUTING, "CHECKS"),
     )
+    kv_overlap_weight: float | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="--routing kv: how much a worker's cached prefix counts against its load in "
+        "Dynamo's selection cost (weight x blocks to prefill + active blocks); unset = Dynamo's "
+        "default (1). docs/benchmarks.md 'Routing quality' measures 1 against 8",
+        json_schema_extra=group(ROUTING, "WEIGHT"),
+    )
     # --- engine bring-up and models ---
     upstream_health_gate: bool = Field(
         True,

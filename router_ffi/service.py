@@ -29,6 +29,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import os
 import secrets
 import threading
 from collections.abc import Callable
@@ -163,6 +164,9 @@ class Reservation:
         )
 
 
+OVERLAP_WEIGHT_ENV = "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT"
+
+
 class SelectionCore:
     """The typed, thread-safe boundary around one native SelectionService.
 
@@ -180,9 +184,16 @@ class SelectionCore:
         call_timeout_s: float = 10.0,
         on_error: ErrorSink | None = None,
         native: NativeFactory | None = None,
+        overlap_score_weight: float | None = None,
     ) -> None:
         if indexer_threads < 1:
             raise ValueError(f"indexer_threads must be >= 1, got {indexer_threads}")
+        if overlap_score_weight is not None:
+            if not 0 <= overlap_score_weight < float("inf"):
+                raise ValueError(f"overlap_score_weight must be >= 0, got {overlap_score_weight}")
+            # The native core reads its cost weights from the environment when it is built (on
+            # the owner thread, below), and offers no argument for them: one core per process.
+            os.environ[OVERLAP_WEIGHT_ENV] = repr(float(overlap_score_weight))
         factory = native if native is not None else native_factory(indexer_threads)
         self._select_timeout_s = select_timeout_s
         self._call_timeout_s = call_timeout_s

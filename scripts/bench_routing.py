@@ -19,9 +19,9 @@ hold the whole working set only if each prefix stays on one worker.
     PYTHONPATH=. .venv/bin/python scripts/bench_routing.py            # ~2 min, 5 rows
     PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --duration 60 --policies kv,kv@3
 
-`kv@W` is `--routing kv` with the native core's overlap weight set to W through the pylon
-process's environment (`DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT`; Dynamo's default, and pylon's
-today, is 1: a cached block saves as much as one block of decode load costs). `vllm-router` is
+`kv@W` is `--routing kv --kv-overlap-weight W` (the native core's overlap weight; Dynamo's
+default, and pylon's when the flag is unset, is 1: a cached block saves as much as one block of
+decode load costs). `vllm-router` is
 vllm-router (PyPI; `--vllm-router PATH` or on PATH) with `--policy cache_aware` in front of the
 same fresh mocks instead of pylon.
 
@@ -197,8 +197,7 @@ class Fleet:
     ) -> None:
         self.args = args
         self.policy = policy
-        # `kv@W`: --routing kv with the native core's overlap weight W
-        # (DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT; Dynamo's default is 1).
+        # `kv@W`: --routing kv --kv-overlap-weight W (Dynamo's default is 1).
         self.mode, _, self.overlap_weight = policy.partition("@")
         self.model_dir = model_dir
         self.cache_blocks = cache_blocks
@@ -251,10 +250,9 @@ class Fleet:
             argv += ["--worker", spec]
         if self.mode == "kv":
             argv += ["--tokenizer", str(self.model_dir)]
-        pylon_env = dict(env)
         if self.overlap_weight:
-            pylon_env["DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT"] = self.overlap_weight
-        self._spawn(f"pylon-{self.policy}", argv, pylon_env)
+            argv += ["--kv-overlap-weight", self.overlap_weight]
+        self._spawn(f"pylon-{self.policy}", argv, dict(env))
         _wait_http(f"{self.admin}/ready", 60.0)
 
     def _start_vllm_router(self, listen: int, admin: int, env: dict[str, str]) -> None:
@@ -490,8 +488,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
-        help="comma-separated pylon --routing modes; kv@W: kv with the native core's overlap "
-        "weight W (DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT); vllm-router: vllm-router's cache_aware "
+        help="comma-separated pylon --routing modes; kv@W: kv with --kv-overlap-weight W; "
+        "vllm-router: vllm-router's cache_aware "
         "policy instead of pylon",
     )
     p.add_argument("--workers", type=int, default=4)

@@ -240,7 +240,9 @@ async def build_kv_router(
             loop.call_soon_threadsafe(_report_native_error, observer, error)
 
     def start() -> SelectionCore:
-        core = SelectionCore(on_error=on_error, native=native)
+        core = SelectionCore(
+            on_error=on_error, native=native, overlap_score_weight=settings.kv_overlap_weight
+        )
         try:
             for worker in fleet.workers:
                 spec = worker.spec

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -362,3 +363,28 @@ def test_importing_router_ffi_never_imports_dynamo() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert "xxhash" in out.stdout and "pip install 'pylon[dynamo]'" in out.stdout
+
+
+def test_the_overlap_weight_reaches_the_native_core_before_it_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The native core reads its cost weights from the environment as it is built."""
+    from router_ffi.service import OVERLAP_WEIGHT_ENV
+
+    monkeypatch.setenv(OVERLAP_WEIGHT_ENV, "unset")  # recorded, so teardown restores it
+    monkeypatch.delenv(OVERLAP_WEIGHT_ENV)
+    seen: list[str | None] = []
+
+    def build() -> FakeNative:
+        seen.append(os.environ.get(OVERLAP_WEIGHT_ENV))
+        return FakeNative()
+
+    core = SelectionCore(native=build, overlap_score_weight=8)
+    try:
+        core.loads()  # the native object exists once the owner thread built it
+    finally:
+        core.shutdown()
+    assert seen == ["8.0"]
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="overlap_score_weight"):
+            SelectionCore(native=build, overlap_score_weight=bad)

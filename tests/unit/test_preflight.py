@@ -17,7 +17,7 @@ from pylon.preflight import (
     insecure_listeners,
     is_loopback,
 )
-from pylon.settings import Settings, load_settings
+from pylon.settings import Settings, SettingsError, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -208,3 +208,13 @@ def test_worker_health_flags_without_routing_are_named() -> None:
         routing="round-robin", worker=["url=http://127.0.0.1:9001"], worker_eject_after=5
     )
     assert events(routed) == []
+
+
+def test_the_kv_overlap_weight_is_for_kv_routing_only() -> None:
+    assert ("setting_ignored", "kv_overlap_weight") in events(settings(kv_overlap_weight=8))
+    weighted = kv_settings("/", kv_overlap_weight=8)
+    assert weighted.kv_overlap_weight == 8.0
+    assert ("setting_ignored", "kv_overlap_weight") not in events(weighted)
+    for bad in (-1, float("inf"), 1001):
+        with pytest.raises(SettingsError, match="kv_overlap_weight"):
+            kv_settings("/", kv_overlap_weight=bad)
