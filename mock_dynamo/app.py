@@ -45,6 +45,9 @@ Test-control API (not recorded itself; errors are OpenAI-style JSON bodies):
   "subscribers"}`. `?wait_subscribers=N&timeout=S` first long-polls until N subscriptions
   reached that socket (408 after S seconds, default 5, at most 30; 400 without a socket): a
   test's SUB (or a router's) is then sure to get every event sent afterwards.
+- `PUT /test-control/kv/sequence` `{"next_seq": N}` (0 <= N < 2^64): the KV-event socket's
+  next message gets sequence number N. Ahead of `next_seq`: a gap, as if messages were lost;
+  behind it: the sequence goes back, as after an engine restart (400 without a socket).
 - `DELETE /test-control/kv`: empty the cache (one `AllBlocksCleared` event); counters stay.
   `POST /test-control/reset` empties it too and zeroes its counters.
 
@@ -708,6 +711,26 @@ async def control_kv(request: web.Request) -> web.StreamResponse:
     return json_ok(engine.view())
 
 
+async def control_kv_sequence(request: web.Request) -> web.StreamResponse:
+    """Set the KV-event socket's next sequence number (a gap ahead, a restart behind)."""
+    engine = request.app[STATE_KEY].engine
+    if engine.events is None:
+        return error_response(400, "the KV-event sequence needs --kv-events-port")
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        return error_response(400, "body must be JSON")
+    value = body.get("next_seq") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or set(body) != {"next_seq"}:
+        return error_response(400, 'body must be {"next_seq": <integer>}')
+    if not isinstance(value, int) or isinstance(value, bool):
+        return error_response(400, 'body must be {"next_seq": <integer>}')
+    if not 0 <= value < 1 << 64:
+        return error_response(400, "next_seq must be in 0..2^64-1")
+    engine.events.next_seq = value
+    return json_ok(engine.view())
+
+
 async def control_kv_clear(request: web.Request) -> web.StreamResponse:
     engine = request.app[STATE_KEY].engine
     engine.clear_cache()
@@ -774,4 +797,5 @@ def build_app(config: MockConfig) -> web.Application:
     app.router.add_put(f"{CONTROL_PREFIX}/health", control_health)
     app.router.add_get(f"{CONTROL_PREFIX}/kv", control_kv)
     app.router.add_delete(f"{CONTROL_PREFIX}/kv", control_kv_clear)
+    app.router.add_put(f"{CONTROL_PREFIX}/kv/sequence", control_kv_sequence)
     return app

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 class EventSink(Protocol):
     """Where the cache's events go (mock_dynamo.kv_publisher.KvEventPublisher)."""
 
+    next_seq: int  # the next message's sequence number (settable: tests make gaps with it)
+
     def publish(self, events: list[KvEvent]) -> None: ...
 
     def view(self) -> dict[str, Any]: ...

@@ -240,6 +240,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "`least-loaded` counts the requests with no prompt to route by)",
     ),
     MetricSpec(
+        "pylon_router_kv_event_faults_total",
+        "counter",
+        ("worker", "kind"),
+        "faults seen on the worker's KV-event streams (--routing kv): `gap` (messages lost) and "
+        "`regressed` (the sequence went back: the engine restarted) each reset the worker's "
+        "cache view in the selection core; `malformed` messages are skipped",
+    ),
+    MetricSpec(
         "pylon_router_select_seconds",
         "histogram",
         ("policy",),
@@ -596,6 +604,7 @@ class MetricsObserver:
         active = _gauge("pylon_router_active_bookings")
         healthy = _gauge("pylon_router_worker_healthy")
         decisions: dict[tuple[str, str], int] = {}
+        faults: dict[tuple[str, str], int] = {}
         select = _histogram("pylon_router_select_seconds")
         snapshot = self.routing_snapshot() if self.routing_snapshot is not None else None
         if snapshot is not None:
@@ -604,6 +613,8 @@ class MetricsObserver:
                 healthy.add_metric([worker.label], 1 if worker.admitted else 0)
                 for policy, count in worker.decisions.items():
                     decisions[(worker.label, policy)] = count
+                for kind, count in worker.kv_faults.items():
+                    faults[(worker.label, kind)] = count
             if snapshot.select_seconds is not None:
                 latencies = list(snapshot.select_seconds)
                 buckets = histogram_buckets(snapshot.select_bounds, latencies)
@@ -611,6 +622,7 @@ class MetricsObserver:
         yield active
         yield healthy
         yield _counter("pylon_router_decisions_total", decisions)
+        yield _counter("pylon_router_kv_event_faults_total", faults)
         yield select
 
     def _queue_families(self) -> Iterator[Metric]:

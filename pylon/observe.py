@@ -168,6 +168,7 @@ _WARNING_EVENTS = frozenset(
         "worker_ejected",
         "kv_routing_failed",
         "kv_router_error",
+        "kv_events_gap",
     }
 )
 _ERROR_EVENTS = frozenset({"engine_health_gate_failed"})

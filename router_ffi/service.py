@@ -39,6 +39,7 @@ from router_ffi import _wire
 from router_ffi._native import NativeFactory, NativeService, native_factory, translate
 from router_ffi.errors import (
     NativeCallFailed,
+    NotFound,
     RouterFfiError,
     SelectionTimeout,
     ServiceClosed,
@@ -88,11 +89,14 @@ class Reservation:
     exit path. All of them return at once (the native calls run on the owner thread, in order),
     and all are idempotent where that matters: a second prefill-complete or free is a no-op, and
     after `free()` or the core's shutdown every call is a no-op. Safe to call from any thread.
+    A reservation made before its worker's `reset_worker` is forgotten by the native core: its
+    later calls are no-ops too (its load left the core with the reset).
     """
 
     __slots__ = (
         "_busy",
         "_core",
+        "_epoch",
         "_freed",
         "_native_freed",
         "_out_tokens",
@@ -101,9 +105,10 @@ class Reservation:
         "selection",
     )
 
-    def __init__(self, core: SelectionCore, selection: Selection) -> None:
+    def __init__(self, core: SelectionCore, selection: Selection, epoch: int = 0) -> None:
         self.selection = selection
         self._core = core
+        self._epoch = epoch  # the core's reset epoch when the native select ran
         self._prefilled = False
         self._freed = False
         self._out_tokens = 0  # output tokens not yet making a full block
@@ -206,6 +211,9 @@ class SelectionCore:
         self.failed_ops = 0  # fire-and-forget native calls that failed (written on the owner)
         # Owner-thread-only state.
         self._native: NativeService | None = None
+        # Reset epochs (`reset_worker`): the latest, and per worker the one of its last reset.
+        self._epoch = 0
+        self._reset_epochs: dict[int, int] = {}
         self._waiting: set[cf.Future[Any]] = set()
         self._loop = _new_loop()
         self._thread = threading.Thread(
@@ -247,6 +255,33 @@ class SelectionCore:
             self._call_timeout_s,
         )
 
+    def reset_worker(self, spec: WorkerSpec) -> WorkerRecord:
+        """Drop everything the native core knows about a worker and start it afresh: its cache
+        view (blocks heard from its KV events) and the load of its reservations go, and a new
+        KV-event listener starts (native delete, then upsert, back to back on the owner thread).
+
+        For a worker whose cache view can no longer be trusted (its KV-event sequence had a gap,
+        or went back because the engine restarted). Reservations made on it before the reset
+        become no-ops (the native core no longer knows them), so their later frees cannot fail.
+        """
+        check_worker(spec)
+        wid = spec.worker_id
+        payload = _wire.worker_to_native(spec)
+
+        async def reset(native: NativeService) -> object:
+            # Runs on the owner thread: a select that ran before this point made a reservation
+            # the delete is about to forget, one that runs after it gets the new epoch.
+            self._epoch += 1
+            self._reset_epochs[wid] = self._epoch
+            try:
+                await native.delete_worker(wid)
+            except Exception as exc:
+                if not isinstance(translate("reset_worker", exc), NotFound):
+                    raise
+            return await native.upsert_worker(payload)
+
+        return self._call("reset_worker", reset, _wire.parse_record, self._call_timeout_s)
+
     def workers(self) -> tuple[WorkerRecord, ...]:
         return self._call(
             "workers", lambda n: n.list_workers(), _wire.parse_records, self._call_timeout_s
@@ -287,12 +322,17 @@ class SelectionCore:
     def _submit_select(self, request: SelectRequest) -> cf.Future[Reservation]:
         selection_id = request.selection_id or self.new_selection_id()
         payload = _wire.select_to_native(request, selection_id)
-        return self._submit(
-            "select_and_reserve", lambda n: n.select_and_reserve(payload), self._reserve
-        )
+        epoch = 0
 
-    def _reserve(self, op: str, raw: object) -> Reservation:
-        return Reservation(self, _wire.parse_selection(op, raw))
+        def invoke(native: NativeService) -> Any:  # on the owner thread
+            nonlocal epoch
+            epoch = self._epoch
+            return native.select_and_reserve(payload)
+
+        def reserve(op: str, raw: object) -> Reservation:
+            return Reservation(self, _wire.parse_selection(op, raw), epoch)
+
+        return self._submit("select_and_reserve", invoke, reserve)
 
     # -- inspection -------------------------------------------------------------------------
 
@@ -477,7 +517,7 @@ class SelectionCore:
     def _owner_start_op(self, res: Reservation, kind: int, count: int, decay: float | None) -> bool:
         """Issue one reservation call; True when it is pending (an awaitable)."""
         native = self._native
-        if native is None or res._native_freed:
+        if native is None or res._native_freed or self._forgotten(res):
             self._gate.exit()
             return False
         sid = res.selection.selection_id
@@ -503,6 +543,11 @@ class SelectionCore:
             functools.partial(self._owner_op_landed, res, _OP_NAMES[kind])
         )
         return True
+
+    def _forgotten(self, res: Reservation) -> bool:
+        """The reservation predates its worker's last reset: the native core forgot it."""
+        reset = self._reset_epochs.get(res.selection.worker_id)
+        return reset is not None and res._epoch < reset
 
     def _owner_op_landed(self, res: Reservation, op: str, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled():

@@ -363,8 +363,8 @@ async def replay(fleet: Fleet, trace: Trace) -> Row:
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if fleet.mode == "kv":  # the selection core's SUBs hear every event from now on
-            for url in fleet.mocks:
-                params = {"wait_subscribers": "1", "timeout": "15"}
+            for url in fleet.mocks:  # (two per mock: the native core's and pylon's watch)
+                params = {"wait_subscribers": "2", "timeout": "15"}
                 async with session.get(f"{url}/test-control/kv", params=params) as reply:
                     reply.raise_for_status()
         for url in fleet.mocks:  # pylon's bring-up probes are not part of the run

@@ -254,10 +254,13 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
                     reply = await client.post(f"{engine.base_url}/test-control/reset")
                     reply.raise_for_status()
             if routing == "kv" and kv_block_size is not None:
-                for engine in mocks:  # the selection core's SUB hears every event from now
+                # Every SUB hears every event from now on: pylon's sequence watch, and the real
+                # selection core's own (a stand-in subscribes to nothing).
+                subscribers = "1" if native is not None else "2"
+                for engine in mocks:
                     reply = await client.get(
                         f"{engine.base_url}/test-control/kv",
-                        params={"wait_subscribers": "1", "timeout": "10"},
+                        params={"wait_subscribers": subscribers, "timeout": "10"},
                         timeout=15,
                     )
                     reply.raise_for_status()

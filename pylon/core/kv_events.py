@@ -67,6 +67,7 @@ __all__ = [
     "encode_event",
     "encode_message",
     "normalize_hash",
+    "read_sequence",
 ]
 
 U64_MASK = (1 << 64) - 1
@@ -156,15 +157,22 @@ _decoder = msgspec.msgpack.Decoder()
 
 def decode_message(frames: Sequence[bytes], limits: DecodeLimits = DEFAULT_LIMITS) -> KvEventBatch:
     """Decode one multipart message, `[topic, seq, payload]`."""
+    seq = read_sequence(frames)
+    topic, _, payload = frames
+    return decode_payload(payload, seq=seq, topic=bytes(topic), limits=limits)
+
+
+def read_sequence(frames: Sequence[bytes]) -> int:
+    """The sequence number of one multipart message, `[topic, seq, payload]`, without decoding
+    its payload (what following a stream's order needs)."""
     if len(frames) != 3:
         raise KvEventDecodeError("frames", f"expected 3 frames, got {len(frames)}")
-    topic, seq_frame, payload = frames
+    seq_frame = frames[1]
     if len(seq_frame) != SEQ_BYTES:
         raise KvEventDecodeError(
             "seq", f"sequence frame must be {SEQ_BYTES} bytes, got {len(seq_frame)}"
         )
-    seq = int.from_bytes(seq_frame, "big")
-    return decode_payload(payload, seq=seq, topic=bytes(topic), limits=limits)
+    return int.from_bytes(seq_frame, "big")
 
 
 def decode_payload(

@@ -9,7 +9,8 @@ shutdown all free it.
 - `spec`: `--worker SPEC` parsed into a frozen `WorkerSpec`.
 - `fleet`: the configured workers, which of them are admitted (healthy), their bookings in
   flight; `health`: the active health checks that eject and re-admit workers.
-- `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol.
+- `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol;
+  `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts).
 - `build`: `build_routing(settings, ...)`, the routing parts for `pylon.app.start`.
 
 docs/routing.md explains the modes, the worker spec and the booking lifetime.

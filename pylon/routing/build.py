@@ -51,9 +51,12 @@ class Routing:
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     def start(self) -> None:
-        """Start the health loop (its first round at once)."""
+        """Start the health loop (its first round at once) and, for `kv`, the KV-event
+        stream watch."""
         if self._task is None:
             self._task = asyncio.create_task(self.checks.run(), name="pylon-worker-health")
+            if self.kv is not None:
+                self.kv.start()
 
     def snapshot(self) -> RoutingSnapshot:
         if self.kv is None:

@@ -38,6 +38,7 @@ class Worker:
         "failures",
         "headers",
         "index",
+        "kv_faults",
         "label",
         "last_result",
         "passes",
@@ -55,6 +56,8 @@ class Worker:
         self.headers = headers
         self.active = 0  # bookings in flight
         self.decisions: dict[str, int] = {}  # bookings made, by the policy that chose it
+        # KV-event stream faults seen (`kv` routing): gap, regressed, malformed.
+        self.kv_faults: dict[str, int] = {}
         self.admitted = False  # routers may choose it (health checks decide)
         self.ever_admitted = False
         self.failures = 0  # consecutive failed health checks
@@ -116,7 +119,13 @@ class Fleet:
     def views(self) -> tuple[WorkerView, ...]:
         """Each worker's state now (for metrics, read at scrape time)."""
         return tuple(
-            WorkerView(worker.label, worker.admitted, worker.active, dict(worker.decisions))
+            WorkerView(
+                worker.label,
+                worker.admitted,
+                worker.active,
+                dict(worker.decisions),
+                dict(worker.kv_faults),
+            )
             for worker in self.workers
         )
 
@@ -153,6 +162,7 @@ class WorkerView:
     admitted: bool
     active: int  # bookings in flight
     decisions: dict[str, int]  # bookings made so far, by policy
+    kv_faults: dict[str, int]  # KV-event stream faults so far, by kind
 
 
 def count_decision(worker: Worker, policy: str) -> None:

@@ -17,6 +17,12 @@ each engine's cache through them). Per request:
    The forwarding `finally` releases it on every exit path; a release after the core's shutdown
    is a no-op.
 
+Each worker's KV-event streams are followed by their sequence numbers (`kv_watch`): a gap or a
+restart (the sequence going back) is logged (`kv_events_gap`), counted per worker and resets
+that worker in the core (`SelectionCore.reset_worker`: its cache view and the load of its
+bookings in flight go, so requests stop chasing blocks it may no longer hold; those bookings'
+later calls become no-ops).
+
 A request with nothing to tokenize (another route, a GET, a body the tokenizer cannot read) is
 booked least-loaded over the admitted workers instead (counted in `KvRouter.fallbacks`), as is
 one the core refuses for a reason other than load (counted in `errors`, reported). No admitted
@@ -29,13 +35,15 @@ import asyncio
 import contextlib
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pylon.core.http import Header
+from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
 from pylon.routing import Booking, NoWorker, Router
 from pylon.routing.fleet import Fleet, Worker, count_decision
+from pylon.routing.kv_watch import KvEventWatch
 from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.round_robin import no_worker
 
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
     from pylon.observe import Observer
     from pylon.settings import Settings
     from router_ffi import Reservation, RouterFfiError, SelectionCore
+    from router_ffi import WorkerSpec as NativeWorker
     from router_ffi._native import NativeFactory
 
 # The DP-rank pin pylon writes next to the worker, when the worker has several ranks: Dynamo's
@@ -139,6 +148,11 @@ class KvRouter:
         # Select latencies: one count per SELECT_SECONDS_BUCKETS bound, +Inf, then the sum.
         self.select_seconds: list[float] = [0] * (len(SELECT_SECONDS_BUCKETS) + 1) + [0.0]
         fleet.on_change(self._refilter)
+        self.watch = KvEventWatch(fleet.workers, self.stream_stale, observer)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._resetting: set[Worker] = set()  # a reset is running
+        self._reset_again: set[Worker] = set()  # another stale report came in meanwhile
+        self.resets = 0  # resets done
 
     @property
     def core(self) -> SelectionCore:
@@ -191,13 +205,70 @@ class KvRouter:
             headers = headers + ranks[reservation.selection.dp_rank]
         return KvBooking(worker, reservation, headers)
 
+    def start(self) -> None:
+        """Follow every worker's KV-event streams (in the running loop) until `aclose`."""
+        if not self._tasks:
+            self._spawn(self.watch.run(), "pylon-kv-event-watch")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def stream_stale(self, worker: Worker, endpoint: str, check: SequenceCheck) -> None:
+        """A worker's KV-event stream lost messages or went back: its cache view in the core
+        can no longer be trusted. Log, count, and reset it there (once more if another report
+        comes in while a reset runs)."""
+        faults = worker.kv_faults
+        faults[check.kind] = faults.get(check.kind, 0) + 1
+        self._observer.process_event(
+            "kv_events_gap",
+            worker=worker.label,
+            endpoint=endpoint,
+            kind=check.kind,
+            expected=check.expected,
+            received=check.received,
+            missed=check.missed,
+            active=worker.active,
+        )
+        if worker in self._resetting:
+            self._reset_again.add(worker)
+        else:
+            self._resetting.add(worker)
+            self._spawn(self._reset(worker), "pylon-kv-reset")
+
+    async def _reset(self, worker: Worker) -> None:
+        try:
+            while True:
+                self._reset_again.discard(worker)
+                try:
+                    record = await asyncio.to_thread(self._core.reset_worker, native_spec(worker))
+                except self._ffi_error as exc:
+                    self._failed("reset_worker", str(exc))
+                else:
+                    self.resets += 1
+                    self._observer.process_event(
+                        "kv_view_reset",
+                        worker=worker.label,
+                        lifecycle=record.lifecycle,
+                        reasons=list(record.not_schedulable_reasons),
+                    )
+                if worker not in self._reset_again:
+                    return
+        finally:
+            self._resetting.discard(worker)
+
     def _failed(self, op: str, detail: str) -> None:
         self.errors += 1
         self._observer.process_event("kv_routing_failed", op=op, detail=detail)
 
     async def aclose(self) -> None:
-        """Shut the selection core down (its in-flight native calls finish first); bookings
-        released afterwards are no-ops."""
+        """Stop following the KV-event streams, then shut the selection core down (its
+        in-flight native calls finish first); bookings released afterwards are no-ops."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         report = await asyncio.to_thread(self._core.shutdown)
         self._observer.process_event(
             "kv_router_stopped", drained=report.drained, abandoned=report.abandoned
@@ -225,7 +296,6 @@ async def build_kv_router(
     Raises `StartupError` (one line) when the core cannot start or refuses a worker."""
     from pylon.preflight import StartupError
     from router_ffi import RouterFfiError, SelectionCore
-    from router_ffi import WorkerSpec as NativeWorker
 
     if tokenizer is None:
         from pylon.preflight import load_tokenizer
@@ -245,16 +315,7 @@ async def build_kv_router(
         )
         try:
             for worker in fleet.workers:
-                spec = worker.spec
-                record = core.upsert_worker(
-                    NativeWorker(
-                        worker_id=spec.worker_id,
-                        endpoint=worker.label,
-                        block_size=spec.block_size,
-                        kv_events=spec.kv_events,
-                        dp_size=spec.dp_size,
-                    )
-                )
+                record = core.upsert_worker(native_spec(worker))
                 if not record.schedulable:
                     reasons = ", ".join(record.not_schedulable_reasons) or record.lifecycle
                     raise StartupError(
@@ -277,6 +338,20 @@ async def build_kv_router(
         kv_events={worker.label: list(worker.spec.kv_events) for worker in fleet.workers},
     )
     return router
+
+
+def native_spec(worker: Worker) -> NativeWorker:
+    """The worker as the selection core knows it."""
+    from router_ffi import WorkerSpec as NativeWorker
+
+    spec = worker.spec
+    return NativeWorker(
+        worker_id=spec.worker_id,
+        endpoint=worker.label,
+        block_size=spec.block_size,
+        kv_events=spec.kv_events,
+        dp_size=spec.dp_size,
+    )
 
 
 def _report_native_error(observer: Observer, error: Any) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from mock_dynamo.tokens import WordTokenizer
+from pylon.routing.fleet import Fleet
 from tests.fleet import FleetFactory, mixed_load
 from tests.router_ffi.fake_native import FakeNative
 from tests.stack import MODEL
@@ -86,6 +87,136 @@ async def test_no_reservation_leaks_under_a_mixed_load(
     selected = [op for op, _ in fake.calls if op == "select_and_reserve"]
     freed = [op for op, _ in fake.calls if op == "free_reservation"]
     assert len(selected) == len(freed) == sent
+
+
+# --- KV-event streams: gaps and restarts ----------------------------------------------------
+
+
+async def test_a_gap_or_a_restart_in_a_workers_kv_events_resets_it_in_the_core(
+    make_fleet: FleetFactory, fake: FakeNative
+) -> None:
+    fleet = await make_fleet(
+        workers=2,
+        routing="kv",
+        native=lambda: fake,
+        kv_block_size=4,
+        mock={"token_delay_ms": 5, "num_tokens": 30},
+    )
+    kv = fleet.routing.kv
+    assert kv is not None
+    events = fleet.observer
+    body = chat("a stream that stays in flight", stream=True, max_tokens=30)
+    headers = {"x-request-id": "held", "x-model": MODEL}
+    async with fleet.client.stream("POST", f"{fleet.url}{CHAT}", json=body, headers=headers) as r:
+        chunks = r.aiter_bytes()
+        await anext(chunks)  # in flight, prefill complete
+        (index,) = [i for i, w in enumerate(fleet.routing.fleet.workers) if w.active == 1]
+        worker = fleet.routing.fleet.workers[index]
+        (sid,) = {str(arg) for op, arg in fake.calls if op == "select_and_reserve"}
+        mock = fleet.mocks[index].base_url
+        view = (await fleet.client.get(f"{mock}/test-control/kv")).json()
+        next_seq = view["events"]["next_seq"]
+        assert next_seq >= 1  # the held request's own BlockStored went out
+        # Five messages "lost": the next one the engine sends comes 5 ahead.
+        await fleet.control(index, "kv/sequence", {"next_seq": next_seq + 5})
+        mark = events.mark()
+        direct = {"model": MODEL, "prompt": "straight to the engine", "max_tokens": 2}
+        assert (await fleet.client.post(f"{mock}/v1/completions", json=direct)).status_code == 200
+        gap = await events.wait_for("kv_events_gap", after=mark, worker=worker.label)
+        assert (gap["kind"], gap["expected"], gap["received"], gap["missed"]) == (
+            "gap",
+            next_seq,
+            next_seq + 5,
+            5,
+        )
+        assert gap["active"] == 1
+        reset = await events.wait_for("kv_view_reset", after=mark, worker=worker.label)
+        assert reset["lifecycle"] == "schedulable"
+        wid = worker.spec.worker_id
+        assert [op for op, arg in fake.calls if arg == wid][-2:] == [
+            "delete_worker",
+            "upsert_worker",
+        ]
+        async for _ in chunks:
+            pass
+    await fleet.observer.wait_done(1)
+    assert kv.core.quiesce()
+    # The held booking predates the reset: released in pylon, a no-op for the core (which
+    # forgot it), never a "not found" error.
+    assert "free_reservation" not in fake.ops_for(sid)
+    assert fake.reservations == {} and worker.active == 0
+    assert events.of("kv_router_error") == [] and events.of("kv_routing_failed") == []
+    # The engine restarts: its sequence starts again at 0.
+    mark = events.mark()
+    await fleet.control(index, "kv/sequence", {"next_seq": 0})
+    fresh = {**direct, "prompt": "new text makes new blocks, hence a message"}
+    assert (await fleet.client.post(f"{mock}/v1/completions", json=fresh)).status_code == 200
+    back = await events.wait_for("kv_events_gap", after=mark, worker=worker.label)
+    assert (back["kind"], back["received"], back["missed"]) == ("regressed", 0, 0)
+    await events.wait_for("kv_view_reset", after=mark, worker=worker.label)
+    # A booking made after the resets is a live one again.
+    reply = await fleet.post(CHAT, chat("after the resets"), {"x-request-id": "after"})
+    assert reply.status_code == 200
+    await fleet.observer.wait_done(2)
+    assert kv.core.quiesce() and fake.reservations == {}
+    metrics = await fleet.metrics()
+    faults = "pylon_router_kv_event_faults_total"
+    assert metrics[(faults, (("kind", "gap"), ("worker", worker.label)))] == 1
+    assert metrics[(faults, (("kind", "regressed"), ("worker", worker.label)))] == 1
+    other = fleet.label(1 - index)
+    assert not any(key[0] == faults and ("worker", other) in key[1] for key in metrics)
+    assert kv.resets == 2
+
+
+async def test_the_watch_reads_sequence_frames_only_and_counts_malformed_messages() -> None:
+    import zmq
+    import zmq.asyncio
+
+    from pylon.core.kv_events import SequenceCheck
+    from pylon.routing.kv_watch import KvEventWatch
+    from pylon.routing.spec import parse_worker_spec
+    from tests.observers import EventObserver
+
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:*")
+    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    fleet = Fleet.from_specs(
+        [parse_worker_spec(f"url=http://127.0.0.1:1,kv-events={endpoint}")], None
+    )
+    worker = fleet.workers[0]
+    stale: list[SequenceCheck] = []
+    observer = EventObserver()
+    watch = KvEventWatch(fleet.workers, lambda w, e, check: stale.append(check), observer)
+    task = asyncio.create_task(watch.run())
+    try:
+        async with asyncio.timeout(10):
+            assert (await pub.recv())[:1] == b"\x01"  # subscribed
+        seq = [0, 1, 3, 4, 2]
+        for n in seq[:3]:  # not msgpack at all: only the sequence frame is read
+            await pub.send_multipart([b"", n.to_bytes(8, "big"), b"\xc1"])
+        await pub.send_multipart([b"", b"\x00" * 7, b""])  # a 7-byte sequence frame
+        await pub.send_multipart([b"", b"\x00" * 8])  # two frames
+        for n in seq[3:]:
+            await pub.send_multipart([b"kv", n.to_bytes(8, "big"), b""])
+        async with asyncio.timeout(10):
+            while watch.messages < 7:
+                await asyncio.sleep(0.005)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(0)
+        context.term()
+    assert [(c.kind, c.expected, c.received, c.missed) for c in stale] == [
+        ("gap", 2, 3, 1),
+        ("regressed", 5, 2, 0),
+    ]
+    assert worker.kv_faults == {"malformed": 2}  # the router counts gap / regressed itself
+    assert [e["detail"][:25] for e in observer.of("kv_events_malformed")] == [
+        "sequence frame must be 8 ",
+        "expected 3 frames, got 2",
+    ]
 
 
 # --- the real SelectionService ------------------------------------------------------------
@@ -182,3 +313,50 @@ async def test_real_core_loads_return_to_zero_after_aborts_and_faults(
     assert sum(fleet.routing.active_bookings().values()) == 0
     assert all(count == 0 for count in fleet.connections_in_use().values())
     assert core.failed_ops == 0
+
+
+@pytest.mark.dynamo
+@pytest.mark.timeout(120)
+async def test_a_gap_clears_the_real_cores_view_of_that_worker_and_it_rebuilds(
+    make_fleet: FleetFactory,
+) -> None:
+    """Dynamo 1.6.1's core keeps its view across a gap when the worker has no replay endpoint;
+    pylon's reset clears it, the native listener comes back, and new events fill it again."""
+    pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime 1.6.1 is not installed")
+    from router_ffi import TokenPrompt
+
+    fleet = await make_fleet(workers=2, routing="kv", kv_block_size=4)
+    kv = fleet.routing.kv
+    assert kv is not None
+    core = kv.core
+    prefix = words(40, "held")  # 10 full blocks of 4 words
+    assert (await fleet.post(CHAT, chat(prefix), {"x-request-id": "warm"})).status_code == 200
+    holder = await fleet.served_by("warm")
+    worker = fleet.routing.fleet.workers[holder]
+    wid = worker.spec.worker_id
+    tokens = WordTokenizer().encode_text(prefix)
+    await until(lambda: core.overlap(TokenPrompt(tokens)).blocks_on(wid) == 10, "held blocks")
+    mock = fleet.mocks[holder].base_url
+    next_seq = (await fleet.client.get(f"{mock}/test-control/kv")).json()["events"]["next_seq"]
+    await fleet.control(holder, "kv/sequence", {"next_seq": next_seq + 3})
+    mark = fleet.observer.mark()
+    direct = {"model": MODEL, "prompt": words(8, "direct"), "max_tokens": 2}
+    assert (await fleet.client.post(f"{mock}/v1/completions", json=direct)).status_code == 200
+    gap = await fleet.observer.wait_for("kv_events_gap", after=mark, worker=worker.label)
+    assert (gap["kind"], gap["missed"]) == ("gap", 3)
+    reset = await fleet.observer.wait_for("kv_view_reset", after=mark, worker=worker.label)
+    assert reset["lifecycle"] == "schedulable"
+    # The engine still holds the blocks, but the core no longer claims to know it.
+    assert core.overlap(TokenPrompt(tokens)).blocks_on(wid) == 0
+    # The native listener is back (the watch's SUB and the core's own), and it learns anew.
+    reply = await fleet.client.get(
+        f"{mock}/test-control/kv", params={"wait_subscribers": "2", "timeout": "10"}, timeout=15
+    )
+    reply.raise_for_status()
+    fresh = words(40, "fresh")
+    again = {"model": MODEL, "prompt": fresh, "max_tokens": 2}
+    assert (await fleet.client.post(f"{mock}/v1/completions", json=again)).status_code == 200
+    fresh_tokens = WordTokenizer().encode_text(fresh)
+    await until(lambda: core.overlap(TokenPrompt(fresh_tokens)).blocks_on(wid) == 10, "new events")
+    assert core.quiesce() and core.failed_ops == 0
+    assert fleet.observer.of("kv_router_error") == []

@@ -47,6 +47,7 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "pylon_router_worker_healthy": ("gauge", frozenset({"worker"})),
     "pylon_router_decisions": ("counter", frozenset({"worker", "policy"})),
     "pylon_router_select_seconds": ("histogram", frozenset({"policy"})),
+    "pylon_router_kv_event_faults": ("counter", frozenset({"worker", "kind"})),
 }
 # prometheus-client's process collector, namespaced: present, not pinned label by label.
 PROCESS = ("pylon_process_cpu_seconds", "pylon_process_resident_memory_bytes")

@@ -298,6 +298,33 @@ async def test_kv_control_view_and_its_errors(make_mock: MakeMock) -> None:
             assert (await client.get("/test-control/kv", params=params)).status_code == 400
 
 
+async def test_the_event_sequence_can_jump_ahead_or_go_back(make_mock: MakeMock) -> None:
+    mock = await make_mock(kv_block_size=4, kv_cache_blocks=64, kv_events_port=0)
+    async with (
+        httpx.AsyncClient(base_url=mock.base_url, timeout=5) as client,
+        subscribed(mock, client) as sub,
+    ):
+        await complete(client, list(range(100, 108)))
+        assert (await sub.next()).seq == 0
+        reply = await client.put("/test-control/kv/sequence", json={"next_seq": 7})
+        assert reply.status_code == 200 and reply.json()["events"]["next_seq"] == 7
+        await complete(client, list(range(200, 208)))
+        sub.tracker.reset()  # the subscriber checks order itself: this jump is wanted
+        assert (await sub.next()).seq == 7
+        assert (await client.put("/test-control/kv/sequence", json={"next_seq": 0})).is_success
+        await complete(client, list(range(300, 308)))
+        sub.tracker.reset()
+        assert (await sub.next()).seq == 0  # as after an engine restart
+        for bad in ({"next_seq": -1}, {"next_seq": 1 << 64}, {"next_seq": "1"}, {}, [], 3):
+            reply = await client.put("/test-control/kv/sequence", json=bad)
+            assert reply.status_code == 400, bad
+        assert (await client.put("/test-control/kv/sequence", content=b"{")).status_code == 400
+    plain = await make_mock(kv_block_size=4, kv_cache_blocks=8)  # no KV-event socket
+    async with httpx.AsyncClient(base_url=plain.base_url, timeout=5) as client:
+        reply = await client.put("/test-control/kv/sequence", json={"next_seq": 1})
+        assert reply.status_code == 400
+
+
 async def test_waiting_for_a_subscriber_times_out(make_mock: MakeMock) -> None:
     mock = await make_mock(kv_cache_blocks=4, kv_events_port=0)
     async with httpx.AsyncClient(base_url=mock.base_url, timeout=5) as client:

@@ -105,6 +105,10 @@ class FakeNative:
         if worker_id not in self.workers:
             raise FakeSelectionError(f"worker {worker_id} not found", "not_found", 404)
         worker = self.workers.pop(worker_id)
+        # Like Dynamo 1.6.1's: the worker's reservations (its load) go with it; later calls on
+        # them are "not found".
+        for sid in [s for s, r in self.reservations.items() if r["worker_id"] == worker_id]:
+            del self.reservations[sid]
         return self._resolved({**self._record_of(worker), "lifecycle": "unschedulable"})
 
     def list_workers(self) -> list[dict[str, Any]]:

@@ -140,6 +140,47 @@ def test_reservations_change_loads_and_free_returns_them_to_zero(core: Selection
     assert core.loads()[0].active_requests == 0
 
 
+def test_reset_worker_forgets_its_reservations_and_theirs_only(
+    core: SelectionCore, fake: FakeNative
+) -> None:
+    booked = [core.select_and_reserve(request()) for _ in range(4)]
+    on_reset = [r for r in booked if r.worker_id == BIG]
+    elsewhere = [r for r in booked if r.worker_id != BIG]
+    assert len(on_reset) == 2 and len(elsewhere) == 2
+    on_reset[0].prefill_complete()
+    record = core.reset_worker(spec(BIG))
+    assert record.worker_id == BIG and record.schedulable
+    assert [op for op, arg in fake.calls if arg == BIG][-2:] == ["delete_worker", "upsert_worker"]
+    # The native core forgot the reset worker's load; the other worker's is intact.
+    loads = {w.worker_id: w.active_requests for w in core.loads()[0].workers}
+    assert loads == {BIG: 0, BIG + 1: 2}
+    after = core.select_and_reserve(request())  # made after the reset: a live reservation
+    for res in on_reset:  # made before it: every later call is a no-op, never "not found"
+        res.prefill_complete()
+        res.output_tokens(64)
+        res.free()
+    for res in [*elsewhere, after]:
+        res.prefill_complete()
+        res.free()
+    assert core.quiesce()
+    for res in on_reset:
+        ops = fake.ops_for(res.selection_id)
+        assert ops in (["select_and_reserve"], ["select_and_reserve", "prefill_complete"])
+    for res in [*elsewhere, after]:
+        assert fake.ops_for(res.selection_id)[-1] == "free_reservation"
+    assert fake.reservations == {} and core.loads()[0].active_requests == 0
+    assert core.errors == []  # type: ignore[attr-defined]
+
+
+def test_reset_worker_adds_a_worker_the_core_did_not_know(
+    core: SelectionCore, fake: FakeNative
+) -> None:
+    record = core.reset_worker(spec(BIG + 7))  # the delete's "not found" is not a failure
+    assert record.schedulable and BIG + 7 in fake.workers
+    with pytest.raises(InvalidConfig):
+        core.reset_worker(spec(BIG, block_size=3))  # validated like an upsert
+
+
 def test_freeing_twice_from_two_threads_frees_once(core: SelectionCore, fake: FakeNative) -> None:
     for _ in range(20):
         res = core.select_and_reserve(request())

@@ -30,6 +30,7 @@ from pylon.core.kv_events import (
     encode_event,
     encode_message,
     normalize_hash,
+    read_sequence,
 )
 
 U64 = (1 << 64) - 1
@@ -417,6 +418,21 @@ def test_sequence_tracker_reports_gaps_and_regressions() -> None:
     assert (tracker.gaps, tracker.missed, tracker.regressions) == (1, 2, 1)
     tracker.reset()
     assert tracker.observe(100).kind == "first"
+
+
+def test_read_sequence_reads_the_frame_without_the_payload() -> None:
+    frames = [b"kv", bytes.fromhex("0000000000000102"), b"\xc1 not msgpack"]
+    assert read_sequence(frames) == 258
+    assert read_sequence([b"", b"\xff" * 8, b""]) == U64
+    for bad, reason in (
+        ([b"", bytes(8)], "frames"),
+        ([b"", bytes(8), b"", b""], "frames"),
+        ([b"", bytes(7), b""], "seq"),
+        ([b"", bytes(9), b""], "seq"),
+    ):
+        with pytest.raises(KvEventDecodeError) as info:
+            read_sequence(bad)
+        assert info.value.reason == reason
 
 
 def test_sequence_wraps_at_u64() -> None:
