@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -91,6 +92,7 @@ from mock_dynamo import replies
 from mock_dynamo.config import MockConfig
 from mock_dynamo.contract import contract_violation
 from mock_dynamo.state import WAIT_EVENTS, Fault, MockState, RequestRecord, parse_models
+from mock_dynamo.tokens import token_data
 
 # stdlib logging stays silent when embedded unless the host opts in; the
 # CLI configures it. Only metadata is logged, never prompt text.
@@ -421,7 +423,9 @@ def make_plan(
         prompt_tokens = prompt_plan.prompt_tokens
         ttft_s += prompt_plan.first_token_delay_s
     else:
-        prompt_tokens = max(1, replies.count_words(prompt))
+        given = token_data(body) if engine.takes_token_data else None
+        words = len(given) if given is not None else replies.count_words(prompt)
+        prompt_tokens = max(1, words)
     return replies.ReplyPlan(
         model=model,
         n_tokens=n_tokens,
@@ -467,10 +471,28 @@ def _generation_route(body_fn: BodyFn, stream_fn: StreamFn, endpoint: str) -> Ha
             request[RECORD_KEY].kv = plan.prompt.to_json()
         fault = state.faults.take(request.path, model, inference=True)
         if body.get("stream") is True:
-            return await stream_reply(request, stream_fn(plan), fault)
+            events = stream_fn(plan)
+            annotation = _token_ids_annotation(state, body, endpoint)
+            if annotation is not None:
+                events = itertools.chain(((0.0, annotation),), events)
+            return await stream_reply(request, events, fault)
         return await json_reply(request, body_fn(plan), fault, plan.total_delay_s)
 
     return handle
+
+
+def _token_ids_annotation(state: MockState, body: dict[str, Any], endpoint: str) -> bytes | None:
+    """Like a Dynamo frontend asked for `nvext.annotations: ["token_ids"]` on a stream: the
+    prompt's ids (its own tokenization) as an SSE comment after `event: token_ids`, first."""
+    nvext = body.get("nvext")
+    engine = state.engine
+    if state.config.flavor != "dynamo" or engine.tokenizer is None or not isinstance(nvext, dict):
+        return None
+    wanted = nvext.get("annotations")
+    if not isinstance(wanted, list) or "token_ids" not in wanted:
+        return None
+    ids = [i for prompt in engine.prompt_ids(endpoint, body) for i in prompt]
+    return b"event: token_ids\n: " + orjson.dumps(orjson.dumps(ids).decode()) + b"\n\n"
 
 
 async def handle_embeddings(request: web.Request) -> web.StreamResponse:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mock_dynamo.config import MockConfig
-from mock_dynamo.tokens import Endpoint, PromptTokenizer, load_tokenizer, prompts
+from mock_dynamo.tokens import Endpoint, PromptTokenizer, load_tokenizer, prompts, token_data
 from pylon.core.blocks import HashingUnavailable
 
 if TYPE_CHECKING:
@@ -93,6 +93,8 @@ class EngineModel:
             if config.tokenizer or config.kv_enabled
             else None
         )
+        # A Dynamo frontend takes a router's `nvext.token_data` as the prompt, untemplated.
+        self.takes_token_data = config.flavor == "dynamo"
         self.cache: PrefixCache | None = None
         if config.kv_enabled:
             from mock_dynamo.kvcache import PrefixCache
@@ -105,6 +107,14 @@ class EngineModel:
         self._lane_free_at = 0.0
         # Set by the app while a KV-event publisher runs.
         self.events: EventSink | None = None
+
+    def prompt_ids(self, endpoint: Endpoint, body: dict[str, Any]) -> list[list[int]]:
+        """Each prompt's token ids as the engine sees them. ValueError: a prompt it refuses."""
+        assert self.tokenizer is not None
+        given = token_data(body) if self.takes_token_data else None
+        if given is not None:
+            return [given]
+        return prompts(self.tokenizer, endpoint, body)
 
     def active(self, prefill_tokens_per_s: float) -> bool:
         return self.tokenizer is not None or prefill_tokens_per_s > 0
@@ -124,7 +134,7 @@ class EngineModel:
         if self.tokenizer is None:
             total = word_count()
         else:
-            token_lists = prompts(self.tokenizer, endpoint, body)
+            token_lists = self.prompt_ids(endpoint, body)
             total = sum(len(t) for t in token_lists)
             if self.cache is not None:
                 cached = 0

@@ -55,6 +55,18 @@ def prompts(
     return [_completion_prompt(tokenizer, p) for p in _completion_prompts(body.get("prompt"))]
 
 
+def token_data(body: dict[str, Any]) -> list[int] | None:
+    """`nvext.token_data`: the prompt's ids a router computed (Dynamo), or None. ValueError when
+    it is not a list of u32 (the frontend refuses the request)."""
+    nvext = body.get("nvext")
+    if not isinstance(nvext, dict) or "token_data" not in nvext:
+        return None
+    ids = nvext["token_data"]
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= U32_MAX for t in ids):
+        raise ValueError("nvext.token_data must be a list of token ids (u32)")
+    return ids
+
+
 def _completion_prompts(raw: object) -> list[object]:
     if isinstance(raw, str):
         return [raw]

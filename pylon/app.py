@@ -11,7 +11,7 @@ import asyncio
 import signal
 import ssl
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,6 +27,7 @@ from pylon.lifecycle import Lifecycle
 from pylon.metrics import MetricsObserver
 from pylon.observe import LogObserver, Observer, Observers
 from pylon.preflight import (
+    StartupError,
     check_files,
     check_routing,
     check_tracing,
@@ -429,6 +430,7 @@ async def _engine(
             core.lifecycle,
             core.observer,
             workers=routing.checks if routing is not None else None,
+            prepare=_token_data_proof(core, routing),
         )
     except asyncio.CancelledError:
         ready.cancel()
@@ -454,6 +456,25 @@ async def _engine(
         )
     if result.discovery is not None:
         await result.discovery.run()
+
+
+def _token_data_proof(core: Core, routing: Routing | None) -> Callable[[], Awaitable[None]] | None:
+    """With `--kv-token-data`: prove every model published at start (a mismatch refuses it)."""
+    prover = routing.kv.token_data if routing is not None and routing.kv is not None else None
+    if prover is None:
+        return None
+
+    async def prove() -> None:
+        from pylon.routing.token_data import TokenDataMismatch
+
+        try:
+            await prover.prove_all(core.lifecycle.models.published)
+        except TokenDataMismatch as exc:
+            raise StartupError(
+                f"--kv-token-data: pylon's rendering differs from the Dynamo frontend's: {exc}"
+            ) from None
+
+    return prove
 
 
 @asynccontextmanager

@@ -261,8 +261,11 @@ async def bring_up(
     *,
     fetch: Fetch = fetch,
     workers: HealthChecker | None = None,
+    prepare: Callable[[], Awaitable[None]] | None = None,
 ) -> BringUp:
-    """The health gate, then the first model set, then `READY`. Raises `EngineNotReady`.
+    """The health gate, then the first model set, then `prepare` (work that needs the engine
+    and its models before requests come, e.g. the `--kv-token-data` proof; it may raise), then
+    `READY`. Raises `EngineNotReady`.
 
     `target`: the one engine (`--routing off`); `workers`: the health checks of the workers
     instead (see above; already running)."""
@@ -286,6 +289,8 @@ async def bring_up(
             fetch=fetch,
         )
         await discovery.poll()
+    if prepare is not None:
+        await prepare()
     lifecycle.mark_ready()
     return BringUp(health_path, discovery)
 

@@ -169,6 +169,7 @@ _WARNING_EVENTS = frozenset(
         "kv_routing_failed",
         "kv_router_error",
         "kv_events_gap",
+        "kv_token_data_refused",
     }
 )
 _ERROR_EVENTS = frozenset({"engine_health_gate_failed"})

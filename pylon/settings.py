@@ -225,6 +225,14 @@ class Settings(BaseSettings):
         "default (1). docs/benchmarks.md 'Routing quality' measures 1 against 8",
         json_schema_extra=group(ROUTING, "WEIGHT"),
     )
+    kv_token_data: bool = Field(
+        False,
+        description="--routing kv with --backend dynamo: hand the Dynamo frontend the prompt's "
+        "token ids pylon computed (nvext.token_data), so it skips its own templating and "
+        "tokenization; only for models whose rendering pylon proved identical to the "
+        "frontend's (at start, from its token_ids annotation: a mismatch refuses the start)",
+        json_schema_extra=group(ROUTING),
+    )
     # --- engine bring-up and models ---
     upstream_health_gate: bool = Field(
         True,
@@ -756,6 +764,8 @@ class Settings(BaseSettings):
                 )
             if self.tokenizer is not None:
                 raise ValueError("--tokenizer is only used by --routing kv")
+            if self.kv_token_data:
+                raise ValueError("--kv-token-data needs --routing kv (its tokenization)")
             return self
         if not workers:
             raise ValueError(f"--routing {mode} needs at least one --worker")
@@ -800,8 +810,16 @@ class Settings(BaseSettings):
                     "--routing kv needs --tokenizer DIR: prompts are tokenized as the engine "
                     "does, to find the worker that holds their KV blocks"
                 )
-        elif self.tokenizer is not None:
-            raise ValueError("--tokenizer is only used by --routing kv")
+            if self.kv_token_data and self.backend != "dynamo":
+                raise ValueError(
+                    f"--kv-token-data needs --backend dynamo: only a Dynamo frontend reads "
+                    f"nvext.token_data, not {self.backend}"
+                )
+        else:
+            if self.tokenizer is not None:
+                raise ValueError("--tokenizer is only used by --routing kv")
+            if self.kv_token_data:
+                raise ValueError("--kv-token-data needs --routing kv (its tokenization)")
         return self
 
     @model_validator(mode="after")

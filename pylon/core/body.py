@@ -11,6 +11,8 @@ every stream of the node, so nothing here may cost more than a few ms per MiB, f
 * `rewrite_body` re-emits only the top level (and `nvext` / `vllm_xargs`): every other value is
   copied as the client's own bytes, so integers beyond 64 bits, float spellings and escapes
   survive exactly, and nothing is re-encoded recursively.
+* `with_token_data` adds pylon's own `nvext.token_data` (the prompt's token ids, for a Dynamo
+  frontend) to a body the planner produced, the same way: other values keep their bytes.
 
 Limits (docs/api-contract.md, "Body limits"): an object pylon reads member by member (the top
 level, `nvext`, `vllm_xargs`) holds at most `MAX_OBJECT_MEMBERS` members, repeats included; nesting
@@ -21,7 +23,7 @@ Both are answered 400 `body_too_complex`; no LLM request comes near either.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +158,50 @@ def rewrite_body(body: bytes, view: BodyView, priority: int | None) -> bytes:
     if priority is not None:
         exact["priority"] = priority
     return _ENCODER.encode(exact)
+
+
+def with_token_data(body: bytes, token_ids: Sequence[int]) -> bytes | None:
+    """`body` (a planned JSON object) with `nvext.token_data` set to `token_ids`; every other
+    value keeps its bytes. None when it cannot be added without changing what else the engine
+    reads: a repeated top-level key (re-emitting the object would keep only one copy), or an
+    `nvext` that is not an object (or null). Never for an empty list (the frontend would take
+    it as an empty prompt)."""
+    if not token_ids:
+        return None
+    keys = _top_level_keys(body)
+    if len(set(keys)) != len(keys):
+        return None
+    ids = _ENCODER.encode(token_ids)
+    if "nvext" not in keys:
+        return append_raw_member(body, "nvext", b'{"token_data":' + ids + b"}")
+    members: dict[str, Any] = _decode(_MEMBERS_DECODER, body)
+    nvext = bytes(members["nvext"])
+    if nvext == b"null":
+        members["nvext"] = {"token_data": msgspec.Raw(ids)}
+    elif nvext[:1] == b"{":
+        inner: dict[str, Any] = object_members(nvext)
+        inner["token_data"] = msgspec.Raw(ids)  # a client's copy never gets this far
+        members["nvext"] = inner
+    else:
+        return None
+    return _ENCODER.encode(members)
+
+
+_JSON_WHITESPACE = b" \t\r\n"
+
+
+def append_raw_member(body: bytes, key: str, raw: bytes) -> bytes:
+    """Add `"key": <raw JSON text>` to a JSON object the caller knows has no such key."""
+    # Offsets, then one join: a large body is copied once, not once per step. (`rstrip` returns
+    # the body itself when nothing trails it.)
+    end = len(body.rstrip(_JSON_WHITESPACE))
+    assert body[end - 1 : end] == b"}", "caller passes a validated JSON object"
+    inner = end - 1
+    if inner and body[inner - 1] in _JSON_WHITESPACE:  # pretty-printed: space before the `}`
+        inner = len(body[:inner].rstrip(_JSON_WHITESPACE))
+    separator = b"" if body[inner - 1 : inner] == b"{" else b","
+    member = _ENCODER.encode(key) + b":" + raw
+    return b"".join((memoryview(body)[:inner], separator, member, b"}"))
 
 
 def object_members(text: bytes) -> dict[str, msgspec.Raw]:

@@ -9,9 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from pylon.core.body import BodyView, inspect_body, rewrite_body
+from pylon.core.body import BodyView, append_raw_member, inspect_body, rewrite_body
 from pylon.core.contract import HealthRequest, TraceContext, TunnelRequest
 from pylon.core.errors import BodyError, ErrorCode
 from pylon.core.http import Header
@@ -60,18 +58,20 @@ class ForwardPlan:
         upstream: UpstreamTarget,
         headers: tuple[Header, ...] = (),
         trace: TraceContext | None = None,
+        body: bytes | None = None,
     ) -> ForwardPlan:
         """This plan bound for `upstream`, with the router's trusted headers (worker pins).
 
         `trace`: when pylon traces the exchange, the context the engine continues (pylon's span
         as its parent); it replaces the client's `traceparent`/`tracestate`. None keeps them.
+        `body`: the router's own version of the body (with `nvext.token_data`); None keeps it.
         """
         own = self.headers if trace is None else with_trace(self.headers, trace)
         return ForwardPlan(
             self.method,
             self.target,
             own + headers if headers else own,
-            self.body,
+            self.body if body is None else body,
             self.request_id,
             self.model,
             self.stream_requested,
@@ -165,21 +165,9 @@ class Planner:
         return rewrite_body(body, view, priority), view.stripped, view.stream
 
 
-_JSON_WHITESPACE = b" \t\r\n"
-
-
 def append_member(body: bytes, key: str, value: int) -> bytes:
     """Add `"key": value` to a JSON object the caller knows has no such key."""
-    # Offsets, then one join: a large body is copied once, not once per step. (`rstrip` returns
-    # the body itself when nothing trails it.)
-    end = len(body.rstrip(_JSON_WHITESPACE))
-    assert body[end - 1 : end] == b"}", "caller passes a validated JSON object"
-    inner = end - 1
-    if inner and body[inner - 1] in _JSON_WHITESPACE:  # pretty-printed: space before the `}`
-        inner = len(body[:inner].rstrip(_JSON_WHITESPACE))
-    separator = b"" if body[inner - 1 : inner] == b"{" else b","
-    member = orjson.dumps(key) + b":" + str(value).encode("ascii")
-    return b"".join((memoryview(body)[:inner], separator, member, b"}"))
+    return append_raw_member(body, key, str(value).encode("ascii"))
 
 
 def has_duplicate_keys(body: bytes) -> bool:

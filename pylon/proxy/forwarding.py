@@ -115,7 +115,7 @@ class Proxy:
                     # The plan carries the span's trace context to the engine, not the client's.
                     span = self._tracer.start(request, plan, record)
                     trace = span.trace
-                routed = plan.routed(booking.target, booking.headers, trace)
+                routed = plan.routed(booking.target, booking.headers, trace, booking.body)
                 await self._forward(routed, booking, entry, sink, record)
             finally:
                 booking.release(record.outcome)  # whatever happened, the booking is freed

@@ -48,6 +48,12 @@ class Booking(Protocol):
         ...
 
     @property
+    def body(self) -> bytes | None:
+        """The body for this worker when the router writes into it (`nvext.token_data`);
+        None: the plan's own."""
+        ...
+
+    @property
     def counts_output(self) -> bool:
         """Whether the relay should report output (`output_tokens`); False spares the relay
         the counting on every output block."""
@@ -81,6 +87,7 @@ class StaticBooking:
 
     __slots__ = ("headers", "target", "worker")
     counts_output = False
+    body = None
 
     def __init__(self, target: UpstreamTarget, headers: tuple[Header, ...] = ()) -> None:
         self.target = target

@@ -176,6 +176,7 @@ class WorkerBooking:
 
     __slots__ = ("_released", "_worker", "headers", "target", "worker")
     counts_output = False
+    body = None
 
     def __init__(self, worker: Worker, policy: str) -> None:
         self._worker = worker

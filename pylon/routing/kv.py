@@ -38,6 +38,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pylon.core.body import with_token_data
 from pylon.core.http import Header
 from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
@@ -49,6 +50,7 @@ from pylon.routing.round_robin import no_worker
 
 if TYPE_CHECKING:
     from pylon.observe import Observer
+    from pylon.routing.token_data import TokenDataProver
     from pylon.settings import Settings
     from router_ffi import Reservation, RouterFfiError, SelectionCore
     from router_ffi import WorkerSpec as NativeWorker
@@ -76,16 +78,21 @@ class Tokenizer(Protocol):
 class KvBooking:
     """One request's reservation on the worker the core chose."""
 
-    __slots__ = ("_released", "_reservation", "_worker", "headers", "target", "worker")
+    __slots__ = ("_released", "_reservation", "_worker", "body", "headers", "target", "worker")
     counts_output = True
 
     def __init__(
-        self, worker: Worker, reservation: Reservation, headers: tuple[Header, ...]
+        self,
+        worker: Worker,
+        reservation: Reservation,
+        headers: tuple[Header, ...],
+        body: bytes | None = None,
     ) -> None:
         self._worker = worker
         self._reservation = reservation
         self.target = worker.target
         self.headers = headers
+        self.body = body
         self.worker = worker.label
         self._released = False
         worker.active += 1
@@ -119,6 +126,7 @@ class KvRouter:
         observer: Observer,
         *,
         salt: Callable[[ForwardPlan], str | None] | None = None,
+        token_data: TokenDataProver | None = None,
     ) -> None:
         from router_ffi import (
             NoWorkerAvailable,
@@ -133,6 +141,7 @@ class KvRouter:
         self._tokenizer = tokenizer
         self._observer = observer
         self._salt = salt
+        self.token_data = token_data  # --kv-token-data: which models may carry the ids
         self._select_request = SelectRequest
         self._token_prompt = TokenPrompt
         self._no_worker_errors: tuple[type[Exception], ...] = (NoWorkerAvailable, ServiceClosed)
@@ -203,7 +212,14 @@ class KvRouter:
         ranks = self._rank_headers[wid]
         if ranks:
             headers = headers + ranks[reservation.selection.dp_rank]
-        return KvBooking(worker, reservation, headers)
+        body = None
+        token_data = self.token_data
+        if token_data is not None:
+            if plan.model in token_data.proven:
+                body = with_token_data(plan.body, tokens)
+            else:
+                token_data.want(plan.model)
+        return KvBooking(worker, reservation, headers, body)
 
     def start(self) -> None:
         """Follow every worker's KV-event streams (in the running loop) until `aclose`."""
@@ -269,6 +285,8 @@ class KvRouter:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.token_data is not None:
+            await self.token_data.aclose()
         report = await asyncio.to_thread(self._core.shutdown)
         self._observer.process_event(
             "kv_router_stopped", drained=report.drained, abandoned=report.abandoned
@@ -331,7 +349,12 @@ async def build_kv_router(
         core = await asyncio.to_thread(start)
     except RouterFfiError as exc:
         raise StartupError(f"--routing kv: {' '.join(str(exc).split())}") from None
-    router = KvRouter(core, fleet, tokenizer, observer)
+    prover = None
+    if settings.kv_token_data:
+        from pylon.routing.token_data import TokenDataProver
+
+        prover = TokenDataProver(tokenizer, fleet, observer, timeout=settings.first_output_timeout)
+    router = KvRouter(core, fleet, tokenizer, observer, token_data=prover)
     observer.process_event(
         "kv_router_started",
         workers=[worker.label for worker in fleet.workers],

@@ -128,6 +128,41 @@ async def fetch(target: UpstreamTarget, path: str, *, timeout: float, max_body: 
 
     Raises `FetchError`; never leaves a connection open.
     """
+    head = b"GET %s%s HTTP/1.1\r\nhost: %s\r\nuser-agent: pylon\r\n" % (
+        target.base_path.encode("ascii"),
+        path.encode("ascii"),
+        target.host_header,
+    )
+    return await _exchange(
+        target, head + b"accept: application/json\r\nconnection: close\r\n\r\n", timeout, max_body
+    )
+
+
+async def post_json(
+    target: UpstreamTarget,
+    path: str,
+    body: bytes,
+    *,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+    timeout: float,
+    max_body: int,
+) -> Fetched:
+    """`POST <target><path>` with a JSON `body` and pylon's own extra `headers` (e.g. a worker
+    pin): the status and the whole response body, within `timeout` seconds. Raises
+    `FetchError`; never leaves a connection open."""
+    head = b"POST %s%s HTTP/1.1\r\nhost: %s\r\nuser-agent: pylon\r\n" % (
+        target.base_path.encode("ascii"),
+        path.encode("ascii"),
+        target.host_header,
+    )
+    extra = b"".join(b"%s: %s\r\n" % field for field in headers)
+    framing = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+    return await _exchange(target, head + extra + framing % len(body) + body, timeout, max_body)
+
+
+async def _exchange(
+    target: UpstreamTarget, request: bytes, timeout: float, max_body: int
+) -> Fetched:
     loop = asyncio.get_running_loop()
     protocol: _OneResponse | None = None
     try:
@@ -140,11 +175,7 @@ async def fetch(target: UpstreamTarget, path: str, *, timeout: float, max_body: 
                 why = exc.strerror or exc.__class__.__name__
                 raise FetchError("connect", f"cannot connect: {why}") from None
             assert protocol.transport is not None
-            protocol.transport.write(
-                b"GET %s%s HTTP/1.1\r\nhost: %s\r\nuser-agent: pylon\r\n"
-                b"accept: application/json\r\nconnection: close\r\n\r\n"
-                % (target.base_path.encode("ascii"), path.encode("ascii"), target.host_header)
-            )
+            protocol.transport.write(request)
             return await protocol.done
     except TimeoutError:
         raise FetchError("timeout", f"no complete answer within {timeout:g} s") from None

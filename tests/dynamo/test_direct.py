@@ -15,8 +15,9 @@ Which worker served a reply is read from the mockers' own logs: the reply's ``id
   the body strip itself is unit-tested.)
 * ``nvext.token_data`` computed by ``pylon.tokenize`` (``dynamo`` dialect) on the model dir the
   stack serves gives the same ``usage`` (prompt, completion, cached tokens) and finish reason as
-  the frontend's own templating. pylon does not send ``token_data`` itself yet, so this part goes
-  to the frontend directly, pinned by the same header pylon writes.
+  the frontend's own templating, sent straight to the frontend; and pylon itself with
+  ``--routing kv --kv-token-data`` proves its rendering at start and sends its ids, with the
+  same ``usage`` and finish reason as the frontend's own templating.
 
 Run: ``pytest -m dynamo tests/dynamo/test_direct.py``.
 """
@@ -90,7 +91,7 @@ class Pylon:
         return await self.client.post(self.running.url + CHAT, json=payload, headers=hdrs)
 
 
-PylonFactory = Callable[[str], Awaitable[Pylon]]
+PylonFactory = Callable[..., Awaitable[Pylon]]
 
 
 @pytest.fixture
@@ -100,7 +101,7 @@ async def make_pylon(direct_stack: Any) -> AsyncIterator[PylonFactory]:
         client = httpx.AsyncClient(timeout=30)
         exits.push_async_callback(client.aclose)
 
-        async def factory(routing: str) -> Pylon:
+        async def factory(routing: str, **extra: Any) -> Pylon:
             settings = load_settings(
                 {
                     "listen": "127.0.0.1:0",
@@ -113,6 +114,7 @@ async def make_pylon(direct_stack: Any) -> AsyncIterator[PylonFactory]:
                     "worker_health_interval": 3600.0,
                     "worker_health_timeout": 5.0,
                     "model_discovery_interval": 3600.0,
+                    **extra,
                 }
             )
             observer = RoutingObserver()
@@ -297,3 +299,65 @@ def test_token_data_gives_the_same_usage(direct_stack: Any) -> None:
             # (the last token may be recomputed: a prompt of whole blocks keeps one block back).
             cached = tokens[0]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE > 0, (index, cached)
+
+
+async def test_pylon_sends_its_token_ids_and_replies_and_usage_stay_the_same(
+    direct_stack: Any, make_pylon: PylonFactory
+) -> None:
+    """`--routing kv --kv-token-data` in front of the real frontend: the start proves pylon's
+    rendering against the frontend's own (its token_ids annotation), then every KV-routed chat
+    carries pylon's ids in `nvext.token_data`; usage and finish reason equal the frontend's own
+    templating on the same worker and cache state (the mocker's text is random: not compared)."""
+    pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime 1.6.1 is not installed")
+    from pylon.routing.kv import KvBooking
+    from pylon.tokenize import CHAT_PATH, Tokenizer
+
+    stack = direct_stack
+    wid = stack.worker_ids[0]
+    pylon = await make_pylon(
+        "kv",
+        kv_token_data=True,
+        tokenizer=str(stack.model_path),
+        # One worker: every request lands where the direct control requests go. Its KV events
+        # are not followed here (the mocker would bind them beyond loopback): the core routes
+        # by load alone, which is all this test needs.
+        worker=[f"instance-id={wid},kv-events=tcp://127.0.0.1:9,block-size={BLOCK_SIZE}"],
+    )
+    assert pylon.observer.of("kv_token_data_proven") == [{"model": MODEL}]
+    routing = pylon.running.routing
+    assert routing is not None and routing.kv is not None
+    kv = routing.kv
+    bodies: list[bytes | None] = []
+    book = kv.book
+
+    def recording(plan: Any) -> Any:
+        booking = book(plan)
+        bodies.append(booking.body if isinstance(booking, KvBooking) else None)
+        return booking
+
+    kv.book = recording  # type: ignore[method-assign]
+    tokenizer = Tokenizer(stack.model_path, dialect="dynamo")
+    unique = f"{uuid.uuid4().hex[:8]}: " + " ".join(f"word{n}" for n in range(40))
+    conversations = [
+        [{"role": "user", "content": unique}],
+        *([{"role": "system", "content": unique}, *c] for c in CONVERSATIONS),
+    ]
+    with httpx.Client(base_url=stack.frontend_url, timeout=30) as direct:
+        for index, messages in enumerate(conversations):
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8}
+            ids = tokenizer.prompt_tokens(CHAT_PATH, json.dumps(body).encode())
+            assert ids, messages
+            cold = direct.post(CHAT, json=body, headers={PIN: str(wid)})
+            assert cold.status_code == 200, cold.text
+            rid = f"ids-{index}-{uuid.uuid4()}"
+            through = await pylon.chat(rid, body)
+            warm = direct.post(CHAT, json=body, headers={PIN: str(wid)})
+            assert through.status_code == warm.status_code == 200, through.text
+            sent = bodies[-1]
+            assert sent is not None and json.loads(sent)["nvext"]["token_data"] == ids
+            ours, theirs = through.json(), warm.json()
+            assert ours["usage"] == theirs["usage"], index
+            assert ours["usage"]["prompt_tokens"] == len(ids)
+            assert ours["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"]
+            await pylon.observer.wait_done(index + 1)
+            assert pylon.worker_of(rid) == f"instance-id={wid}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 from hypothesis import assume, given, settings
@@ -18,8 +19,10 @@ from pylon.core.body import (
     _top_level_keys,
     inspect_body,
     rewrite_body,
+    with_token_data,
 )
 from pylon.core.errors import BodyError, ErrorCode
+from pylon.core.plan import has_duplicate_keys
 from pylon.core.sanitize import sanitize_body
 
 from .helpers import tunnel
@@ -230,6 +233,53 @@ def test_verbatim_exactly_when_nothing_is_stripped_or_repeated(body: bytes) -> N
         assert error.code is ErrorCode.MODEL_MISMATCH and keys.count("model") > 1
         return
     assert (plan.body == body) is (clean and unrepeated)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body_text(), st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40))
+def test_token_data_is_added_to_the_planned_body_and_nothing_else_changes(
+    body: bytes, ids: list[int]
+) -> None:
+    try:
+        planned = planner("dynamo").plan(tunnel(), body).body
+    except BodyError:
+        return  # refused by the planner: never routed
+    out = with_token_data(planned, ids)
+    pairs = json.loads(planned, object_pairs_hook=lambda pairs: pairs)
+    keys = [key for key, _ in pairs]
+    nvext = json.loads(planned).get("nvext", None)
+    if len(set(keys)) != len(keys) or not (nvext is None or isinstance(nvext, dict)):
+        assert out is None  # the object cannot be re-emitted without changing it
+        return
+    assert out is not None
+    expected = json.loads(planned)
+    expected["nvext"] = {**(nvext or {}), "token_data": ids}
+    assert json.loads(out) == expected
+    assert not has_duplicate_keys(out)
+
+    # Every other value keeps its bytes: the census of the output, values as raw text.
+    def raw_values(text: bytes) -> dict[str, bytes]:
+        return {
+            k: bytes(v) for k, v in msgspec.json.decode(text, type=dict[str, msgspec.Raw]).items()
+        }
+
+    before, after = raw_values(planned), raw_values(out)
+    assert {k: v for k, v in after.items() if k != "nvext"} == {
+        k: v for k, v in before.items() if k != "nvext"
+    }
+
+
+def test_token_data_examples() -> None:
+    assert with_token_data(b'{"a":1}', []) is None  # never an empty list
+    assert with_token_data(b'{"a":1}', [1, 2]) == b'{"a":1,"nvext":{"token_data":[1,2]}}'
+    assert with_token_data(b"{ }", [7]) == b'{"nvext":{"token_data":[7]}}'
+    assert (
+        with_token_data(b'{"nvext":{"ignore_eos":true},"x":1.50}', [3])
+        == b'{"nvext":{"ignore_eos":true,"token_data":[3]},"x":1.50}'
+    )
+    assert with_token_data(b'{"nvext":null}', [3]) == b'{"nvext":{"token_data":[3]}}'
+    assert with_token_data(b'{"nvext":[1]}', [3]) is None
+    assert with_token_data(b'{"t":1,"t":2}', [3]) is None
 
 
 def test_rewrite_copies_values_byte_for_byte() -> None:

@@ -255,6 +255,21 @@ def test_workers_from_flags_env_and_file(monkeypatch: pytest.MonkeyPatch, tmp_pa
             "not a request path",
         ),
         ({"routing": "round-robin", "worker": [W1], "worker_eject_after": 0}, "worker_eject_after"),
+        ({"kv_token_data": True}, "--kv-token-data needs --routing kv"),
+        (
+            {"routing": "least-loaded", "worker": [W1], "kv_token_data": True},
+            "--kv-token-data needs --routing kv",
+        ),
+        (
+            {
+                "routing": "kv",
+                "worker": [W1 + ",kv-events=tcp://127.0.0.1:5557"],
+                "tokenizer": "/tmp",
+                "backend": "vllm",
+                "kv_token_data": True,
+            },
+            "--kv-token-data needs --backend dynamo",
+        ),
     ],
 )
 def test_routing_settings_that_cannot_take_effect_are_refused(overrides: dict, needle: str) -> None:
