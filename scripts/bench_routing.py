@@ -356,6 +356,17 @@ class DynamoFleet:
             # this deprecated name; its env twin is DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT).
             extra_frontend = ["--router-kv-overlap-score-weight", self.overlap_weight]
         name = self.policy.replace(":", "-").replace("@", "-w")
+        mocker_args = [
+            "--decode-speedup-ratio", str(args.dynamo_decode_speedup_ratio),
+        ]  # fmt: skip
+        if args.dynamo_timing == "profile":
+            profile = write_perf_profile(
+                self.logs / "mocker-profile.npz",
+                ttft_ms=args.ttft_ms,
+                prefill_tokens_per_s=args.prefill_tokens_per_s,
+                itl_ms=args.token_delay_ms,
+            )
+            mocker_args += ["--planner-profile-data", str(profile)]
         self.stack = DynamoStack(
             num_workers=args.workers,
             speedup_ratio=args.dynamo_speedup_ratio,
@@ -367,8 +378,11 @@ class DynamoFleet:
             model_dir=self.model_dir,
             state_dir=self.logs / name,
             extra_frontend_args=extra_frontend,
-            extra_mocker_args=["--decode-speedup-ratio", str(args.dynamo_decode_speedup_ratio)],
+            extra_mocker_args=mocker_args,
             startup_timeout_s=120.0,
+            # The direct-mode frontend warns once per request that it tokenizes a pinned
+            # request itself (pylon sends no token_data): keep that log cost out of the rows.
+            dyn_log="info,dynamo_llm::preprocessor=error",
         )
         self.stack.start()
         listen, admin = free_port(), free_port()
@@ -419,6 +433,33 @@ class DynamoFleet:
         self.group.close()
         if self.stack is not None:
             self.stack.stop()
+
+
+def perf_profile(
+    ttft_ms: float, prefill_tokens_per_s: float, itl_ms: float
+) -> dict[str, list[float] | list[list[float]]]:
+    """The arrays of a mocker timing profile (`--planner-profile-data`, mocker NPZ format) with
+    the mocks' cost model: a prefill step of N new tokens (summed over its batch) takes
+    `ttft_ms + N / prefill_tokens_per_s` (linear, so it extrapolates), a decode step `itl_ms`
+    whatever the batch and context."""
+    span = 1_000_000.0  # tokens; linear interpolation extrapolates beyond it anyway
+    return {
+        "prefill_isl": [0.0, span],
+        "prefill_ttft_ms": [ttft_ms, ttft_ms + span / prefill_tokens_per_s * 1000.0],
+        "decode_active_kv_tokens": [0.0, span * 16],
+        "decode_context_length": [0.0, span],
+        "decode_itl": [[itl_ms, itl_ms], [itl_ms, itl_ms]],
+    }
+
+
+def write_perf_profile(
+    path: Path, *, ttft_ms: float, prefill_tokens_per_s: float, itl_ms: float
+) -> Path:
+    import numpy as np  # the mocker itself needs numpy to read it
+
+    arrays = perf_profile(ttft_ms, prefill_tokens_per_s, itl_ms)
+    np.savez(path, **{k: np.array(v, dtype=np.float64) for k, v in arrays.items()})
+    return path
 
 
 _RECEIVED = re.compile(r'request received request_id=\S+.*endpoint="generate"')
@@ -743,15 +784,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     dyn = p.add_argument_group("dynamo:* rows (real Dynamo mockers)")
     dyn.add_argument(
+        "--dynamo-timing",
+        choices=("profile", "builtin"),
+        default="profile",
+        help="profile: the mockers time prefill and decode by a profile (--planner-profile-data) "
+        "made from --ttft-ms, --prefill-tokens-per-s and --token-delay-ms, the mocks' own cost "
+        "model; builtin: the mocker's built-in GPU timing model",
+    )
+    dyn.add_argument(
         "--dynamo-speedup-ratio",
         type=float,
         default=1.0,
-        help="mocker --speedup-ratio (1 = its realistic GPU timing; under 1 slows everything)",
+        help="mocker --speedup-ratio (divides every simulated delay)",
     )
     dyn.add_argument(
         "--dynamo-decode-speedup-ratio",
         type=float,
-        default=5.0,
+        default=1.0,
         help="mocker --decode-speedup-ratio (decode steps only)",
     )
     dyn.add_argument(
@@ -916,8 +965,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(is_dynamo(policy) for policy in args.policy_list):
         print(
             f"dynamo:* rows: {args.workers} mockers, --num-gpu-blocks-override {gpu_blocks}, "
-            f"--speedup-ratio {args.dynamo_speedup_ratio:g}, --decode-speedup-ratio "
-            f"{args.dynamo_decode_speedup_ratio:g}; load average before: "
+            f"timing {args.dynamo_timing}, --speedup-ratio {args.dynamo_speedup_ratio:g}, "
+            f"--decode-speedup-ratio {args.dynamo_decode_speedup_ratio:g}; load average before: "
             + " ".join(f"{x:.2f}" for x in os.getloadavg()),
             file=sys.stderr,
         )
