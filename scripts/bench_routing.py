@@ -25,6 +25,25 @@ decode load costs). `vllm-router` is
 vllm-router (PyPI; `--vllm-router PATH` or on PATH) with `--policy cache_aware` in front of the
 same fresh mocks instead of pylon.
 
+The `dynamo:*` rows (the anchor) run a real Dynamo 1.6.1 fleet instead: one `dynamo.frontend`
+and N `dynamo.mocker` workers (`scripts/dynamo_stack.py`, file discovery), fresh per row, with
+pylon in front of the frontend:
+
+* `dynamo:round-robin`: frontend `--router-mode direct`, pylon `--routing round-robin` over
+  `instance-id=` workers (pylon writes the pin `x-dynamo-worker-instance-id`);
+* `dynamo:frontend-kv[@W]`: frontend `--router-mode kv` (Dynamo's own KV router; `@W` is its
+  `--router-kv-overlap-score-weight W`, the same knob as pylon's), pylon `--routing off`;
+* `dynamo:kv[@W]`: frontend `--router-mode direct`, pylon `--routing kv` over `instance-id=`
+  workers with `kv-events=` each mocker's `--zmq-kv-events-ports` PUB, `--tokenizer` the model dir.
+
+Their hit rate comes from the engines themselves: the streamed
+`usage.prompt_tokens_details.cached_tokens` (`stream_options.include_usage`) of each measured
+reply. The mocker binds its KV-event PUB on all interfaces, so when `dynamo:*` rows are asked for
+the whole run happens inside a private network namespace: the script re-executes itself under
+`unshare --net` (root only; `lo` brought up) and refuses to start otherwise.
+
+    sudo PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --policies dynamo   # 5 Dynamo rows
+
 Everything binds to 127.0.0.1; every process is killed on exit (also on Ctrl-C / SIGTERM).
 """
 
@@ -32,12 +51,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -55,13 +77,23 @@ sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from dynamo_stack import build_model_dir  # noqa: E402
+from dynamo_stack import BLOCK_SIZE as DYNAMO_BLOCK_SIZE  # noqa: E402
+from dynamo_stack import DynamoStack, build_model_dir  # noqa: E402
 from procs import ProcessGroup, free_port  # noqa: E402
 
 MODEL = "mock-model"
 POLICIES = ("round-robin", "least-loaded", "kv", "vllm-router")
+# A real Dynamo fleet (frontend + mockers), pylon in front: see the module docstring.
+DYNAMO_POLICIES = ("dynamo:round-robin", "dynamo:frontend-kv", "dynamo:kv")
+WEIGHTED = ("kv", "dynamo:kv", "dynamo:frontend-kv")  # the modes that take `@W`
 # vllm-router is left out of the default run (with a note) when its binary is not found.
 DEFAULT_POLICIES = "round-robin,least-loaded,kv,kv@8,vllm-router"
+# `--policies dynamo` is short for these.
+DYNAMO_DEFAULT = "dynamo:round-robin,dynamo:frontend-kv,dynamo:kv,dynamo:frontend-kv@8,dynamo:kv@8"
+HIT_FROM_MOCK = "mock /test-control/kv"
+HIT_FROM_USAGE = "engine usage.cached_tokens"
+# Set in the re-executed child: the network namespace it was started from (see netns_guard).
+NETNS_ENV = "BENCH_ROUTING_PARENT_NETNS"
 
 # Word pool for the synthetic text: lowercase pseudo-words, deterministic per seed.
 _SYLLABLES = [c + v for c in "bcdfghklmnprstvz" for v in "aeiou"]
@@ -80,6 +112,7 @@ class Request:
     session: int
     turn: int
     body: bytes
+    usage_body: bytes  # the same, asking for the streamed usage (the Dynamo rows' hit rate)
 
 
 @dataclass
@@ -140,7 +173,12 @@ def build_trace(args: argparse.Namespace, model_dir: Path) -> Trace:
         tokens = prompts(tokenizer, "chat", body)[0]
         lengths.append(len(tokens))
         blocks.update(sequence_hashes(block_hashes(tokens, args.block_size)))
-        requests.append(Request(at, group, sid, turn, json.dumps(body).encode()))
+        usage_body = {**body, "stream_options": {"include_usage": True}}
+        requests.append(
+            Request(
+                at, group, sid, turn, json.dumps(body).encode(), json.dumps(usage_body).encode()
+            )
+        )
         at += rng.expovariate(rate)
     prefix = [
         len(prompts(tokenizer, "chat", {"messages": [{"role": "system", "content": s}]})[0])
@@ -156,6 +194,8 @@ class Outcome:
     status: int = 0
     error: str | None = None
     lag_s: float = 0.0  # how late the client sent it (a saturated client shows here)
+    prompt_tokens: int | None = None  # from the streamed usage, when asked for
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -179,6 +219,7 @@ class Row:
     max_lag_ms: float = 0.0
     slowest: list[tuple[float, int, int, int]] = field(default_factory=list)  # ms, n, group, turn
     failed: str | None = None
+    hit_source: str = HIT_FROM_MOCK
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -287,6 +328,143 @@ class Fleet:
         self.group.close()
 
 
+class DynamoFleet:
+    """N real Dynamo mockers behind one Dynamo frontend (`DynamoStack`), pylon in front; see
+    the module docstring for the three modes. Must run inside a private network namespace."""
+
+    def __init__(
+        self, args: argparse.Namespace, policy: str, model_dir: Path, gpu_blocks: int, logs: Path
+    ) -> None:
+        self.args = args
+        self.policy = policy
+        self.mode, _, self.overlap_weight = policy.removeprefix("dynamo:").partition("@")
+        self.model_dir = model_dir
+        self.gpu_blocks = gpu_blocks
+        self.logs = logs
+        self.group = ProcessGroup()
+        self.stack: DynamoStack | None = None
+        self.mocks: list[str] = []  # no /test-control here
+        self.url = ""
+        self.admin = ""
+
+    def start(self) -> None:
+        args = self.args
+        frontend_kv = self.mode == "frontend-kv"
+        extra_frontend: list[str] = []
+        if frontend_kv and self.overlap_weight:
+            # The same native weight pylon's --kv-overlap-weight sets (1.6.1 keeps it under
+            # this deprecated name; its env twin is DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT).
+            extra_frontend = ["--router-kv-overlap-score-weight", self.overlap_weight]
+        name = self.policy.replace(":", "-").replace("@", "-w")
+        mocker_args = [
+            "--decode-speedup-ratio", str(args.dynamo_decode_speedup_ratio),
+        ]  # fmt: skip
+        if args.dynamo_timing == "profile":
+            profile = write_perf_profile(
+                self.logs / "mocker-profile.npz",
+                ttft_ms=args.ttft_ms,
+                prefill_tokens_per_s=args.prefill_tokens_per_s,
+                itl_ms=args.token_delay_ms,
+            )
+            mocker_args += ["--planner-profile-data", str(profile)]
+        self.stack = DynamoStack(
+            num_workers=args.workers,
+            speedup_ratio=args.dynamo_speedup_ratio,
+            router_mode="kv" if frontend_kv else "direct",
+            router_queue_threshold=None,  # Dynamo's default: no router queue (pylon has none)
+            kv_event_ports=[free_port() for _ in range(args.workers)],
+            num_gpu_blocks=self.gpu_blocks,
+            model_name=MODEL,
+            model_dir=self.model_dir,
+            state_dir=self.logs / name,
+            extra_frontend_args=extra_frontend,
+            extra_mocker_args=mocker_args,
+            startup_timeout_s=120.0,
+            # The direct-mode frontend warns once per request that it tokenizes a pinned
+            # request itself (pylon sends no token_data): keep that log cost out of the rows.
+            dyn_log="info,dynamo_llm::preprocessor=error",
+        )
+        self.stack.start()
+        listen, admin = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{listen}"
+        self.admin = f"http://127.0.0.1:{admin}"
+        routing = "off" if frontend_kv else self.mode
+        argv = [
+            str(Path(sys.executable).parent / "pylon"), "serve",
+            "--listen", f"127.0.0.1:{listen}", "--admin-listen", f"127.0.0.1:{admin}",
+            "--upstream", self.stack.frontend_url,
+            "--backend", "dynamo", "--routing", routing, "--log-level", "warning",
+        ]  # fmt: skip
+        if routing != "off":
+            for index, instance_id in enumerate(self.stack.worker_ids):
+                spec = f"instance-id={instance_id}"
+                if routing == "kv":
+                    events = self.stack.kv_events_endpoint(index)
+                    spec += f",kv-events={events},block-size={DYNAMO_BLOCK_SIZE}"
+                argv += ["--worker", spec]
+        if routing == "kv":
+            argv += ["--tokenizer", str(self.model_dir)]
+            if self.overlap_weight:
+                argv += ["--kv-overlap-weight", self.overlap_weight]
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("DYN_ROUTER_")},
+            "PYTHONPATH": str(ROOT),
+        }
+        log = (self.logs / f"pylon-{name}.log").open("wb")
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+        log.close()
+        self.group.track(proc)
+        _wait_http(f"{self.admin}/ready", 60.0)
+
+    def requests_per_worker(self) -> list[int]:
+        """`generate` requests each mocker logged receiving (whole trace)."""
+        if self.stack is None:
+            return []
+        return [len(_RECEIVED.findall(self.stack.worker_log(i))) for i in range(self.args.workers)]
+
+    def close(self) -> None:
+        self.group.close()
+        if self.stack is not None:
+            self.stack.stop()
+
+
+def perf_profile(
+    ttft_ms: float, prefill_tokens_per_s: float, itl_ms: float
+) -> dict[str, list[float] | list[list[float]]]:
+    """The arrays of a mocker timing profile (`--planner-profile-data`, mocker NPZ format) with
+    the mocks' cost model: a prefill step of N new tokens (summed over its batch) takes
+    `ttft_ms + N / prefill_tokens_per_s` (linear, so it extrapolates), a decode step `itl_ms`
+    whatever the batch and context."""
+    span = 1_000_000.0  # tokens; linear interpolation extrapolates beyond it anyway
+    return {
+        "prefill_isl": [0.0, span],
+        "prefill_ttft_ms": [ttft_ms, ttft_ms + span / prefill_tokens_per_s * 1000.0],
+        "decode_active_kv_tokens": [0.0, span * 16],
+        "decode_context_length": [0.0, span],
+        "decode_itl": [[itl_ms, itl_ms], [itl_ms, itl_ms]],
+    }
+
+
+def write_perf_profile(
+    path: Path, *, ttft_ms: float, prefill_tokens_per_s: float, itl_ms: float
+) -> Path:
+    import numpy as np  # the mocker itself needs numpy to read it
+
+    arrays = perf_profile(ttft_ms, prefill_tokens_per_s, itl_ms)
+    np.savez(path, **{k: np.array(v, dtype=np.float64) for k, v in arrays.items()})
+    return path
+
+
+_RECEIVED = re.compile(r'request received request_id=\S+.*endpoint="generate"')
+
+
 def _wait_http(url: str, timeout: float) -> None:
     import urllib.error
     import urllib.request
@@ -313,8 +491,29 @@ async def _kv_view(session: aiohttp.ClientSession, mocks: list[str]) -> list[dic
     return views
 
 
+def usage_of(line: bytes) -> tuple[int, int] | None:
+    """(prompt tokens, cached prompt tokens) from an SSE line that carries the OpenAI `usage`
+    (`stream_options.include_usage`), else None. No `prompt_tokens_details`: 0 cached."""
+    if not line.startswith(b"data:") or b'"prompt_tokens"' not in line:
+        return None
+    try:
+        usage = json.loads(line[5:]).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return usage["prompt_tokens"], cached if isinstance(cached, int) else 0
+
+
 async def _one(
-    session: aiohttp.ClientSession, url: str, request: Request, n: int, lag: float
+    session: aiohttp.ClientSession,
+    url: str,
+    request: Request,
+    n: int,
+    lag: float,
+    usage: bool = False,
 ) -> Outcome:
     outcome = Outcome(lag_s=lag)
     headers = {
@@ -325,7 +524,9 @@ async def _one(
     started = time.perf_counter()
     try:
         async with session.post(
-            f"{url}/v1/chat/completions", data=request.body, headers=headers
+            f"{url}/v1/chat/completions",
+            data=request.usage_body if usage else request.body,
+            headers=headers,
         ) as reply:
             outcome.status = reply.status
             if reply.status != 200:
@@ -334,6 +535,8 @@ async def _one(
             async for line in reply.content:
                 if outcome.ttft_s is None and line.startswith(b"data:"):
                     outcome.ttft_s = time.perf_counter() - started
+                elif usage and (found := usage_of(line)) is not None:
+                    outcome.prompt_tokens, outcome.cached_tokens = found
             outcome.total_s = time.perf_counter() - started
     except (TimeoutError, aiohttp.ClientError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
@@ -341,7 +544,11 @@ async def _one(
 
 
 async def _send(
-    session: aiohttp.ClientSession, url: str, requests: list[Request], first: int
+    session: aiohttp.ClientSession,
+    url: str,
+    requests: list[Request],
+    first: int,
+    usage: bool = False,
 ) -> list[Outcome]:
     """Send each request at its time (open loop, relative to the first one's); wait for all."""
     tasks: list[asyncio.Task[Outcome]] = []
@@ -353,11 +560,12 @@ async def _send(
         if delay > 0:
             await asyncio.sleep(delay)
         lag = max(0.0, time.perf_counter() - start - due)
-        tasks.append(asyncio.create_task(_one(session, url, request, n, lag)))
+        tasks.append(asyncio.create_task(_one(session, url, request, n, lag, usage)))
     return list(await asyncio.gather(*tasks))
 
 
-async def replay(fleet: Fleet, trace: Trace) -> Row:
+async def replay(fleet: Fleet | DynamoFleet, trace: Trace) -> Row:
+    dynamo = isinstance(fleet, DynamoFleet)
     row = Row(fleet.policy, fleet.mode, requests=len(trace.requests))
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
@@ -373,9 +581,11 @@ async def replay(fleet: Fleet, trace: Trace) -> Row:
         # Warm-up (every prefix once), drained before the measured part starts on its own
         # clock, so that no measured request queues behind the warm-up's cold prefills.
         warm = trace.requests[: trace.warmup]
-        outcomes = await _send(session, fleet.url, warm, 0)
+        outcomes = await _send(session, fleet.url, warm, 0, usage=dynamo)
         before = await _kv_view(session, fleet.mocks)
-        outcomes += await _send(session, fleet.url, trace.requests[trace.warmup :], len(warm))
+        outcomes += await _send(
+            session, fleet.url, trace.requests[trace.warmup :], len(warm), usage=dynamo
+        )
         after = await _kv_view(session, fleet.mocks)
         metrics = ""
         if fleet.mode != "vllm-router":
@@ -401,6 +611,11 @@ async def replay(fleet: Fleet, trace: Trace) -> Row:
         ),
         reverse=True,
     )[:10]
+    if isinstance(fleet, DynamoFleet):
+        _usage_hit_rates(measured, row)
+        row.per_worker = fleet.requests_per_worker()
+        _read_metrics(metrics, row)
+        return row
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
     misses = sum(a["misses"] - b["misses"] for a, b in zip(after, before, strict=True))
     row.hit_rate = hits / (hits + misses) if hits + misses else math.nan
@@ -414,6 +629,26 @@ async def replay(fleet: Fleet, trace: Trace) -> Row:
     row.per_worker = [a["requests"] for a in after]
     _read_metrics(metrics, row)
     return row
+
+
+def _usage_hit_rates(
+    measured: list[Outcome], row: Row, block_size: int = DYNAMO_BLOCK_SIZE
+) -> None:
+    """Hit rates from the engines' own streamed usage: tokens (cached / prompt) and full blocks
+    (cached blocks / full prompt blocks, as the mocks count them). A measured reply without a
+    usage chunk is an error of the row."""
+    row.hit_source = HIT_FROM_USAGE
+    found = [(o.prompt_tokens, o.cached_tokens or 0) for o in measured if o.prompt_tokens]
+    missing = sum(1 for o in measured if o.error is None and o.prompt_tokens is None)
+    if missing:
+        row.errors += missing
+        print(f"  {row.policy}: {missing} replies without a usage chunk", file=sys.stderr)
+    prompt = sum(p for p, _ in found)
+    cached = sum(c for _, c in found)
+    blocks = sum(p // block_size for p, _ in found)
+    hit_blocks = sum(c // block_size for _, c in found)
+    row.token_hit_rate = cached / prompt if prompt else math.nan
+    row.hit_rate = hit_blocks / blocks if blocks else math.nan
 
 
 def _read_metrics(text: str, row: Row) -> None:
@@ -455,15 +690,22 @@ def table(rows: list[Row]) -> str:
     head = (
         "| policy | requests (measured) | errors | TTFT mean ms | TTFT p50 ms | TTFT p99 ms "
         "| p99 vs round-robin | block hit rate | token hit rate | select mean us "
-        "| select p50 us | select p99 us | kv fallbacks | requests per worker (whole trace) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| select p50 us | select p99 us | kv fallbacks | requests per worker (whole trace) "
+        "| hit rate from |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
-    base = next((r.ttft_p99_ms for r in rows if r.policy == "round-robin"), math.nan)
+    # Each fleet kind against its own round-robin: mocks vs `round-robin`, Dynamo fleets vs
+    # `dynamo:round-robin`.
+    bases = {
+        kind: next((r.ttft_p99_ms for r in rows if r.policy == policy), math.nan)
+        for kind, policy in (("mock", "round-robin"), ("dynamo", "dynamo:round-robin"))
+    }
     lines = []
     for r in rows:
         if r.failed:
-            lines.append(f"| {r.policy} | FAILED: {r.failed} |" + " |" * 12)
+            lines.append(f"| {r.policy} | FAILED: {r.failed} |" + " |" * 13)
             continue
+        base = bases["dynamo" if r.policy.startswith("dynamo:") else "mock"]
         ratio = base / r.ttft_p99_ms if r.ttft_p99_ms else math.nan
         select_mean = "-" if math.isnan(r.select_mean_us) else f"{r.select_mean_us:.0f}"
         lines.append(
@@ -471,9 +713,29 @@ def table(rows: list[Row]) -> str:
             f"| {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | {ratio:.2f}x | {r.hit_rate:.1%} "
             f"| {r.token_hit_rate:.1%} | {select_mean} | {r.select_p50_us} | {r.select_p99_us} "
             f"| {r.fallbacks if r.mode == 'kv' else '-'} "
-            f"| {'/'.join(str(n) for n in r.per_worker)} |"
+            f"| {'/'.join(str(n) for n in r.per_worker)} | {r.hit_source} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def anchor_lines(rows: list[Row]) -> list[str]:
+    """pylon `dynamo:kv[@W]` against Dynamo's own `dynamo:frontend-kv[@W]` on the same fleet."""
+    lines = []
+    by_policy = {r.policy: r for r in rows if not r.failed}
+    for policy, ours in by_policy.items():
+        if not policy.startswith("dynamo:kv"):
+            continue
+        theirs = by_policy.get(policy.replace("dynamo:kv", "dynamo:frontend-kv", 1))
+        if theirs is None:
+            continue
+        lines.append(
+            f"{policy} vs {theirs.policy}: TTFT p99 {ours.ttft_p99_ms:.1f} vs "
+            f"{theirs.ttft_p99_ms:.1f} ms ({ours.ttft_p99_ms / theirs.ttft_p99_ms - 1:+.0%}), "
+            f"mean {ours.ttft_mean_ms:.1f} vs {theirs.ttft_mean_ms:.1f} ms "
+            f"({ours.ttft_mean_ms / theirs.ttft_mean_ms - 1:+.0%}), token hit rate "
+            f"{ours.token_hit_rate:.1%} vs {theirs.token_hit_rate:.1%}"
+        )
+    return lines
 
 
 def _is_number(text: str) -> bool:
@@ -489,8 +751,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--policies",
         default=DEFAULT_POLICIES,
         help="comma-separated pylon --routing modes; kv@W: kv with --kv-overlap-weight W; "
-        "vllm-router: vllm-router's cache_aware "
-        "policy instead of pylon",
+        "vllm-router: vllm-router's cache_aware policy instead of pylon; "
+        "dynamo:round-robin, dynamo:frontend-kv[@W], dynamo:kv[@W]: a real Dynamo fleet "
+        f"(root: run inside `unshare --net`); `dynamo` = {DYNAMO_DEFAULT}",
     )
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--groups", type=int, default=48, help="prefix groups (system prompts)")
@@ -519,24 +782,165 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the vllm-router binary for the `vllm-router` policy (default: on PATH)",
     )
+    dyn = p.add_argument_group("dynamo:* rows (real Dynamo mockers)")
+    dyn.add_argument(
+        "--dynamo-timing",
+        choices=("profile", "builtin"),
+        default="profile",
+        help="profile: the mockers time prefill and decode by a profile (--planner-profile-data) "
+        "made from --ttft-ms, --prefill-tokens-per-s and --token-delay-ms, the mocks' own cost "
+        "model; builtin: the mocker's built-in GPU timing model",
+    )
+    dyn.add_argument(
+        "--dynamo-speedup-ratio",
+        type=float,
+        default=1.0,
+        help="mocker --speedup-ratio (divides every simulated delay)",
+    )
+    dyn.add_argument(
+        "--dynamo-decode-speedup-ratio",
+        type=float,
+        default=1.0,
+        help="mocker --decode-speedup-ratio (decode steps only)",
+    )
+    dyn.add_argument(
+        "--dynamo-gpu-blocks",
+        type=int,
+        default=None,
+        help="mocker --num-gpu-blocks-override (default: the mocks' cache size, from "
+        "--cache-fraction)",
+    )
     args = p.parse_args(argv)
-    args.policy_list = [s.strip() for s in args.policies.split(",") if s.strip()]
+    args.policy_list = expand_policies(args.policies)
     if args.policies == DEFAULT_POLICIES and not (args.vllm_router or shutil.which("vllm-router")):
         print(
             "vllm-router not found (pip install vllm-router): its row is left out", file=sys.stderr
         )
         args.policy_list.remove("vllm-router")
     for policy in args.policy_list:
-        mode, at, weight = policy.partition("@")
-        if mode not in POLICIES or (at and (mode != "kv" or not _is_number(weight))):
-            p.error(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}, kv@WEIGHT")
+        if not valid_policy(policy):
+            p.error(
+                f"unknown policy {policy!r}; choose from {', '.join(POLICIES + DYNAMO_POLICIES)}, "
+                f"or {', '.join(WEIGHTED)} with @WEIGHT"
+            )
+    if any(is_dynamo(policy) for policy in args.policy_list) and args.block_size != (
+        DYNAMO_BLOCK_SIZE
+    ):
+        p.error(f"dynamo:* rows need --block-size {DYNAMO_BLOCK_SIZE} (the mockers' block size)")
     return args
 
 
+def expand_policies(text: str) -> list[str]:
+    """The comma-separated list, with `dynamo` standing for the default Dynamo rows."""
+    out: list[str] = []
+    for item in (s.strip() for s in text.split(",")):
+        if item == "dynamo":
+            out += DYNAMO_DEFAULT.split(",")
+        elif item:
+            out.append(item)
+    return out
+
+
+def is_dynamo(policy: str) -> bool:
+    return policy.startswith("dynamo:")
+
+
+def valid_policy(policy: str) -> bool:
+    mode, at, weight = policy.partition("@")
+    if mode not in POLICIES + DYNAMO_POLICIES:
+        return False
+    return not at or (mode in WEIGHTED and _is_number(weight))
+
+
+# -- the private network namespace the dynamo:* rows need ------------------------------------
+
+
+def _interfaces() -> list[str]:
+    """The network interfaces this process's namespace sees (netlink: not /sys)."""
+    return sorted(name for _, name in socket.if_nameindex())
+
+
+def _loopback_works() -> bool:
+    try:
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname(), timeout=1.0):
+                return True
+    except OSError:
+        return False
+
+
+def netns_guard(argv: list[str]) -> int | None:
+    """None when this process may start the dynamo:* rows here: it is in a network namespace
+    whose only interface is loopback, and loopback is up. Otherwise re-run this script under
+    `unshare --net` (root only; `ip link set lo up` first) and return its exit status, or
+    refuse (2) with one clear line when that cannot be done."""
+    why = (
+        "the dynamo:* rows must run in a private network namespace (the Dynamo mocker binds "
+        "its KV-event PUB sockets on all interfaces)"
+    )
+    if _interfaces() == ["lo"]:
+        if _loopback_works():
+            return None
+        ip = shutil.which("ip")
+        if ip:
+            subprocess.run([ip, "link", "set", "lo", "up"], check=False)
+        if _loopback_works():
+            return None
+        print(
+            f"bench_routing: {why}, and loopback is down here: `ip link set lo up`", file=sys.stderr
+        )
+        return 2
+    if os.environ.get(NETNS_ENV):
+        print(
+            f"bench_routing: {why}, but after `unshare --net` this process still sees "
+            f"{', '.join(_interfaces())}: refusing",
+            file=sys.stderr,
+        )
+        return 2
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if os.geteuid() != 0 or not unshare or not ip:
+        missing = "not root" if os.geteuid() != 0 else "`unshare` or `ip` not found"
+        print(
+            f"bench_routing: {why}; this script re-executes itself under `unshare --net` for "
+            f"that, which needs root, `unshare` and `ip` ({missing}): run it as root, or inside "
+            "your own `unshare --net sh -c 'ip link set lo up && ...'`",
+            file=sys.stderr,
+        )
+        return 2
+    cmd = [
+        unshare, "--net", "--", "sh", "-c", '"$0" link set lo up && exec "$@"', ip,
+        sys.executable, str(Path(__file__).resolve()), *argv,
+    ]  # fmt: skip
+    env = {**os.environ, NETNS_ENV: os.readlink("/proc/self/ns/net")}
+    print("bench_routing: re-running inside `unshare --net` (loopback only)", file=sys.stderr)
+    child = subprocess.Popen(cmd, env=env)
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:  # the child got the terminal's SIGINT too: let it clean up
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if any(is_dynamo(policy) for policy in args.policy_list):
+        status = netns_guard(argv)
+        if status is not None:
+            return status
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
-    fleets: list[Fleet] = []
+    fleets: list[Fleet | DynamoFleet] = []
 
     def on_term(signum: int, _frame: FrameType | None) -> None:
         for fleet in fleets:
@@ -547,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_model_dir(args.model_dir or logs / "model")
     trace = build_trace(args, model_dir)
     cache_blocks = max(1, round(trace.distinct_blocks * args.cache_fraction))
+    gpu_blocks = args.dynamo_gpu_blocks or cache_blocks
     rate = len(trace.requests) / max(trace.requests[-1].at, 1e-9)
     print(
         f"trace: {len(trace.requests)} requests, {args.groups} groups x {args.sessions} "
@@ -557,10 +962,22 @@ def main(argv: list[str] | None = None) -> int:
         f"~{statistics.fmean(trace.prompt_tokens) / args.prefill_tokens_per_s * 1000:.0f} ms",
         file=sys.stderr,
     )
+    if any(is_dynamo(policy) for policy in args.policy_list):
+        print(
+            f"dynamo:* rows: {args.workers} mockers, --num-gpu-blocks-override {gpu_blocks}, "
+            f"timing {args.dynamo_timing}, --speedup-ratio {args.dynamo_speedup_ratio:g}, "
+            f"--decode-speedup-ratio {args.dynamo_decode_speedup_ratio:g}; load average before: "
+            + " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            file=sys.stderr,
+        )
     rows: list[Row] = []
     try:
         for policy in args.policy_list:
-            fleet = Fleet(args, policy, model_dir, cache_blocks, logs)
+            fleet: Fleet | DynamoFleet
+            if is_dynamo(policy):
+                fleet = DynamoFleet(args, policy, model_dir, gpu_blocks, logs)
+            else:
+                fleet = Fleet(args, policy, model_dir, cache_blocks, logs)
             fleets.append(fleet)
             began = time.monotonic()
             try:
@@ -581,6 +998,8 @@ def main(argv: list[str] | None = None) -> int:
         for fleet in fleets:
             fleet.close()
     print(table(rows))
+    for line in anchor_lines(rows):
+        print(line, file=sys.stderr)
     if args.json_out:
         args.json_out.write_text(
             json.dumps(
@@ -590,6 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
                         "requests": len(trace.requests),
                         "distinct_blocks": trace.distinct_blocks,
                         "cache_blocks_per_worker": cache_blocks,
+                        "dynamo_gpu_blocks_per_worker": gpu_blocks,
                         "prompt_tokens_mean": statistics.fmean(trace.prompt_tokens),
                     },
                     "rows": [asdict(r) for r in rows],

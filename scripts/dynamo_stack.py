@@ -218,6 +218,15 @@ class DynamoStack:
     stop_timeout_s: float = 5.0
     extra_frontend_args: list[str] = field(default_factory=list)
     extra_mocker_args: list[str] = field(default_factory=list)
+    # Per worker (one entry per worker, appended after extra_mocker_args), e.g. a speedup ratio
+    # that differs per worker.
+    per_worker_mocker_args: list[list[str]] | None = None
+    # One ZMQ KV-event PUB port per worker (mocker `--zmq-kv-events-ports <port>`).  The mocker
+    # binds these on ALL interfaces (no flag changes that): run the stack inside a private
+    # network namespace (`unshare --net`, then `ip link set lo up`) when you set them.
+    kv_event_ports: list[int] | None = None
+    num_gpu_blocks: int | None = None  # mocker --num-gpu-blocks-override (its KV cache size)
+    model_name: str = MODEL_NAME  # the served model name (--model-name)
     dyn_log: str | None = None
 
     # Filled in by start().
@@ -261,6 +270,10 @@ class DynamoStack:
             self.worker_ports = [free_port() for _ in range(self.num_workers)]
         if len(self.worker_ports) != self.num_workers:
             raise ValueError("worker_ports must have num_workers entries")
+        for name in ("per_worker_mocker_args", "kv_event_ports"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.num_workers:
+                raise ValueError(f"{name} must have num_workers entries")
         self.broker_ports = self.broker_ports or (free_port(), free_port())
         self.frontend_url = f"http://127.0.0.1:{self.http_port}"
         env = self._env()
@@ -294,7 +307,7 @@ class DynamoStack:
                 "--model-path",
                 str(self.model_path),
                 "--model-name",
-                MODEL_NAME,
+                self.model_name,
                 "--block-size",
                 str(BLOCK_SIZE),
                 "--speedup-ratio",
@@ -307,6 +320,12 @@ class DynamoStack:
                 "zmq",
                 *self.extra_mocker_args,
             ]
+            if self.num_gpu_blocks is not None:
+                cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+            if self.kv_event_ports is not None:
+                cmd += ["--zmq-kv-events-ports", str(self.kv_event_ports[i])]
+            if self.per_worker_mocker_args is not None:
+                cmd += self.per_worker_mocker_args[i]
             self._spawn(f"worker{i}", cmd, {**env, "DYN_TCP_RPC_PORT": str(port)})
         self._wait_ready()
 
@@ -377,22 +396,23 @@ class DynamoStack:
         )
 
     def _worker_ids_from_health(self, health: dict[str, Any]) -> list[int] | None:
-        by_port: dict[int, int] = {}
-        for inst in health.get("instances") or []:
-            if inst.get("endpoint") != "generate":
-                continue
-            tcp = (inst.get("transport") or {}).get("tcp") or ""
-            m = re.match(r"^127\.0\.0\.1:(\d+)", tcp)
-            if m:
-                by_port[int(m.group(1))] = int(inst["instance_id"])
         assert self.worker_ports is not None
-        if all(p in by_port for p in self.worker_ports):
-            return [by_port[p] for p in self.worker_ports]
-        return None
+        return worker_ids_from_health(health, self.worker_ports)
 
     def _models_listed(self) -> bool:
         body = self.get_json("/v1/models")
-        return any(m.get("id") == MODEL_NAME for m in body.get("data") or [])
+        return any(m.get("id") == self.model_name for m in body.get("data") or [])
+
+    def worker_index(self, instance_id: int) -> int:
+        """Which worker (index into worker_ports / kv_event_ports / worker_log) an instance id
+        is; ValueError for an id this stack did not start."""
+        return self.worker_ids.index(int(instance_id))
+
+    def kv_events_endpoint(self, index: int) -> str:
+        """Worker `index`'s KV-event PUB as seen from inside its network namespace."""
+        if self.kv_event_ports is None:
+            raise ValueError("the stack was started without kv_event_ports")
+        return f"tcp://127.0.0.1:{self.kv_event_ports[index]}"
 
     def stop(self) -> None:
         """Stop every process this stack started (SIGTERM to the group, then SIGKILL)."""
@@ -454,7 +474,7 @@ class DynamoStack:
     def describe(self) -> str:
         lines = [
             f"frontend   {self.frontend_url}  (OpenAI API, /health, /metrics)",
-            f"model      {MODEL_NAME}  ({self.model_path})",
+            f"model      {self.model_name}  ({self.model_path})",
         ]
         assert self.worker_ports is not None
         for i, (port, wid) in enumerate(zip(self.worker_ports, self.worker_ids, strict=True)):
@@ -466,6 +486,28 @@ class DynamoStack:
         )
         lines.append(f"state dir  {self.state}  (logs in {self.log_dir})")
         return "\n".join(lines)
+
+
+_TCP_RE = re.compile(r"^127\.0\.0\.1:(\d+)(?:/|$)")
+
+
+def worker_ids_from_health(health: dict[str, Any], worker_ports: list[int]) -> list[int] | None:
+    """The `generate` instance id of each request-plane port in `worker_ports`, in that order,
+    from the frontend's `GET /health` body (`instances[]`, each with `instance_id` and
+    `transport.tcp` = `127.0.0.1:<DYN_TCP_RPC_PORT>/...`); None while any port is not listed.
+    """
+    by_port: dict[int, int] = {}
+    for inst in health.get("instances") or []:
+        if not isinstance(inst, dict) or inst.get("endpoint") != "generate":
+            continue
+        transport = inst.get("transport")
+        tcp = transport.get("tcp") if isinstance(transport, dict) else None
+        m = _TCP_RE.match(tcp) if isinstance(tcp, str) else None
+        if m and "instance_id" in inst:
+            by_port[int(m.group(1))] = int(inst["instance_id"])
+    if all(p in by_port for p in worker_ports):
+        return [by_port[p] for p in worker_ports]
+    return None
 
 
 def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:
