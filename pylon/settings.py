@@ -227,10 +227,9 @@ class Settings(BaseSettings):
     )
     kv_token_data: bool = Field(
         False,
-        description="--routing kv with --backend dynamo: hand the Dynamo frontend the prompt's "
-        "token ids pylon computed (nvext.token_data), so it skips its own templating and "
-        "tokenization; only for models whose rendering pylon proved identical to the "
-        "frontend's (at start, from its token_ids annotation: a mismatch refuses the start)",
+        description="--routing kv, --backend dynamo: send the frontend pylon's token ids "
+        "(nvext.token_data) for models whose rendering pylon proved identical to its own (a "
+        "mismatch at start refuses it); docs/routing.md",
         json_schema_extra=group(ROUTING),
     )
     # --- engine bring-up and models ---

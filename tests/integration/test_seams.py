@@ -24,6 +24,7 @@ CHAT = "/v1/chat/completions"
 
 class RecordingBooking:
     counts_output = True
+    body = None
 
     def __init__(self, target: UpstreamTarget, log: list[str], tokens: list[int]) -> None:
         self.target = target
