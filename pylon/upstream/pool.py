@@ -230,8 +230,9 @@ class _Connection(asyncio.Protocol):
         request), so the SSE event written after the head waited ~40 ms on every cache hit.
         TCP_QUICKACK sends the pending ACK at once and leaves ping-pong mode; only a send of
         pylon's re-enters it, and pylon sends nothing on this connection until the response
-        ends, so every later read of the stream is acknowledged at once too. One syscall per streamed response; a response complete in its first read
-        (the small, non-streamed one) costs none.
+        ends, so every later read of the stream is acknowledged at once too. One syscall per
+        streamed response; a response complete in its first read (the small, non-streamed one)
+        costs none.
         """
         assert self._sock is not None and _TCP_QUICKACK is not None
         try:
