@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 import time
 from typing import TYPE_CHECKING, cast
 
@@ -31,6 +32,8 @@ _HIGH_WATER = 256 * 1024  # buffered, unconsumed response bytes before we stop r
 # The engine's response head (status line and fields), as Envoy bounds it (60 KiB): a larger one
 # is a broken or hostile engine, answered 502 instead of being buffered and relayed.
 MAX_RESPONSE_HEAD = 60 * 1024
+# Linux only; elsewhere None and the delayed-ACK push below is skipped.
+_TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
 
 class UpstreamConnectError(Exception):
@@ -161,6 +164,7 @@ class _Connection(asyncio.Protocol):
         "_head_bytes",
         "_parser",
         "_paused",
+        "_sock",
         "_until_close",
         "closed",
         "exchange",
@@ -188,13 +192,17 @@ class _Connection(asyncio.Protocol):
         self._until_close = False
         self._head_bytes = 0
         self._final = False  # the current exchange's final (non-1xx) response has ended
+        self._sock: socket.socket | None = None  # for the delayed-ACK push (Linux)
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
+        if _TCP_QUICKACK is not None:
+            self._sock = transport.get_extra_info("socket")
 
     def data_received(self, data: bytes) -> None:
+        first = not self.received
         self.received = True
         if self.exchange is None or self._final:
             # Bytes nobody asked for (after the response, or on an idle connection): the engine
@@ -207,6 +215,30 @@ class _Connection(asyncio.Protocol):
             self._break(UpstreamBroken("engine switched protocols (101), which pylon never asks"))
         except httptools.HttpParserError as exc:
             self._break(UpstreamBroken(f"engine sent a malformed response: {exc}"))
+        else:
+            if first and not self._final and self._sock is not None:
+                self._ack_now()
+
+    def _ack_now(self) -> None:
+        """The response goes on after its first read (a stream): acknowledge now what arrived,
+        and leave delayed-ACK "ping-pong" mode for the rest of it.
+
+        An engine that leaves Nagle's algorithm on (the Dynamo 1.6.1 frontend does: no
+        TCP_NODELAY on its HTTP sockets) holds each small write until everything it sent before
+        is acknowledged. Linux delays the ACK of a small segment by at least 40 ms on a
+        connection where pylon's last send answered a receive (a kept-alive connection's next
+        request), so the SSE event written after the head waited ~40 ms on every cache hit.
+        TCP_QUICKACK sends the pending ACK at once and leaves ping-pong mode; only a send of
+        pylon's re-enters it, and pylon sends nothing on this connection until the response
+        ends, so every later read of the stream is acknowledged at once too. One syscall per
+        streamed response; a response complete in its first read (the small, non-streamed one)
+        costs none.
+        """
+        assert self._sock is not None and _TCP_QUICKACK is not None
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
+        except OSError:
+            self._sock = None  # not a TCP socket after all, or already gone: never again
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -1,11 +1,15 @@
 """The upstream pool against real sockets: connections kept per target, the per-target cap (wait
-in turn, then 503 upstream_busy), idle connections reaped, and the one safe retry of a request
-written into a kept-alive connection the engine had just closed."""
+in turn, then 503 upstream_busy), idle connections reaped, the one safe retry of a request
+written into a kept-alive connection the engine had just closed, and streamed responses
+acknowledged at once (an engine with Nagle on, like the Dynamo frontend, would otherwise hold
+its first event ~40 ms behind the head)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -185,3 +189,101 @@ async def test_a_request_written_into_a_just_closed_connection_is_sent_once_more
     # First request on connection 1; the second went into connection 1 (dropped unanswered)
     # and again, on connection 2.
     assert engine.requests == [1, 1, 2]
+
+
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+
+
+@dataclass
+class NagleEngine:
+    """Streams an SSE response in separate small writes with Nagle's algorithm on (no
+    TCP_NODELAY), as the Dynamo 1.6.1 frontend does; after the head it waits for `go`."""
+
+    port: int = 0
+    go: asyncio.Queue[None] = field(default_factory=asyncio.Queue)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
+        try:
+            while True:
+                await read_request(reader)
+                writer.write(STREAM_HEAD)
+                await writer.drain()
+                await self.go.get()
+                for piece in (EVENT, b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="TCP_QUICKACK and delayed-ACK modes are Linux's"
+)
+async def test_a_streamed_response_is_acknowledged_at_once_on_a_kept_alive_connection() -> None:
+    """Linux delays the ACK of a small segment (40 ms at least) on a connection in "ping-pong"
+    mode, which a kept-alive connection enters when pylon writes its next request right after
+    a response. An engine with Nagle on then holds the event it writes after the head until that
+    ACK: the ~40 ms stall of cache hits in front of the Dynamo frontend. Once a streamed
+    response's head is read, the connection must be out of ping-pong mode (what getsockopt
+    TCP_QUICKACK reports on Linux), so every read of the stream is acknowledged at once."""
+    engine = NagleEngine()
+    server = await asyncio.start_server(engine.handle, "127.0.0.1", 0)
+    engine.port = server.sockets[0].getsockname()[1]
+    pool = UpstreamPool(connect_timeout=2, idle_timeout=5, max_idle=8)
+    target = UpstreamTarget("127.0.0.1", engine.port, "")
+    quick_after_head = []
+    try:
+        for _ in range(5):  # some kernels enter ping-pong mode only after 3 such exchanges
+            ex = await pool.send(plan_for(target))
+            await ex.head
+            sock = ex._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            quick_after_head.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK))
+            engine.go.put_nowait(None)
+            body = b""
+            while (chunk := await ex.next_chunk()) is not None:
+                body += chunk
+            assert body.endswith(b"data: [DONE]\n\n")
+            pool.finish(ex)
+        assert pool.open_connections(target) == 1, "the exchanges shared one connection"
+        assert quick_after_head == [1] * 5, "a streamed response's head waits on a delayed ACK"
+    finally:
+        pool.close()
+        server.close()
+
+
+class CountingSocket:
+    """Wraps a transport's socket and records the options set on it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.set: list[tuple[int, int, int]] = []
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self.set.append((level, option, value))
+        self.sock.setsockopt(level, option, value)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_QUICKACK is Linux's")
+async def test_a_response_complete_in_its_first_read_costs_no_ack_syscall() -> None:
+    """The ACK push is for responses that go on after their first read (streams); the common
+    small response, head and body in one read, costs no syscall."""
+    engine = Engine()
+    async with engine_server(engine):
+        pool = UpstreamPool(connect_timeout=2, idle_timeout=5, max_idle=8)
+        target = UpstreamTarget("127.0.0.1", engine.port, "")
+        assert await exchange(pool, target) == 200
+        conn = pool._targets[target].idle[0]
+        counting = CountingSocket(conn._sock)  # type: ignore[arg-type]
+        conn._sock = counting  # type: ignore[assignment]
+        for _ in range(3):
+            assert await exchange(pool, target) == 200
+        assert counting.set == []
+        pool.close()
