@@ -156,10 +156,14 @@ def header_denied_reason(name: bytes) -> str | None:
     reason = DENIED_REQUEST_HEADERS.get(name)
     if reason is not None:
         return reason
-    for prefix, prefix_reason in DENIED_REQUEST_HEADER_PREFIXES:
-        if name.startswith(prefix):
-            return prefix_reason
+    if name.startswith(_DENIED_PREFIXES):  # one C call for the common miss
+        for prefix, prefix_reason in DENIED_REQUEST_HEADER_PREFIXES:
+            if name.startswith(prefix):
+                return prefix_reason
     return None
+
+
+_DENIED_PREFIXES = tuple(prefix for prefix, _ in DENIED_REQUEST_HEADER_PREFIXES)
 
 
 # The tunnel headers pylon reads itself; their underscore twins would look like them downstream.
@@ -178,14 +182,16 @@ def _connection_tokens(headers: Sequence[Header]) -> frozenset[bytes]:
     return frozenset(tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
 class SanitizedHeaders:
     headers: tuple[Header, ...]
     stripped: tuple[str, ...]  # client controls removed (pylon-owned and hop-by-hop excluded)
 
 
 def sanitize_request_headers(
-    headers: Sequence[Header], consumed: frozenset[bytes] = frozenset()
+    headers: Sequence[Header],
+    consumed: frozenset[bytes] = frozenset(),
+    names: Sequence[bytes] | None = None,
 ) -> SanitizedHeaders:
     """Drop every denied, hop-by-hop and pylon-owned header; keep the rest in order, unchanged.
 
@@ -193,22 +199,24 @@ def sanitize_request_headers(
     denied names also listed in `Connection`). Hop-by-hop fields and other names listed in
     `Connection` are connection management, not controls: dropped without a report, like the
     pylon-owned ones. `consumed` names (lower-case) are dropped silently too: pylon used them.
+    `names`: the names of `headers` already stripped and lower-cased (`TunnelRequest.names`).
     """
     kept: list[Header] = []
     stripped: list[str] = []
     has_connection = False
-    for raw_name, value in headers:
-        name = raw_name.strip(_OWS).lower()
+    if names is None:
+        names = [raw_name.strip(_OWS).lower() for raw_name, _ in headers]
+    for index, name in enumerate(names):
         if name in PYLON_OWNED_REQUEST_HEADERS or name in consumed:
             continue
         reason = header_denied_reason(name)
-        if reason is not None and reason != HOP_BY_HOP_REASON:
+        if reason is None:
+            kept.append(headers[index])
+        elif reason != HOP_BY_HOP_REASON:
             stripped.append(name.decode("latin-1"))  # a client control: reported
-            continue
-        if reason is not None:
+        else:
+            # connection management, not a client control: dropped unreported
             has_connection = has_connection or name == b"connection"
-            continue  # connection management, not a client control: dropped unreported
-        kept.append((raw_name, value))
     if has_connection:  # rare: a second pass only when there is a Connection header
         kept = _without_listed(kept, _connection_tokens(headers))
     return SanitizedHeaders(tuple(kept), tuple(stripped))
@@ -247,7 +255,7 @@ def sanitize_response_headers(
     return kept
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
 class SanitizedBody:
     body: dict[str, Any]
     stripped: tuple[str, ...]  # dotted paths removed, e.g. "nvext.backend_instance_id"

@@ -48,7 +48,9 @@ class _StopParsing(Exception):
 
 class Http1Connection(asyncio.Protocol):
     def __init__(self, ingress: Ingress) -> None:
-        self._limits = ingress.limits
+        self._limits = limits = ingress.limits
+        self._max_head_bytes = limits.max_header_bytes
+        self._max_fields = limits.max_headers
         self._lifecycle = ingress.lifecycle
         self._loop = asyncio.get_running_loop()
         self._table = StreamTable("http1", self, ingress, self._loop, serial=True)
@@ -125,18 +127,16 @@ class Http1Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count_head(len(url))
+        self._head_bytes += len(url)
+        if self._head_bytes > self._max_head_bytes:
+            self._head_over_limits()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Once per field of every request: one cheap test here, the detail in the rare branch.
         self._headers.append((name, value))
-        self._count_head(len(name) + len(value) + 4)
-        if len(self._headers) > self._limits.max_headers:
-            self._stop(
-                LimitError(
-                    f"more than {self._limits.max_headers} header fields",
-                    code=ErrorCode.HEADERS_TOO_LARGE,
-                )
-            )
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self._max_head_bytes or len(self._headers) > self._max_fields:
+            self._head_over_limits()
 
     def on_headers_complete(self) -> None:
         stream = self._stream
@@ -261,12 +261,19 @@ class Http1Connection(asyncio.Protocol):
             self._observer.transport_event("client_timeout", "http1", timer="idle")
             self.abort()
 
-    def _count_head(self, size: int) -> None:
-        self._head_bytes += size
+    def _head_over_limits(self) -> None:
+        """Refuse the head being parsed if it is over the header limits (431)."""
         if self._head_bytes > self._limits.max_header_bytes:
             self._stop(
                 LimitError(
                     f"request head exceeds {self._limits.max_header_bytes} bytes",
+                    code=ErrorCode.HEADERS_TOO_LARGE,
+                )
+            )
+        if len(self._headers) > self._limits.max_headers:
+            self._stop(
+                LimitError(
+                    f"more than {self._limits.max_headers} header fields",
                     code=ErrorCode.HEADERS_TOO_LARGE,
                 )
             )
