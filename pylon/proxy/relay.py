@@ -178,11 +178,12 @@ async def relay_raw(
     previous = last = b""  # the last two pieces of the body: where a usage report is
     try:
         while True:
-            if not exchange.ready:
-                # Only a wait needs the clock: a small body that came with its head (the
-                # common case) never arms a timer.
+            if exchange.ready:
+                # A small body that came with its head (the common case): no clock, no wait.
+                chunk = exchange.take()
+            else:
                 watchdog.arm_for(gap, "the response body stopped arriving")
-            chunk = await exchange.next_chunk()
+                chunk = await exchange.next_chunk()
             if chunk is None:
                 break
             sink.write(chunk)

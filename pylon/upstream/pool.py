@@ -101,25 +101,30 @@ class Exchange:
 
         Raises if the exchange broke (after the bytes that did arrive were read).
         """
-        while True:
-            if self._chunks:
-                # Everything that has arrived, as one piece: the relay then writes once per
-                # wake-up instead of once per engine chunk (one syscall, not twenty).
-                chunks = self._chunks
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._buffered = 0
-                self._conn.resume_reading()
-                return chunk
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                return None
+        while not self.ready:
             self._waiter = self._conn.loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        return self.take()
+
+    def take(self) -> bytes | None:
+        """`next_chunk` without the wait, for when `ready` says it would not wait: a small body
+        usually arrives with its head, and then the relay needs no coroutine to read it."""
+        chunks = self._chunks
+        if chunks:
+            # Everything that has arrived, as one piece: the relay then writes once per
+            # wake-up instead of once per engine chunk (one syscall, not twenty).
+            chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._buffered = 0
+            self._conn.resume_reading()
+            return chunk
+        if self._error is not None:
+            raise self._error
+        assert self._done, "take() is only called when the exchange is ready"
+        return None
 
     def fail(self, error: BaseException) -> None:
         """Break the exchange (engine went away, or the caller's timeout fired)."""
@@ -346,19 +351,35 @@ class UpstreamPool:
         self._targets: dict[UpstreamTarget, _TargetPool] = {}
         self._reaper: asyncio.TimerHandle | None = None
 
+    def send_idle(self, plan: ForwardPlan) -> Exchange | None:
+        """Write `plan` on an idle kept-alive connection to its target and return the exchange;
+        None when there is no idle connection (then `send` opens or waits for one). Not a
+        coroutine: under load almost every request finds an idle connection."""
+        pool = self._target_pool(plan)
+        conn = self._take_idle(pool)
+        return None if conn is None else self._start(conn, plan, pool.target)
+
     async def send(self, plan: ForwardPlan, *, fresh: bool = False) -> Exchange:
         """Write `plan` to its target; returns once written. Raises `UpstreamConnectError`.
 
         `fresh`: use a new connection, never an idle one (the retry of a stale-connection race).
         """
+        pool = self._target_pool(plan)
+        conn = None if fresh else self._take_idle(pool)
+        if conn is None:
+            conn = await self._open(pool)
+        return self._start(conn, plan, pool.target)
+
+    def _target_pool(self, plan: ForwardPlan) -> _TargetPool:
         assert plan.upstream is not None, "a plan is routed before it is sent"
         target = plan.upstream
         pool = self._targets.get(target)
         if pool is None:
             pool = self._targets[target] = _TargetPool(target)
-        conn = None if fresh else self._take_idle(pool)
-        if conn is None:
-            conn = await self._open(pool)
+        return pool
+
+    @staticmethod
+    def _start(conn: _Connection, plan: ForwardPlan, target: UpstreamTarget) -> Exchange:
         exchange = Exchange(conn, is_head=plan.method == "HEAD")
         conn.exchange = exchange
         conn.received = False
