@@ -358,7 +358,7 @@ MUTATIONS: list[Mutation] = [
     # --- header limits ---
     Mutation(
         "header limits",
-        "HTTP/1.1 header bytes not counted (_count_head)",
+        "HTTP/1.1 header bytes not counted (_head_over_limits)",
         never(HTTP1, "self._head_bytes > self._limits.max_header_bytes"),
         {"http1": (f"{ERRORS_T}::test_header_limits_are_431",)},
     ),

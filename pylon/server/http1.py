@@ -63,6 +63,10 @@ class Http1Connection(asyncio.Protocol):
         self._url = b""
         self._headers: list[Header] = []
         self._head_bytes = 0
+        # Body bytes the head declared and not yet received (None: not declared, e.g. chunked);
+        # the piece that completes them ends the request (`_ended`), as END_STREAM does in h2.
+        self._body_left: int | None = None
+        self._ended = False
         self._continue_owed = False
         # per admitted request, until its response starts: (keep-alive, HEAD)
         self._framing: dict[int, tuple[bool, bool]] = {}
@@ -123,6 +127,7 @@ class Http1Connection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._head_bytes = 0
+        self._ended = False
         self._timer.arm(self._limits.stall_timeout)
 
     def on_url(self, url: bytes) -> None:
@@ -150,6 +155,7 @@ class Http1Connection(asyncio.Protocol):
         # HTTP/1.0 has no chunked framing: its streamed responses end by closing.
         keep_alive = parser.should_keep_alive() and not http10
         self._framing[stream.id] = (keep_alive, head.method == b"HEAD")
+        self._body_left = head.content_length
         self._table.head(stream, head, ended=False)
         if stream.intake.state is State.REJECTED:
             self._stop_reading()
@@ -163,7 +169,12 @@ class Http1Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         stream = self._stream
         assert stream is not None, "llhttp calls on_message_begin first"
-        self._table.data(stream.id, body, ended=False)
+        left = self._body_left
+        if left is not None:
+            # llhttp passes no byte beyond the declared length: at zero, this piece is the last.
+            left = self._body_left = left - len(body)
+            self._ended = left == 0
+        self._table.data(stream.id, body, ended=self._ended)
         if stream.intake.state is State.REJECTED:
             self._stop_reading()
             raise _StopParsing
@@ -174,7 +185,8 @@ class Http1Connection(asyncio.Protocol):
         self._stream = None
         self._continue_owed = False
         self._timer.disarm()
-        self._table.end(stream.id)
+        if not self._ended:  # else the last body piece has ended the request already
+            self._table.end(stream.id)
         if self._table.queued and self._transport is not None and not self._closing:
             # Pipelined: this request waits for the response before it. Read no further until
             # it runs, so pipelined requests cannot pile up in memory. (Reading is not paused

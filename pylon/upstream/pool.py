@@ -238,7 +238,10 @@ class _Connection(asyncio.Protocol):
         self._count_head(len(status))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
+        # Once per field of every response: the byte count is inlined (see `_count_head`).
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_RESPONSE_HEAD:
+            self._count_head(0)
         if self.exchange is not None:
             self.exchange.headers.append((name, value))
 
