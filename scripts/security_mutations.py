@@ -1150,10 +1150,10 @@ MUTATIONS: list[Mutation] = [
         "pipelined bytes read after a body refusal (on_body)",
         edit(
             HTTP1,
-            "        self._table.data(stream.id, body, ended=False)\n"
+            "        self._table.data(stream.id, body, ended=self._ended)\n"
             "        if stream.intake.state is State.REJECTED:\n"
             "            self._stop_reading()\n            raise _StopParsing\n",
-            "        self._table.data(stream.id, body, ended=False)\n",
+            "        self._table.data(stream.id, body, ended=self._ended)\n",
         ),
         {
             "http1": (
