@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote
 
 from pylon.core.errors import ContractError, ErrorCode, LimitError
-from pylon.core.http import OWS, Header, Headers
+from pylon.core.http import OWS, Header, Headers, field_names
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
@@ -111,7 +111,7 @@ def parse_request(
     when the caller has not computed them. Raises `ContractError` carrying the request id
     whenever one could be read.
     """
-    lowered = normalised_names(headers) if names is None else tuple(names)
+    lowered = tuple(field_names(headers) if names is None else names)
     values = _collect_contract_headers(headers, lowered)
     if is_health_target(method, target):
         if not _VISIBLE_ASCII.fullmatch(target):
@@ -134,11 +134,6 @@ def parse_request(
     except ContractError as error:
         error.request_id = request_id
         raise
-
-
-def normalised_names(headers: Headers) -> tuple[bytes, ...]:
-    """Each field name as every rule compares it: without surrounding whitespace, lower case."""
-    return tuple([name.strip(OWS).lower() for name, _ in headers])
 
 
 def _parse_tunnel(
@@ -187,7 +182,7 @@ def _single(values: dict[bytes, list[bytes]], name: bytes, code: ErrorCode) -> b
 def request_id_of(headers: Headers) -> str | None:
     """The request's valid `x-request-id`, if it has one: for answering a head that failed
     before the contract ran (malformed framing), so the problem and the log still name it."""
-    return _optional_request_id(_collect_contract_headers(headers, normalised_names(headers)))
+    return _optional_request_id(_collect_contract_headers(headers, field_names(headers)))
 
 
 def _optional_request_id(values: dict[bytes, list[bytes]]) -> str | None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pylon.core.http import Header
+from pylon.core.http import Header, field_names
 
 _OWS = b" \t"
 
@@ -205,7 +205,7 @@ def sanitize_request_headers(
     stripped: list[str] = []
     has_connection = False
     if names is None:
-        names = [raw_name.strip(_OWS).lower() for raw_name, _ in headers]
+        names = field_names(headers)
     for index, name in enumerate(names):
         if name in PYLON_OWNED_REQUEST_HEADERS or name in consumed:
             continue
@@ -227,14 +227,18 @@ def _without_listed(headers: list[Header], listed: frozenset[bytes]) -> list[Hea
 
 
 def sanitize_response_headers(
-    headers: Sequence[Header], extra_denied: frozenset[bytes] = frozenset()
+    headers: Sequence[Header],
+    extra_denied: frozenset[bytes] = frozenset(),
+    names: Sequence[bytes] | None = None,
 ) -> list[Header]:
     """Engine -> gateway: drop hop-by-hop, framing, any retry metadata the engine made up and
-    the headers pylon writes itself."""
+    the headers pylon writes itself. `names`: the names of `headers` already stripped and
+    lower-cased (`pylon.core.http.field_names`)."""
     kept: list[Header] = []
     has_connection = False
-    for raw_name, value in headers:
-        name = raw_name.strip(_OWS).lower()
+    if names is None:
+        names = field_names(headers)
+    for index, name in enumerate(names):
         if b"_" in name:
             # Underscore twins (`x_stargate_retryable`): the gateway's stack may read `_` as `-`.
             name = name.replace(b"_", b"-")
@@ -249,7 +253,7 @@ def sanitize_response_headers(
             or name.startswith(DENIED_RESPONSE_HEADER_PREFIXES)
         ):
             continue
-        kept.append((raw_name, value))
+        kept.append(headers[index])
     if has_connection:
         kept = _without_listed(kept, _connection_tokens(headers))
     return kept

@@ -188,7 +188,7 @@ class Proxy:
                     exchange = None
                     fresh = True
             headers = self._response_headers(plan, exchange, record)
-            if exchange.status == 200 and is_event_stream(exchange.headers):
+            if exchange.status == 200 and is_event_stream(exchange.headers, exchange.names):
                 await self._relay_events(
                     plan, exchange, headers, booking, entry, sink, watchdog, record
                 )
@@ -247,7 +247,7 @@ class Proxy:
         and the retry marking of an error status."""
         status = exchange.status
         record.status = status
-        headers = sanitize_response_headers(exchange.headers, self._retry_header)
+        headers = sanitize_response_headers(exchange.headers, self._retry_header, exchange.names)
         headers += echo_request_id(plan.request_id)
         mark = classify_upstream_response(status, exchange.headers, self._retry, time.time())
         if mark is not None:

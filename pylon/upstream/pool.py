@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from pylon.core.http import Header
+from pylon.core.http import Header, field_names
 from pylon.core.target import UpstreamTarget
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class Exchange:
         "_waiter",
         "headers",
         "is_head",
+        "names",
         "status",
     )
 
@@ -78,6 +80,8 @@ class Exchange:
         self.is_head = is_head
         self.status = 0
         self.headers: list[Header] = []
+        # The names of `headers`, stripped and lower-cased once for every reader of the head.
+        self.names: list[bytes] = []
         self._head_waiter: asyncio.Future[None] = conn.loop.create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -253,8 +257,9 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200:
             return  # an interim response; the real one follows
         exchange.status = status
+        exchange.names = field_names(exchange.headers)
         self.keep_alive = self._parser.should_keep_alive()
-        self._until_close = delimited_by_close(status, exchange.headers)
+        self._until_close = delimited_by_close(status, exchange.headers, exchange.names)
         exchange._head_complete()
         if exchange.is_head:
             # llhttp cannot be told the request was HEAD; the body it expects never comes.
@@ -309,14 +314,18 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
-def delimited_by_close(status: int, headers: list[Header]) -> bool:
-    """RFC 9112 6.3: without Content-Length or chunked coding, the body runs to the close."""
+def delimited_by_close(
+    status: int, headers: list[Header], names: Sequence[bytes] | None = None
+) -> bool:
+    """RFC 9112 6.3: without Content-Length or chunked coding, the body runs to the close.
+    `names`: the names of `headers`, stripped and lower-cased (`field_names`)."""
     if status in (204, 304):
         return False
-    for name, value in headers:
-        lowered = name.lower()
-        if lowered == b"content-length" or (
-            lowered == b"transfer-encoding" and b"chunked" in value.lower()
+    if names is None:
+        names = field_names(headers)
+    for index, name in enumerate(names):
+        if name == b"content-length" or (
+            name == b"transfer-encoding" and b"chunked" in headers[index][1].lower()
         ):
             return False
     return True
