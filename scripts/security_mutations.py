@@ -1223,7 +1223,8 @@ MUTATIONS: list[Mutation] = [
         "engine headers relayed unsanitized",
         edit(
             FORWARDING,
-            "headers = sanitize_response_headers(exchange.headers, self._retry_header)",
+            "headers = sanitize_response_headers("
+            "exchange.headers, self._retry_header, exchange.names)",
             "headers = list(exchange.headers)",
         ),
         per_transport(
