@@ -146,19 +146,43 @@ def _parse_tunnel(
 ) -> TunnelRequest:
     _check_method(method)
     text, path = _checked_route(target)
+    model = _parse_model(values)
+    input_tokens, priority, routing_key, expected_queue_ms, trace = _parse_optional(
+        headers, names, values
+    )
     return TunnelRequest(
         method=method.decode("ascii"),
         target=text,
         path=path,
         request_id=request_id,
-        model=_parse_model(values),
-        input_tokens=_parse_uint(values, INPUT_TOKENS, U64_MAX, ErrorCode.INVALID_INPUT_TOKENS),
-        priority=_parse_uint(values, PRIORITY, U32_MAX, ErrorCode.INVALID_PRIORITY),
-        routing_key=_parse_routing_key(values),
-        expected_queue_ms=_parse_expected_queue_ms(values),
-        trace=_parse_trace(headers, names, values),
+        model=model,
+        input_tokens=input_tokens,
+        priority=priority,
+        routing_key=routing_key,
+        expected_queue_ms=expected_queue_ms,
+        trace=trace,
         headers=tuple(headers),
         names=names,
+    )
+
+
+_REQUIRED_HEADERS = frozenset({REQUEST_ID, MODEL})
+_NO_OPTIONAL_HEADERS: tuple[None, None, None, None, None] = (None, None, None, None, None)
+
+
+def _parse_optional(
+    headers: Headers, names: Sequence[bytes], values: dict[bytes, list[bytes]]
+) -> tuple[int | None, int | None, str | None, int | None, TraceContext | None]:
+    """input tokens, priority, routing key, expected queue time and trace context, in the order
+    their errors are reported; each None when its header is absent."""
+    if values.keys() <= _REQUIRED_HEADERS:
+        return _NO_OPTIONAL_HEADERS  # the common head: none of them was sent
+    return (
+        _parse_uint(values, INPUT_TOKENS, U64_MAX, ErrorCode.INVALID_INPUT_TOKENS),
+        _parse_uint(values, PRIORITY, U32_MAX, ErrorCode.INVALID_PRIORITY),
+        _parse_routing_key(values),
+        _parse_expected_queue_ms(values),
+        _parse_trace(headers, names, values),
     )
 
 

@@ -33,7 +33,11 @@ from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamT
 from pylon.timers import Deadline
 
 DRAINING = Phase.DRAINING
-_REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
+# Every status line built once: framing a response head is per request.
+_STATUS_LINES = {
+    status.value: b"HTTP/1.1 %d %b\r\n" % (status.value, status.phrase.encode("ascii"))
+    for status in HTTPStatus
+}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # After refusing a request whose body is still arriving: how long, and how many bytes, pylon
 # keeps reading (and dropping) after its answer, so the client sees the answer instead of a
@@ -378,17 +382,11 @@ class Http1Responder:
         return self._conn.write_paused
 
     def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
-        parts = [
-            b"HTTP/1.1 ",
-            str(status).encode("ascii"),
-            b" ",
-            _REASONS.get(status, b"Unknown"),
-            b"\r\n",
-        ]
+        parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         if content_length is not None:
-            parts += (b"content-length: ", str(content_length).encode("ascii"), b"\r\n")
+            parts.append(b"content-length: %d\r\n" % content_length)
         elif not self._is_head and status not in (204, 304) and self._keep_alive:
             # (Not kept alive, e.g. HTTP/1.0: the body simply ends when the connection does.)
             self._chunked = True

@@ -556,7 +556,7 @@ def _frame(plan: ForwardPlan, target: UpstreamTarget) -> bytes:
     parts = [
         method.encode("ascii"),
         b" ",
-        target.base_path.encode("ascii"),
+        target.path_prefix,
         plan.target.encode("ascii"),
         b" HTTP/1.1\r\nhost: ",
         target.host_header,
@@ -566,6 +566,6 @@ def _frame(plan: ForwardPlan, target: UpstreamTarget) -> bytes:
         parts += (name, b": ", value, b"\r\n")
     body = plan.body
     if body or method not in _BODYLESS:
-        parts += (b"content-length: ", str(len(body)).encode("ascii"), b"\r\n")
+        parts.append(b"content-length: %d\r\n" % len(body))
     parts += (b"\r\n", body)
     return b"".join(parts)
