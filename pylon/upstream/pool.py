@@ -80,7 +80,7 @@ class Exchange:
         self.is_head = is_head
         self.status = 0
         self.headers: list[Header] = []
-        # The names of `headers`, stripped and lower-cased once for every reader of the head.
+        # The names of `headers`, lower-cased once (as they arrive) for every reader of them.
         self.names: list[bytes] = []
         self._head_waiter: asyncio.Future[None] = conn.loop.create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -237,6 +237,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         if self.exchange is not None:
             self.exchange.headers = []
+            self.exchange.names = []
 
     def on_status(self, status: bytes) -> None:
         self._count_head(len(status))
@@ -246,8 +247,11 @@ class _Connection(asyncio.Protocol):
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_RESPONSE_HEAD:
             self._count_head(0)
-        if self.exchange is not None:
-            self.exchange.headers.append((name, value))
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.headers.append((name, value))
+            # llhttp refuses whitespace in a field name: lower-casing is the whole normalisation.
+            exchange.names.append(name.lower())
 
     def on_headers_complete(self) -> None:
         exchange = self.exchange
@@ -257,7 +261,6 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200:
             return  # an interim response; the real one follows
         exchange.status = status
-        exchange.names = field_names(exchange.headers)
         self.keep_alive = self._parser.should_keep_alive()
         self._until_close = delimited_by_close(status, exchange.headers, exchange.names)
         exchange._head_complete()
