@@ -25,7 +25,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -117,6 +117,9 @@ def inspect_body(body: bytes) -> BodyView:
         raise BodyError("request body must be a JSON object; it is empty")
     top = _decode(_TOP_DECODER, body)
     _check_utf8(body)  # msgspec checks the strings it decodes, not the ones it skips
+    plain = _plain_view(body, top)
+    if plain is not None:
+        return plain
     keys = _top_level_keys(body)
     fields: dict[str, Any] = {}
     for key in dict.fromkeys(keys):  # the client's order, so `stripped` lists paths as sent
@@ -124,10 +127,13 @@ def inspect_body(body: bytes) -> BodyView:
         if slot is not None:
             fields[key] = getattr(top, slot)  # only the few present: no tuple of all fields
     containers: dict[str, dict[str, msgspec.Raw]] = {}
+    repeated: list[str] = []
     for key in CONTAINER_KEYS:
         raw = fields.get(key)
         if raw is None:
             continue
+        if keys.count(key) > 1:
+            repeated.append(key)
         first = memoryview(raw)[:1].tobytes()
         if first == b"{":
             fields[key] = containers[key] = object_members(bytes(raw))
@@ -140,8 +146,40 @@ def inspect_body(body: bytes) -> BodyView:
         model=None if model is None else _decode(_ANY_DECODER, bytes(model)),
         model_count=keys.count("model"),
         stripped=sanitize_body(fields).stripped,
-        repeated=tuple(key for key in CONTAINER_KEYS if key in fields and keys.count(key) > 1),
+        repeated=tuple(repeated),
         containers=containers,
+    )
+
+
+_MODEL_SLOT = _TOP_SLOT["model"]
+_STREAM_SLOT = _TOP_SLOT["stream"]
+
+
+def _plain_view(body: bytes, top: msgspec.Struct) -> BodyView | None:
+    """The view of the common body (a small object with no field pylon strips or looks into, at
+    most one `model`) without the key census; None when the body may be anything else.
+
+    Each screen below is a C scan, and each proves what the census would have found: without a
+    backslash every key is spelt literally, so a `model` key repeated at the top level would put
+    `"model"` in the body twice; every member, at any depth, has a colon, so the top level is
+    within MAX_OBJECT_MEMBERS; and the top-level decode says no other member pylon reads is there.
+    """
+    if len(body) >= _SMALL_OBJECT_BYTES or b"\\" in body or body.count(b":") > MAX_OBJECT_MEMBERS:
+        return None
+    if body.count(b'"model"') > 1:
+        return None
+    model: msgspec.Raw = getattr(top, _MODEL_SLOT)
+    stream: msgspec.Raw = getattr(top, _STREAM_SLOT)
+    present = len(_TOP_KEYS) - msgspec.structs.astuple(top).count(_ABSENT)
+    if present != bool(model) + bool(stream):
+        return None  # a denied field or a container: the full reading
+    return BodyView(
+        stream=bytes(stream) == b"true",
+        model=_decode(_ANY_DECODER, bytes(model)) if model else None,
+        model_count=1 if model else 0,
+        stripped=(),
+        repeated=(),
+        containers={},
     )
 
 
@@ -226,7 +264,8 @@ def _top_level_keys(text: bytes) -> list[str]:
             ) from None
         keys: tuple[str | None, ...] = msgspec.structs.astuple(census)[0::2]
         if keys[limit] is None:
-            return [key for key in keys if key is not None]
+            # A key is a string wherever the object has a member: the Nones are the tail.
+            return cast(list[str], list(keys[: keys.index(None)]))
     raise BodyError(
         f"a JSON object in the request body has more than {MAX_OBJECT_MEMBERS} members",
         code=ErrorCode.BODY_TOO_COMPLEX,

@@ -8,11 +8,12 @@ surrounding optional whitespace by the HTTP parser (we strip again, so other tra
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
 from pylon.core.errors import ContractError, ErrorCode, LimitError
-from pylon.core.http import OWS, Header, Headers
+from pylon.core.http import OWS, Header, Headers, field_names
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
@@ -47,12 +48,15 @@ class TraceContext:
     tracestate: str | None
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: built once per request on the hot path, where a frozen dataclass's __init__ costs an
+# object.__setattr__ per field (see `pylon.core.head.RequestHead`); nothing mutates it.
+@dataclass(slots=True)
 class TunnelRequest:
     """A validated inference request as the gateway described it. Parsed once, never re-read."""
 
     method: str
     target: str  # origin-form path and query, exactly as received
+    path: str  # the route as the engine will see it: the path, percent-decoded (see `route_of`)
     request_id: str
     model: str
     input_tokens: int | None
@@ -61,20 +65,17 @@ class TunnelRequest:
     expected_queue_ms: int | None
     trace: TraceContext | None
     headers: tuple[Header, ...]  # the raw header pairs, order, case and duplicates kept
-
-    @property
-    def path(self) -> str:
-        """The route as the engine will see it: the path, percent-decoded (see `route_of`)."""
-        return route_of(self.target)
+    names: tuple[bytes, ...]  # the names of `headers`, lower-cased and stripped, in order
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HealthRequest:
     """`GET /health`: bypasses the contract and goes to the engine's health path."""
 
     method: str
     target: str
     headers: tuple[Header, ...]
+    names: tuple[bytes, ...]  # the names of `headers`, lower-cased and stripped, in order
     request_id: str | None  # for logs only, when the caller sent a usable one
 
 
@@ -101,12 +102,17 @@ def is_health_target(method: bytes, target: bytes) -> bool:
     return method in (b"GET", b"HEAD") and target.split(b"?", 1)[0] == HEALTH_PATH
 
 
-def parse_request(method: bytes, target: bytes, headers: Headers) -> TunnelRequest | HealthRequest:
+def parse_request(
+    method: bytes, target: bytes, headers: Headers, names: Sequence[bytes] | None = None
+) -> TunnelRequest | HealthRequest:
     """Turn a raw request head into the one typed value the rest of pylon uses.
 
-    Raises `ContractError` carrying the request id whenever one could be read.
+    `names`: the field names already lower-cased, one per header (`RequestHead.names`); None
+    when the caller has not computed them. Raises `ContractError` carrying the request id
+    whenever one could be read.
     """
-    values = _collect_contract_headers(headers)
+    lowered = tuple(field_names(headers) if names is None else names)
+    values = _collect_contract_headers(headers, lowered)
     if is_health_target(method, target):
         if not _VISIBLE_ASCII.fullmatch(target):
             # The query is kept for the engine, so it must be as clean as any other target.
@@ -119,11 +125,12 @@ def parse_request(method: bytes, target: bytes, headers: Headers) -> TunnelReque
             method=method.decode("ascii"),
             target=target.decode("ascii"),
             headers=tuple(headers),
+            names=lowered,
             request_id=_optional_request_id(values),
         )
     request_id = _parse_request_id(values)
     try:
-        return _parse_tunnel(method, target, headers, values, request_id)
+        return _parse_tunnel(method, target, headers, lowered, values, request_id)
     except ContractError as error:
         error.request_id = request_id
         raise
@@ -133,30 +140,57 @@ def _parse_tunnel(
     method: bytes,
     target: bytes,
     headers: Headers,
+    names: tuple[bytes, ...],
     values: dict[bytes, list[bytes]],
     request_id: str,
 ) -> TunnelRequest:
-    _check_method_and_target(method, target)
+    _check_method(method)
+    text, path = _checked_route(target)
+    model = _parse_model(values)
+    input_tokens, priority, routing_key, expected_queue_ms, trace = _parse_optional(
+        headers, names, values
+    )
     return TunnelRequest(
         method=method.decode("ascii"),
-        target=target.decode("ascii"),
+        target=text,
+        path=path,
         request_id=request_id,
-        model=_parse_model(values),
-        input_tokens=_parse_uint(values, INPUT_TOKENS, U64_MAX, ErrorCode.INVALID_INPUT_TOKENS),
-        priority=_parse_uint(values, PRIORITY, U32_MAX, ErrorCode.INVALID_PRIORITY),
-        routing_key=_parse_routing_key(values),
-        expected_queue_ms=_parse_expected_queue_ms(values),
-        trace=_parse_trace(headers, values),
+        model=model,
+        input_tokens=input_tokens,
+        priority=priority,
+        routing_key=routing_key,
+        expected_queue_ms=expected_queue_ms,
+        trace=trace,
         headers=tuple(headers),
+        names=names,
     )
 
 
-def _collect_contract_headers(headers: Headers) -> dict[bytes, list[bytes]]:
+_REQUIRED_HEADERS = frozenset({REQUEST_ID, MODEL})
+_NO_OPTIONAL_HEADERS: tuple[None, None, None, None, None] = (None, None, None, None, None)
+
+
+def _parse_optional(
+    headers: Headers, names: Sequence[bytes], values: dict[bytes, list[bytes]]
+) -> tuple[int | None, int | None, str | None, int | None, TraceContext | None]:
+    """input tokens, priority, routing key, expected queue time and trace context, in the order
+    their errors are reported; each None when its header is absent."""
+    if values.keys() <= _REQUIRED_HEADERS:
+        return _NO_OPTIONAL_HEADERS  # the common head: none of them was sent
+    return (
+        _parse_uint(values, INPUT_TOKENS, U64_MAX, ErrorCode.INVALID_INPUT_TOKENS),
+        _parse_uint(values, PRIORITY, U32_MAX, ErrorCode.INVALID_PRIORITY),
+        _parse_routing_key(values),
+        _parse_expected_queue_ms(values),
+        _parse_trace(headers, names, values),
+    )
+
+
+def _collect_contract_headers(headers: Headers, names: Sequence[bytes]) -> dict[bytes, list[bytes]]:
     values: dict[bytes, list[bytes]] = {}
-    for raw_name, raw_value in headers:
-        name = raw_name.strip(OWS).lower()
+    for index, name in enumerate(names):
         if name in _CONTRACT_HEADERS:
-            values.setdefault(name, []).append(raw_value.strip(OWS))
+            values.setdefault(name, []).append(headers[index][1].strip(OWS))
     return values
 
 
@@ -172,7 +206,7 @@ def _single(values: dict[bytes, list[bytes]], name: bytes, code: ErrorCode) -> b
 def request_id_of(headers: Headers) -> str | None:
     """The request's valid `x-request-id`, if it has one: for answering a head that failed
     before the contract ran (malformed framing), so the problem and the log still name it."""
-    return _optional_request_id(_collect_contract_headers(headers))
+    return _optional_request_id(_collect_contract_headers(headers, field_names(headers)))
 
 
 def _optional_request_id(values: dict[bytes, list[bytes]]) -> str | None:
@@ -249,7 +283,9 @@ def _parse_expected_queue_ms(values: dict[bytes, list[bytes]]) -> int | None:
     return parse_uint(found[0], U64_MAX)
 
 
-def _parse_trace(headers: Headers, values: dict[bytes, list[bytes]]) -> TraceContext | None:
+def _parse_trace(
+    headers: Headers, names: Sequence[bytes], values: dict[bytes, list[bytes]]
+) -> TraceContext | None:
     # W3C trace context: an invalid traceparent means "start a new trace", never a 400, and a
     # tracestate without a valid traceparent must be ignored.
     found = values.get(TRACEPARENT)
@@ -262,8 +298,8 @@ def _parse_trace(headers: Headers, values: dict[bytes, list[bytes]]) -> TraceCon
         return None
     states = [
         value.strip(OWS)
-        for name, value in headers
-        if name.strip(OWS).lower() == TRACESTATE and value.strip(OWS)
+        for name, (_, value) in zip(names, headers, strict=True)
+        if name == TRACESTATE and value.strip(OWS)
     ]
     # Repeated tracestate headers are one list, joined with commas (W3C 3.3.1.1). tracestate is
     # printable ASCII; anything else is not propagated at all (pylon re-sends it as a header).
@@ -289,12 +325,36 @@ _AMBIGUOUS_PATH = re.compile(
 )
 
 
-def _check_method_and_target(method: bytes, target: bytes) -> None:
+# Targets already checked, with their text and route: a gateway sends a handful of distinct
+# targets, so the scans below run once per target, not once per request. Only targets that
+# passed are kept, and only short ones, up to a bound (then the checks simply run every time).
+_ROUTES: dict[bytes, tuple[str, str]] = {}
+_ROUTES_KEPT = 512
+_ROUTE_KEPT_BYTES = 256
+
+
+def _checked_route(target: bytes) -> tuple[str, str]:
+    """A target that passes `_check_target`, as (text, route); raises `ContractError`."""
+    known = _ROUTES.get(target)
+    if known is not None:
+        return known
+    _check_target(target)
+    text = target.decode("ascii")
+    route = (text, route_of(text))
+    if len(_ROUTES) < _ROUTES_KEPT and len(target) <= _ROUTE_KEPT_BYTES:
+        _ROUTES[target] = route
+    return route
+
+
+def _check_method(method: bytes) -> None:
     if method not in _ALLOWED_METHODS:
         raise ContractError(
             f"method {method.decode('ascii', 'replace')} is not supported",
             code=ErrorCode.MALFORMED_REQUEST,
         )
+
+
+def _check_target(target: bytes) -> None:
     # Only origin-form: an absolute-form or authority target would let a client pick the host.
     if (
         not target.startswith(b"/")

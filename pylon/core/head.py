@@ -48,6 +48,9 @@ class RequestHead:
     content_length: int | None  # declared body length; None = not declared
     expects_continue: bool = False  # `expect: 100-continue`
     content_coding: bytes | None = None  # a `content-encoding` other than identity
+    # The field names lower-cased, one per entry of `headers`: computed once by the normaliser,
+    # so that the contract and the strip never lower-case a name again. None: not computed.
+    names: list[bytes] | None = None
 
 
 def malformed(reason: str) -> ContractError:
@@ -76,7 +79,8 @@ def pseudo_head(fields: Headers) -> RequestHead:
     if not _PATH.fullmatch(path):
         raise malformed(":path is not an origin-form path")
     headers = _with_host(pseudo.get(b":authority"), scheme, _join_cookies(regular))
-    return _finish(method, path, headers)
+    # Regular names were checked to be lowercase tokens above: they are their own lower case.
+    return _finish(method, path, headers, [name for name, _ in headers])
 
 
 def http1_head(method: bytes, target: bytes, fields: Headers, http10: bool) -> RequestHead:
@@ -86,17 +90,17 @@ def http1_head(method: bytes, target: bytes, fields: Headers, http10: bool) -> R
     Transfer-Encoding, obs-fold, whitespace before the colon, bare CR/LF and NUL; this adds
     what RFC 9112 forbids and llhttp lets through.
     """
-    hosts = 0
-    for name, _ in fields:
-        if len(name) == 4 and name.lower() == b"host":
-            hosts += 1
-        elif http10 and len(name) == 17 and name.lower() == b"transfer-encoding":
-            # RFC 9112 6.1: HTTP/1.0 framing with Transfer-Encoding is faulty by definition.
-            raise malformed("Transfer-Encoding is not allowed in an HTTP/1.0 request")
+    # llhttp refuses whitespace in a name, and the wire check below refuses anything but a
+    # token, so lower-casing is the whole normalisation.
+    names = [name.lower() for name, _ in fields]
+    if http10 and b"transfer-encoding" in names:
+        # RFC 9112 6.1: HTTP/1.0 framing with Transfer-Encoding is faulty by definition.
+        raise malformed("Transfer-Encoding is not allowed in an HTTP/1.0 request")
     # RFC 9112 3.2: exactly one Host on HTTP/1.1; HTTP/1.0 clients may omit it.
+    hosts = names.count(b"host")
     if hosts > 1 or (hosts == 0 and not http10):
         raise malformed("an HTTP/1.1 request needs exactly one Host header")
-    return _finish(method, target, list(fields))
+    return _finish(method, target, list(fields), names)
 
 
 def declared_length(headers: Headers) -> int | None:
@@ -111,30 +115,34 @@ def declared_length(headers: Headers) -> int | None:
     return None if found is None else int(found)
 
 
-def _finish(method: bytes, target: bytes, headers: list[Header]) -> RequestHead:
+# The fields `_finish` reads (all three rare but content-length).
+_FRAMING_FIELDS = frozenset({b"content-length", b"expect", b"content-encoding"})
+
+
+def _finish(method: bytes, target: bytes, headers: list[Header], names: list[bytes]) -> RequestHead:
     reason = wire_unsafe(headers)
     if reason is not None:
         raise malformed(reason)
-    # One pass for the fields later steps ask about (matched by length first: most names are
-    # none of them, and a length compare is cheaper than lower-casing).
+    # One pass for the fields later steps ask about.
     length: bytes | None = None
     expects = False
     coding: bytes | None = None
-    for name, value in headers:
-        size = len(name)
-        if size == 14 and name.lower() == b"content-length":
-            value = value.strip(b" \t")
+    for index, name in enumerate(names):
+        if name not in _FRAMING_FIELDS:
+            continue
+        value = headers[index][1].strip(b" \t")
+        if name == b"content-length":
             if not value.isdigit() or (length is not None and value != length):
                 raise malformed("invalid content-length")
             length = value
-        elif size == 6 and name.lower() == b"expect":
-            expects = expects or value.strip(b" \t").lower() == b"100-continue"
-        elif size == 16 and name.lower() == b"content-encoding":
-            declared = value.strip(b" \t").lower()
+        elif name == b"expect":
+            expects = expects or value.lower() == b"100-continue"
+        else:
+            declared = value.lower()
             if declared and declared != b"identity":
                 coding = declared
     return RequestHead(
-        method, target, headers, None if length is None else int(length), expects, coding
+        method, target, headers, None if length is None else int(length), expects, coding, names
     )
 
 

@@ -23,6 +23,15 @@ _TOKEN_LINES = re.compile(rb"[" + TOKEN_CHARS + rb"]+(?:\n[" + TOKEN_CHARS + rb"
 _UNSAFE_VALUE_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
+def field_names(headers: Headers) -> list[bytes]:
+    """Each field name as every rule compares it: without surrounding whitespace, lower case.
+
+    Computed once per message where the names are needed more than once (the request's head,
+    the engine's response head) and passed along, so no name is lower-cased twice.
+    """
+    return [name.strip(OWS).lower() for name, _ in headers]
+
+
 def wire_unsafe(headers: Headers) -> str | None:
     """Why these fields cannot be written on an HTTP/1.1 wire as they are; None when they can.
 

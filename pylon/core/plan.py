@@ -111,7 +111,7 @@ class Planner:
         self._consumed = consumed
 
     def plan(self, request: TunnelRequest, body: bytes) -> ForwardPlan:
-        sanitized = sanitize_request_headers(request.headers, self._consumed)
+        sanitized = sanitize_request_headers(request.headers, self._consumed, request.names)
         write = self._adapter.derive(request.priority)
         new_body, body_stripped, stream = self._rewrite_body(request, body, write)
         headers: list[Header] = [(b"x-request-id", request.request_id.encode("ascii"))]
@@ -132,7 +132,7 @@ class Planner:
         )
 
     def plan_health(self, request: HealthRequest) -> ForwardPlan:
-        sanitized = sanitize_request_headers(request.headers, self._consumed)
+        sanitized = sanitize_request_headers(request.headers, self._consumed, request.names)
         headers: tuple[Header, ...] = sanitized.headers
         if request.request_id is not None:
             headers = ((b"x-request-id", request.request_id.encode("ascii")), *headers)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pylon.core.http import Header
+from pylon.core.http import Header, field_names
 
 _OWS = b" \t"
 
@@ -156,10 +156,14 @@ def header_denied_reason(name: bytes) -> str | None:
     reason = DENIED_REQUEST_HEADERS.get(name)
     if reason is not None:
         return reason
-    for prefix, prefix_reason in DENIED_REQUEST_HEADER_PREFIXES:
-        if name.startswith(prefix):
-            return prefix_reason
+    if name.startswith(_DENIED_PREFIXES):  # one C call for the common miss
+        for prefix, prefix_reason in DENIED_REQUEST_HEADER_PREFIXES:
+            if name.startswith(prefix):
+                return prefix_reason
     return None
+
+
+_DENIED_PREFIXES = tuple(prefix for prefix, _ in DENIED_REQUEST_HEADER_PREFIXES)
 
 
 # The tunnel headers pylon reads itself; their underscore twins would look like them downstream.
@@ -178,14 +182,16 @@ def _connection_tokens(headers: Sequence[Header]) -> frozenset[bytes]:
     return frozenset(tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
 class SanitizedHeaders:
     headers: tuple[Header, ...]
     stripped: tuple[str, ...]  # client controls removed (pylon-owned and hop-by-hop excluded)
 
 
 def sanitize_request_headers(
-    headers: Sequence[Header], consumed: frozenset[bytes] = frozenset()
+    headers: Sequence[Header],
+    consumed: frozenset[bytes] = frozenset(),
+    names: Sequence[bytes] | None = None,
 ) -> SanitizedHeaders:
     """Drop every denied, hop-by-hop and pylon-owned header; keep the rest in order, unchanged.
 
@@ -193,22 +199,24 @@ def sanitize_request_headers(
     denied names also listed in `Connection`). Hop-by-hop fields and other names listed in
     `Connection` are connection management, not controls: dropped without a report, like the
     pylon-owned ones. `consumed` names (lower-case) are dropped silently too: pylon used them.
+    `names`: the names of `headers` already stripped and lower-cased (`TunnelRequest.names`).
     """
     kept: list[Header] = []
     stripped: list[str] = []
     has_connection = False
-    for raw_name, value in headers:
-        name = raw_name.strip(_OWS).lower()
+    if names is None:
+        names = field_names(headers)
+    for index, name in enumerate(names):
         if name in PYLON_OWNED_REQUEST_HEADERS or name in consumed:
             continue
         reason = header_denied_reason(name)
-        if reason is not None and reason != HOP_BY_HOP_REASON:
+        if reason is None:
+            kept.append(headers[index])
+        elif reason != HOP_BY_HOP_REASON:
             stripped.append(name.decode("latin-1"))  # a client control: reported
-            continue
-        if reason is not None:
+        else:
+            # connection management, not a client control: dropped unreported
             has_connection = has_connection or name == b"connection"
-            continue  # connection management, not a client control: dropped unreported
-        kept.append((raw_name, value))
     if has_connection:  # rare: a second pass only when there is a Connection header
         kept = _without_listed(kept, _connection_tokens(headers))
     return SanitizedHeaders(tuple(kept), tuple(stripped))
@@ -219,14 +227,18 @@ def _without_listed(headers: list[Header], listed: frozenset[bytes]) -> list[Hea
 
 
 def sanitize_response_headers(
-    headers: Sequence[Header], extra_denied: frozenset[bytes] = frozenset()
+    headers: Sequence[Header],
+    extra_denied: frozenset[bytes] = frozenset(),
+    names: Sequence[bytes] | None = None,
 ) -> list[Header]:
     """Engine -> gateway: drop hop-by-hop, framing, any retry metadata the engine made up and
-    the headers pylon writes itself."""
+    the headers pylon writes itself. `names`: the names of `headers` already stripped and
+    lower-cased (`pylon.core.http.field_names`)."""
     kept: list[Header] = []
     has_connection = False
-    for raw_name, value in headers:
-        name = raw_name.strip(_OWS).lower()
+    if names is None:
+        names = field_names(headers)
+    for index, name in enumerate(names):
         if b"_" in name:
             # Underscore twins (`x_stargate_retryable`): the gateway's stack may read `_` as `-`.
             name = name.replace(b"_", b"-")
@@ -241,13 +253,13 @@ def sanitize_response_headers(
             or name.startswith(DENIED_RESPONSE_HEADER_PREFIXES)
         ):
             continue
-        kept.append((raw_name, value))
+        kept.append(headers[index])
     if has_connection:
         kept = _without_listed(kept, _connection_tokens(headers))
     return kept
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
 class SanitizedBody:
     body: dict[str, Any]
     stripped: tuple[str, ...]  # dotted paths removed, e.g. "nvext.backend_instance_id"

@@ -14,12 +14,14 @@ class UpstreamTarget:
     base_path: str  # "" or "/prefix" without a trailing slash
     # Derived once: the pool looks targets up and frames a Host line on every request.
     host_header: bytes = field(init=False, compare=False, repr=False)
+    path_prefix: bytes = field(init=False, compare=False, repr=False)  # base_path, encoded
     label: str = field(init=False, compare=False, repr=False)  # how logs name this target
     _hash: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         host = f"[{self.host}]" if ":" in self.host else self.host
         object.__setattr__(self, "host_header", f"{host}:{self.port}".encode("ascii"))
+        object.__setattr__(self, "path_prefix", self.base_path.encode("ascii"))
         object.__setattr__(self, "label", f"{host}:{self.port}{self.base_path}")
         object.__setattr__(self, "_hash", hash((self.host, self.port, self.base_path)))
 

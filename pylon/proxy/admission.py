@@ -24,7 +24,7 @@ class ProxyAdmission:
         self._auth = auth
 
     def admit(self, head: RequestHead) -> TunnelRequest | HealthRequest:
-        request = parse_request(head.method, head.target, head.headers)
+        request = parse_request(head.method, head.target, head.headers, head.names)
         if isinstance(request, HealthRequest):
             if self._lifecycle.draining:
                 raise _refusal(Phase.DRAINING, request.request_id)

@@ -15,6 +15,7 @@ import time
 
 from pylon.core.contract import HealthRequest, TunnelRequest
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
+from pylon.core.http import Header
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.queue import QueueAdmission, QueueEntry
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
@@ -164,11 +165,13 @@ class Proxy:
                 watchdog.arm_for(self._relay.first_output_timeout, "no response head in time")
             fresh = False
             while True:
-                try:
-                    exchange = await self._pool.send(plan, fresh=fresh)
-                except UpstreamConnectError as exc:
-                    self._answer_connect_failure(sink, plan, exc, record)
-                    return
+                exchange = None if fresh else self._pool.send_idle(plan)
+                if exchange is None:
+                    try:
+                        exchange = await self._pool.send(plan, fresh=fresh)
+                    except UpstreamConnectError as exc:
+                        self._answer_connect_failure(sink, plan, exc, record)
+                        return
                 record.dispatched_at = now = self._loop.time()
                 if not fresh:
                     if entry is not None:
@@ -184,7 +187,17 @@ class Proxy:
                     self._pool.finish(exchange)
                     exchange = None
                     fresh = True
-            await self._relay_response(plan, exchange, booking, entry, sink, watchdog, record)
+            headers = self._response_headers(plan, exchange, record)
+            if exchange.status == 200 and is_event_stream(exchange.headers, exchange.names):
+                await self._relay_events(
+                    plan, exchange, headers, booking, entry, sink, watchdog, record
+                )
+            else:
+                # The head of a whole response: prefill (and generation) is over. It measures the
+                # input throughput only where it ends a prefill: a successful non-stream request.
+                sample = exchange.status == 200 and not plan.stream_requested
+                self._first_output(booking, entry, record, sample)
+                await relay_raw(exchange, sink, headers, watchdog, self._relay, record)
         except AlreadyAnswered as cut:
             record.outcome = cut.outcome
             cut.error.request_id = plan.request_id
@@ -227,47 +240,49 @@ class Proxy:
         record.status, record.outcome = error.status, code.value
         self._observer.upstream_failed(record, error, after_head=False)
 
-    async def _relay_response(
-        self,
-        plan: ForwardPlan,
-        exchange: Exchange,
-        booking: Booking,
-        entry: QueueEntry | None,
-        sink: ResponseSink,
-        watchdog: Watchdog,
-        record: RequestRecord,
-    ) -> None:
+    def _response_headers(
+        self, plan: ForwardPlan, exchange: Exchange, record: RequestRecord
+    ) -> list[Header]:
+        """The engine's response head as the client gets it: stripped, the request's id echoed,
+        and the retry marking of an error status."""
         status = exchange.status
         record.status = status
-        headers = sanitize_response_headers(exchange.headers, self._retry_header)
+        headers = sanitize_response_headers(exchange.headers, self._retry_header, exchange.names)
         headers += echo_request_id(plan.request_id)
         mark = classify_upstream_response(status, exchange.headers, self._retry, time.time())
         if mark is not None:
             headers += mark.headers()
             self._observer.upstream_status(record, mark)
         record.first_byte_at = self._loop.time()
-        if status == 200 and is_event_stream(exchange.headers):
-            if entry is not None:
-                entry.head()
-            sink.start(200, headers, None)
-            failure = await relay_sse(
-                exchange,
-                sink,
-                watchdog,
-                self._relay,
-                plan.request_id,
-                lambda: self._first_output(booking, entry, record, True),
-                record,
-                booking.output_tokens if booking.counts_output else None,
-            )
-            if failure is not None:
-                record.outcome = failure.code.value
-                self._observer.upstream_failed(record, failure, after_head=True)
-        else:
-            # The head of a whole response: prefill (and generation) is over. It measures the
-            # input throughput only where it ends a prefill: a successful non-stream request.
-            self._first_output(booking, entry, record, status == 200 and not plan.stream_requested)
-            await relay_raw(exchange, sink, headers, watchdog, self._relay, record)
+        return headers
+
+    async def _relay_events(
+        self,
+        plan: ForwardPlan,
+        exchange: Exchange,
+        headers: list[Header],
+        booking: Booking,
+        entry: QueueEntry | None,
+        sink: ResponseSink,
+        watchdog: Watchdog,
+        record: RequestRecord,
+    ) -> None:
+        if entry is not None:
+            entry.head()
+        sink.start(200, headers, None)
+        failure = await relay_sse(
+            exchange,
+            sink,
+            watchdog,
+            self._relay,
+            plan.request_id,
+            lambda: self._first_output(booking, entry, record, True),
+            record,
+            booking.output_tokens if booking.counts_output else None,
+        )
+        if failure is not None:
+            record.outcome = failure.code.value
+            self._observer.upstream_failed(record, failure, after_head=True)
 
     def _first_output(
         self, booking: Booking, entry: QueueEntry | None, record: RequestRecord, sample: bool

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import orjson
 
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError, openai_error
-from pylon.core.http import Header
+from pylon.core.http import Header, field_names
 from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event, iter_events
 from pylon.core.usage import FROM_ESTIMATE, FROM_USAGE, data_events, usage_at_end
 from pylon.observe import RequestRecord
@@ -173,16 +173,17 @@ async def relay_raw(
     stalls after its head cannot hold the request (and the client) forever. A usage report at
     the body's end gives `record` its token counts.
     """
-    sink.start(exchange.status, headers, content_length(exchange.headers))
+    sink.start(exchange.status, headers, content_length(exchange.headers, exchange.names))
     gap = limits.output_gap_timeout
     previous = last = b""  # the last two pieces of the body: where a usage report is
     try:
         while True:
-            if not exchange.ready:
-                # Only a wait needs the clock: a small body that came with its head (the
-                # common case) never arms a timer.
+            if exchange.ready:
+                # A small body that came with its head (the common case): no clock, no wait.
+                chunk = exchange.take()
+            else:
                 watchdog.arm_for(gap, "the response body stopped arriving")
-            chunk = await exchange.next_chunk()
+                chunk = await exchange.next_chunk()
             if chunk is None:
                 break
             sink.write(chunk)
@@ -225,15 +226,22 @@ def sse_error_payload(error: PylonError) -> bytes:
     return orjson.dumps({"error": openai_error(error, error.request_id)})
 
 
-def is_event_stream(headers: Sequence[Header]) -> bool:
-    for name, value in headers:
-        if name.lower() == b"content-type":
-            return value.lower().startswith(b"text/event-stream")
+def is_event_stream(headers: Sequence[Header], names: Sequence[bytes] | None = None) -> bool:
+    """`names`: the names of `headers`, stripped and lower-cased (`Exchange.names`)."""
+    if names is None:
+        names = field_names(headers)
+    for index, name in enumerate(names):
+        if name == b"content-type":
+            return headers[index][1].lower().startswith(b"text/event-stream")
     return False
 
 
-def content_length(headers: Sequence[Header]) -> int | None:
-    for name, value in headers:
-        if name.lower() == b"content-length":
+def content_length(headers: Sequence[Header], names: Sequence[bytes] | None = None) -> int | None:
+    """`names`: the names of `headers`, stripped and lower-cased (`Exchange.names`)."""
+    if names is None:
+        names = field_names(headers)
+    for index, name in enumerate(names):
+        if name == b"content-length":
+            value = headers[index][1]
             return int(value) if value.strip().isdigit() else None
     return None

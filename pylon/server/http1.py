@@ -33,7 +33,11 @@ from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamT
 from pylon.timers import Deadline
 
 DRAINING = Phase.DRAINING
-_REASONS = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
+# Every status line built once: framing a response head is per request.
+_STATUS_LINES = {
+    status.value: b"HTTP/1.1 %d %b\r\n" % (status.value, status.phrase.encode("ascii"))
+    for status in HTTPStatus
+}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # After refusing a request whose body is still arriving: how long, and how many bytes, pylon
 # keeps reading (and dropping) after its answer, so the client sees the answer instead of a
@@ -48,7 +52,9 @@ class _StopParsing(Exception):
 
 class Http1Connection(asyncio.Protocol):
     def __init__(self, ingress: Ingress) -> None:
-        self._limits = ingress.limits
+        self._limits = limits = ingress.limits
+        self._max_head_bytes = limits.max_header_bytes
+        self._max_fields = limits.max_headers
         self._lifecycle = ingress.lifecycle
         self._loop = asyncio.get_running_loop()
         self._table = StreamTable("http1", self, ingress, self._loop, serial=True)
@@ -61,6 +67,10 @@ class Http1Connection(asyncio.Protocol):
         self._url = b""
         self._headers: list[Header] = []
         self._head_bytes = 0
+        # Body bytes the head declared and not yet received (None: not declared, e.g. chunked);
+        # the piece that completes them ends the request (`_ended`), as END_STREAM does in h2.
+        self._body_left: int | None = None
+        self._ended = False
         self._continue_owed = False
         # per admitted request, until its response starts: (keep-alive, HEAD)
         self._framing: dict[int, tuple[bool, bool]] = {}
@@ -121,22 +131,21 @@ class Http1Connection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._head_bytes = 0
+        self._ended = False
         self._timer.arm(self._limits.stall_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count_head(len(url))
+        self._head_bytes += len(url)
+        if self._head_bytes > self._max_head_bytes:
+            self._head_over_limits()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Once per field of every request: one cheap test here, the detail in the rare branch.
         self._headers.append((name, value))
-        self._count_head(len(name) + len(value) + 4)
-        if len(self._headers) > self._limits.max_headers:
-            self._stop(
-                LimitError(
-                    f"more than {self._limits.max_headers} header fields",
-                    code=ErrorCode.HEADERS_TOO_LARGE,
-                )
-            )
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self._max_head_bytes or len(self._headers) > self._max_fields:
+            self._head_over_limits()
 
     def on_headers_complete(self) -> None:
         stream = self._stream
@@ -150,6 +159,7 @@ class Http1Connection(asyncio.Protocol):
         # HTTP/1.0 has no chunked framing: its streamed responses end by closing.
         keep_alive = parser.should_keep_alive() and not http10
         self._framing[stream.id] = (keep_alive, head.method == b"HEAD")
+        self._body_left = head.content_length
         self._table.head(stream, head, ended=False)
         if stream.intake.state is State.REJECTED:
             self._stop_reading()
@@ -163,7 +173,12 @@ class Http1Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         stream = self._stream
         assert stream is not None, "llhttp calls on_message_begin first"
-        self._table.data(stream.id, body, ended=False)
+        left = self._body_left
+        if left is not None:
+            # llhttp passes no byte beyond the declared length: at zero, this piece is the last.
+            left = self._body_left = left - len(body)
+            self._ended = left == 0
+        self._table.data(stream.id, body, ended=self._ended)
         if stream.intake.state is State.REJECTED:
             self._stop_reading()
             raise _StopParsing
@@ -174,7 +189,8 @@ class Http1Connection(asyncio.Protocol):
         self._stream = None
         self._continue_owed = False
         self._timer.disarm()
-        self._table.end(stream.id)
+        if not self._ended:  # else the last body piece has ended the request already
+            self._table.end(stream.id)
         if self._table.queued and self._transport is not None and not self._closing:
             # Pipelined: this request waits for the response before it. Read no further until
             # it runs, so pipelined requests cannot pile up in memory. (Reading is not paused
@@ -261,12 +277,19 @@ class Http1Connection(asyncio.Protocol):
             self._observer.transport_event("client_timeout", "http1", timer="idle")
             self.abort()
 
-    def _count_head(self, size: int) -> None:
-        self._head_bytes += size
+    def _head_over_limits(self) -> None:
+        """Refuse the head being parsed if it is over the header limits (431)."""
         if self._head_bytes > self._limits.max_header_bytes:
             self._stop(
                 LimitError(
                     f"request head exceeds {self._limits.max_header_bytes} bytes",
+                    code=ErrorCode.HEADERS_TOO_LARGE,
+                )
+            )
+        if len(self._headers) > self._limits.max_headers:
+            self._stop(
+                LimitError(
+                    f"more than {self._limits.max_headers} header fields",
                     code=ErrorCode.HEADERS_TOO_LARGE,
                 )
             )
@@ -359,17 +382,11 @@ class Http1Responder:
         return self._conn.write_paused
 
     def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
-        parts = [
-            b"HTTP/1.1 ",
-            str(status).encode("ascii"),
-            b" ",
-            _REASONS.get(status, b"Unknown"),
-            b"\r\n",
-        ]
+        parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         if content_length is not None:
-            parts += (b"content-length: ", str(content_length).encode("ascii"), b"\r\n")
+            parts.append(b"content-length: %d\r\n" % content_length)
         elif not self._is_head and status not in (204, 304) and self._keep_alive:
             # (Not kept alive, e.g. HTTP/1.0: the body simply ends when the connection does.)
             self._chunked = True

@@ -17,11 +17,12 @@ import asyncio
 import collections
 import socket
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from pylon.core.http import Header
+from pylon.core.http import Header, field_names
 from pylon.core.target import UpstreamTarget
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class Exchange:
         "_waiter",
         "headers",
         "is_head",
+        "names",
         "status",
     )
 
@@ -81,6 +83,8 @@ class Exchange:
         self.is_head = is_head
         self.status = 0
         self.headers: list[Header] = []
+        # The names of `headers`, lower-cased once (as they arrive) for every reader of them.
+        self.names: list[bytes] = []
         self._head_waiter: asyncio.Future[None] = conn.loop.create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -104,25 +108,30 @@ class Exchange:
 
         Raises if the exchange broke (after the bytes that did arrive were read).
         """
-        while True:
-            if self._chunks:
-                # Everything that has arrived, as one piece: the relay then writes once per
-                # wake-up instead of once per engine chunk (one syscall, not twenty).
-                chunks = self._chunks
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._buffered = 0
-                self._conn.resume_reading()
-                return chunk
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                return None
+        while not self.ready:
             self._waiter = self._conn.loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        return self.take()
+
+    def take(self) -> bytes | None:
+        """`next_chunk` without the wait, for when `ready` says it would not wait: a small body
+        usually arrives with its head, and then the relay needs no coroutine to read it."""
+        chunks = self._chunks
+        if chunks:
+            # Everything that has arrived, as one piece: the relay then writes once per
+            # wake-up instead of once per engine chunk (one syscall, not twenty).
+            chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._buffered = 0
+            self._conn.resume_reading()
+            return chunk
+        if self._error is not None:
+            raise self._error
+        assert self._done, "take() is only called when the exchange is ready"
+        return None
 
     def fail(self, error: BaseException) -> None:
         """Break the exchange (engine went away, or the caller's timeout fired)."""
@@ -260,14 +269,21 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         if self.exchange is not None:
             self.exchange.headers = []
+            self.exchange.names = []
 
     def on_status(self, status: bytes) -> None:
         self._count_head(len(status))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value))
-        if self.exchange is not None:
-            self.exchange.headers.append((name, value))
+        # Once per field of every response: the byte count is inlined (see `_count_head`).
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_RESPONSE_HEAD:
+            self._count_head(0)
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.headers.append((name, value))
+            # llhttp refuses whitespace in a field name: lower-casing is the whole normalisation.
+            exchange.names.append(name.lower())
 
     def on_headers_complete(self) -> None:
         exchange = self.exchange
@@ -278,7 +294,7 @@ class _Connection(asyncio.Protocol):
             return  # an interim response; the real one follows
         exchange.status = status
         self.keep_alive = self._parser.should_keep_alive()
-        self._until_close = delimited_by_close(status, exchange.headers)
+        self._until_close = delimited_by_close(status, exchange.headers, exchange.names)
         exchange._head_complete()
         if exchange.is_head:
             # llhttp cannot be told the request was HEAD; the body it expects never comes.
@@ -333,14 +349,18 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
-def delimited_by_close(status: int, headers: list[Header]) -> bool:
-    """RFC 9112 6.3: without Content-Length or chunked coding, the body runs to the close."""
+def delimited_by_close(
+    status: int, headers: list[Header], names: Sequence[bytes] | None = None
+) -> bool:
+    """RFC 9112 6.3: without Content-Length or chunked coding, the body runs to the close.
+    `names`: the names of `headers`, stripped and lower-cased (`field_names`)."""
     if status in (204, 304):
         return False
-    for name, value in headers:
-        lowered = name.lower()
-        if lowered == b"content-length" or (
-            lowered == b"transfer-encoding" and b"chunked" in value.lower()
+    if names is None:
+        names = field_names(headers)
+    for index, name in enumerate(names):
+        if name == b"content-length" or (
+            name == b"transfer-encoding" and b"chunked" in headers[index][1].lower()
         ):
             return False
     return True
@@ -378,19 +398,35 @@ class UpstreamPool:
         self._targets: dict[UpstreamTarget, _TargetPool] = {}
         self._reaper: asyncio.TimerHandle | None = None
 
+    def send_idle(self, plan: ForwardPlan) -> Exchange | None:
+        """Write `plan` on an idle kept-alive connection to its target and return the exchange;
+        None when there is no idle connection (then `send` opens or waits for one). Not a
+        coroutine: under load almost every request finds an idle connection."""
+        pool = self._target_pool(plan)
+        conn = self._take_idle(pool)
+        return None if conn is None else self._start(conn, plan, pool.target)
+
     async def send(self, plan: ForwardPlan, *, fresh: bool = False) -> Exchange:
         """Write `plan` to its target; returns once written. Raises `UpstreamConnectError`.
 
         `fresh`: use a new connection, never an idle one (the retry of a stale-connection race).
         """
+        pool = self._target_pool(plan)
+        conn = None if fresh else self._take_idle(pool)
+        if conn is None:
+            conn = await self._open(pool)
+        return self._start(conn, plan, pool.target)
+
+    def _target_pool(self, plan: ForwardPlan) -> _TargetPool:
         assert plan.upstream is not None, "a plan is routed before it is sent"
         target = plan.upstream
         pool = self._targets.get(target)
         if pool is None:
             pool = self._targets[target] = _TargetPool(target)
-        conn = None if fresh else self._take_idle(pool)
-        if conn is None:
-            conn = await self._open(pool)
+        return pool
+
+    @staticmethod
+    def _start(conn: _Connection, plan: ForwardPlan, target: UpstreamTarget) -> Exchange:
         exchange = Exchange(conn, is_head=plan.method == "HEAD")
         conn.exchange = exchange
         conn.received = False
@@ -555,7 +591,7 @@ def _frame(plan: ForwardPlan, target: UpstreamTarget) -> bytes:
     parts = [
         method.encode("ascii"),
         b" ",
-        target.base_path.encode("ascii"),
+        target.path_prefix,
         plan.target.encode("ascii"),
         b" HTTP/1.1\r\nhost: ",
         target.host_header,
@@ -565,6 +601,6 @@ def _frame(plan: ForwardPlan, target: UpstreamTarget) -> bytes:
         parts += (name, b": ", value, b"\r\n")
     body = plan.body
     if body or method not in _BODYLESS:
-        parts += (b"content-length: ", str(len(body)).encode("ascii"), b"\r\n")
+        parts.append(b"content-length: %d\r\n" % len(body))
     parts += (b"\r\n", body)
     return b"".join(parts)

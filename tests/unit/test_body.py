@@ -11,6 +11,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from pylon.core import body as body_module
 from pylon.core.body import (
     _OBJECT_AS_ARRAY,
     _UTF8_CHUNK,
@@ -26,7 +27,7 @@ from pylon.core.plan import has_duplicate_keys
 from pylon.core.sanitize import sanitize_body
 
 from .helpers import tunnel
-from .test_sanitize_body import body_text, json_values, planner
+from .test_sanitize_body import body_text, json_values, key_text, planner
 
 # --- validity: the same verdict as orjson (the parser before msgspec) ------------------------
 
@@ -208,6 +209,39 @@ def test_view_matches_the_stdlib_reading(body: bytes) -> None:
     assert view.stream is (parsed.get("stream") is True)
     assert view.stripped == sanitize_body(parsed).stripped
     assert view.repeated == tuple(k for k in CONTAINER_KEYS if keys.count(k) > 1)
+
+
+@st.composite
+def plain_body_text(draw: Any) -> bytes:
+    """Bodies near the common shape: a model (sometimes two, sometimes nested too), stream,
+    benign members, now and then a denied one, a container or an escaped key."""
+    names = draw(
+        st.lists(st.sampled_from(["model", "stream", "messages", "max_tokens"]), max_size=5)
+    )
+    names += draw(st.lists(st.sampled_from(["priority", "nvext", "vllm_xargs", "n"]), max_size=1))
+    members = []
+    for name in names:
+        value = draw(st.sampled_from([b'"m"', b"true", b"false", b'[{"model":"x"}]', b"{}", b"1"]))
+        members.append(draw(key_text(name)) + b":" + value)
+    return b"{" + b",".join(draw(st.permutations(members))) + b"}"
+
+
+@settings(max_examples=500, deadline=None)
+@given(body_text() | plain_body_text())
+def test_plain_view_is_the_census_reading(body: bytes) -> None:
+    """The common small body is read without the key census; whatever it holds, the view is the
+    one the census reading gives."""
+    try:
+        fast: Any = inspect_body(body)
+    except BodyError as error:
+        fast = error.code
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(body_module, "_plain_view", lambda _body, _top: None)
+        try:
+            full: Any = inspect_body(body)
+        except BodyError as error:
+            full = error.code
+    assert fast == full
 
 
 @settings(max_examples=300, deadline=None)
