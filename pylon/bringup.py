@@ -126,6 +126,10 @@ class HealthGate:
                         self._target, path, timeout=budget, max_body=MAX_HEALTH_BODY
                     )
                 except FetchError as exc:
+                    if exc.reason == "timeout" and budget < self._timeout and path in last:
+                        # Cut short by the end of the wait, not by the engine: the path's
+                        # earlier answer says more about why it is not healthy.
+                        break
                     result = exc.detail
                 else:
                     if 200 <= reply.status < 300:

@@ -139,6 +139,18 @@ async def test_each_probe_is_bounded_by_the_wait_left() -> None:
     assert len(timeouts) == 2  # the wait was spent: no second round
 
 
+async def test_a_probe_cut_short_by_the_wait_keeps_the_paths_earlier_answer() -> None:
+    # Round 1 asks both paths (refused, fast); round 2's /health gets only the wait that is
+    # left and times out on it: pylon's own deadline, not the engine's answer.
+    engine = FakeEngine({"/health": [REFUSED, TIMEOUT], "/v1/health/ready": [REFUSED]}, latency=0.2)
+    with pytest.raises(EngineNotReady) as failed:
+        await gate(engine, EventObserver(), wait=1.0, interval=0.5, timeout=1.0).run()
+    timeouts = [timeout for _, timeout in engine.asked]
+    assert timeouts[-1] < 1.0  # the last probe was cut to the wait left
+    assert "/health: cannot connect: Connection refused" in str(failed.value)
+    assert "no complete answer" not in str(failed.value)
+
+
 async def test_a_wait_of_zero_is_one_round() -> None:
     engine = FakeEngine({"/health": [TIMEOUT], "/v1/health/ready": [REFUSED]})
     with pytest.raises(EngineNotReady, match=r"\(1 round of probes"):
