@@ -312,17 +312,7 @@ class Fleet:
         _wait_http(f"{self.url}/health", 60.0)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        log = (self.logs / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env,
-        )
-        log.close()
-        self.group.track(proc)
+        self.group.start(argv, self.logs / f"{name}.log", env)
 
     def close(self) -> None:
         self.group.close()
@@ -410,17 +400,7 @@ class DynamoFleet:
             **{k: v for k, v in os.environ.items() if not k.startswith("DYN_ROUTER_")},
             "PYTHONPATH": str(ROOT),
         }
-        log = (self.logs / f"pylon-{name}.log").open("wb")
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env,
-        )
-        log.close()
-        self.group.track(proc)
+        self.group.start(argv, self.logs / f"pylon-{name}.log", env)
         _wait_http(f"{self.admin}/ready", 60.0)
 
     def requests_per_worker(self) -> list[int]:

@@ -27,8 +27,11 @@ class ProcessGroup:
         self._procs.append(proc)
         return proc
 
-    def start(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        """Start argv in its own session with stdout+stderr to log_path."""
+    def start(
+        self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start argv in its own session with stdout+stderr to log_path (`env`: the whole
+        environment; None inherits this one)."""
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 argv,
@@ -36,6 +39,7 @@ class ProcessGroup:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=env,
             )
         return self.track(proc)
 
