@@ -200,19 +200,20 @@ def rewrite_body(body: bytes, view: BodyView, priority: int | None) -> bytes:
 
 def with_token_data(body: bytes, token_ids: Sequence[int]) -> bytes | None:
     """`body` (a planned JSON object) with `nvext.token_data` set to `token_ids`; every other
-    value keeps its bytes. None when it cannot be added without changing what else the engine
-    reads: a repeated top-level key (re-emitting the object would keep only one copy), or an
-    `nvext` that is not an object (or null). Never for an empty list (the frontend would take
-    it as an empty prompt)."""
+    value keeps its bytes. Without an `nvext`, the member is appended to the body as it is;
+    with one, the top level is re-emitted, so None when that would change what else the engine
+    reads: a repeated top-level key (only one copy would be kept), or an `nvext` that is not an
+    object (or null). Never for an empty list (the frontend would take it as an empty
+    prompt)."""
     if not token_ids:
         return None
-    keys = _top_level_keys(body)
-    if len(set(keys)) != len(keys):
-        return None
     ids = _ENCODER.encode(token_ids)
-    if "nvext" not in keys:
-        return append_raw_member(body, "nvext", b'{"token_data":' + ids + b"}")
     members: dict[str, Any] = _decode(_MEMBERS_DECODER, body)
+    if "nvext" not in members:
+        return append_raw_member(body, "nvext", b'{"token_data":' + ids + b"}")
+    # The census counts every member, repeats included, however a name is spelt.
+    if len(_top_level_keys(body)) != len(members):
+        return None
     nvext = bytes(members["nvext"])
     if nvext == b"null":
         members["nvext"] = {"token_data": msgspec.Raw(ids)}

@@ -281,7 +281,12 @@ def test_token_data_is_added_to_the_planned_body_and_nothing_else_changes(
     out = with_token_data(planned, ids)
     pairs = json.loads(planned, object_pairs_hook=lambda pairs: pairs)
     keys = [key for key, _ in pairs]
-    nvext = json.loads(planned).get("nvext", None)
+    if "nvext" not in keys:  # appended: the body's own bytes come first, untouched
+        assert out is not None and out.startswith(planned.rstrip()[:-1].rstrip())
+        member = ("nvext", [("token_data", ids)])  # objects read as their pairs, as above
+        assert json.loads(out, object_pairs_hook=lambda p: p) == [*pairs, member]
+        return
+    nvext = json.loads(planned)["nvext"]
     if len(set(keys)) != len(keys) or not (nvext is None or isinstance(nvext, dict)):
         assert out is None  # the object cannot be re-emitted without changing it
         return
@@ -313,7 +318,9 @@ def test_token_data_examples() -> None:
     )
     assert with_token_data(b'{"nvext":null}', [3]) == b'{"nvext":{"token_data":[3]}}'
     assert with_token_data(b'{"nvext":[1]}', [3]) is None
-    assert with_token_data(b'{"t":1,"t":2}', [3]) is None
+    assert with_token_data(b'{"t":1,"t":2}', [3]) == b'{"t":1,"t":2,"nvext":{"token_data":[3]}}'
+    assert with_token_data(b'{"t":1,"t":2,"nvext":{}}', [3]) is None
+    assert with_token_data(b'{"{":1,"\\u007b":2,"nvext":{}}', [3]) is None  # same name
 
 
 def test_rewrite_copies_values_byte_for_byte() -> None:
