@@ -185,7 +185,8 @@ def decode_payload(
         )
     try:
         raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError itself for a str that is not UTF-8 (0xa1 0x80).
         raise KvEventDecodeError("msgpack", f"payload is not msgpack: {exc}") from None
     if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
         raise KvEventDecodeError("batch", "payload must be an array [ts, events, dp_rank]")

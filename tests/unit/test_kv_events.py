@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pylon.core.kv_events import (
@@ -216,6 +216,7 @@ def test_the_encoder_refuses_what_the_wire_cannot_carry() -> None:
 
 @settings(max_examples=300)
 @given(frames=st.lists(st.binary(max_size=64), max_size=4))
+@example(frames=[b"", bytes(8), b"\xa1\x80"])  # a str that is not UTF-8
 def test_arbitrary_bytes_raise_only_the_typed_error(frames: list[bytes]) -> None:
     try:
         decode_message(frames)
