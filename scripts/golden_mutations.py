@@ -87,7 +87,12 @@ NAMED = [
         SANITIZE,
         '    ("vllm_xargs", "session_id"): "vllm: session affinity through extension args",',
     ),
-    Mutation("underscore-twin rule", SANITIZE, '    if b"_" in name:\n', "    if False:\n"),
+    Mutation(
+        "underscore-twin rule",
+        SANITIZE,
+        '    if name.find(b"_") >= 0:\n        # Underscore twins (`x_dynamo_request_priority`)',
+        "    if False:\n        # Underscore twins (`x_dynamo_request_priority`)",
+    ),
     Mutation(
         "connection-listed-names rule",
         SANITIZE,

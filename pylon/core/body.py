@@ -164,7 +164,11 @@ def _plain_view(body: bytes, top: msgspec.Struct) -> BodyView | None:
     `"model"` in the body twice; every member, at any depth, has a colon, so the top level is
     within MAX_OBJECT_MEMBERS; and the top-level decode says no other member pylon reads is there.
     """
-    if len(body) >= _SMALL_OBJECT_BYTES or b"\\" in body or body.count(b":") > MAX_OBJECT_MEMBERS:
+    if (
+        len(body) >= _SMALL_OBJECT_BYTES
+        or body.find(b"\\") >= 0
+        or body.count(b":") > MAX_OBJECT_MEMBERS
+    ):
         return None
     if body.count(b'"model"') > 1:
         return None
@@ -173,13 +177,14 @@ def _plain_view(body: bytes, top: msgspec.Struct) -> BodyView | None:
     present = len(_TOP_KEYS) - msgspec.structs.astuple(top).count(_ABSENT)
     if present != bool(model) + bool(stream):
         return None  # a denied field or a container: the full reading
+    # Positional, in field order: on Python 3.11 keywords to a class call build a dict.
     return BodyView(
-        stream=bytes(stream) == b"true",
-        model=_decode(_ANY_DECODER, bytes(model)) if model else None,
-        model_count=1 if model else 0,
-        stripped=(),
-        repeated=(),
-        containers={},
+        bytes(stream) == b"true",  # stream
+        _decode(_ANY_DECODER, bytes(model)) if model else None,  # model
+        1 if model else 0,  # model_count
+        (),  # stripped
+        (),  # repeated
+        {},  # containers
     )
 
 

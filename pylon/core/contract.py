@@ -25,6 +25,9 @@ HEALTH_PATH = b"/health"
 _VISIBLE_ASCII = re.compile(rb"[\x21-\x7e]+")
 # Model names may contain spaces (some catalogues do) but never controls or non-ASCII bytes.
 _PRINTABLE_ASCII = re.compile(rb"[\x20-\x7e]+")
+# Read on every request: globals, as on Python 3.11 `ErrorCode.X` goes through
+# EnumType.__getattr__ (ten times a global's cost).
+_INVALID_REQUEST_ID, _INVALID_MODEL = ErrorCode.INVALID_REQUEST_ID, ErrorCode.INVALID_MODEL
 _TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _ALLOWED_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS"})
 
@@ -150,19 +153,20 @@ def _parse_tunnel(
     input_tokens, priority, routing_key, expected_queue_ms, trace = _parse_optional(
         headers, names, values
     )
+    # Positional, in field order: on Python 3.11 keywords to a class call build a dict.
     return TunnelRequest(
-        method=method.decode("ascii"),
-        target=text,
-        path=path,
-        request_id=request_id,
-        model=model,
-        input_tokens=input_tokens,
-        priority=priority,
-        routing_key=routing_key,
-        expected_queue_ms=expected_queue_ms,
-        trace=trace,
-        headers=tuple(headers),
-        names=names,
+        method.decode("ascii"),
+        text,  # target
+        path,
+        request_id,
+        model,
+        input_tokens,
+        priority,
+        routing_key,
+        expected_queue_ms,
+        trace,
+        tuple(headers),
+        names,
     )
 
 
@@ -217,7 +221,7 @@ def _optional_request_id(values: dict[bytes, list[bytes]]) -> str | None:
 
 
 def _parse_request_id(values: dict[bytes, list[bytes]]) -> str:
-    raw = _single(values, REQUEST_ID, ErrorCode.INVALID_REQUEST_ID)
+    raw = _single(values, REQUEST_ID, _INVALID_REQUEST_ID)
     if raw is None or not raw:
         raise ContractError(
             "missing required x-request-id header", code=ErrorCode.MISSING_REQUEST_ID
@@ -231,7 +235,7 @@ def _parse_request_id(values: dict[bytes, list[bytes]]) -> str:
 
 
 def _parse_model(values: dict[bytes, list[bytes]]) -> str:
-    raw = _single(values, MODEL, ErrorCode.INVALID_MODEL)
+    raw = _single(values, MODEL, _INVALID_MODEL)
     if raw is None or not raw:
         raise ContractError("missing required x-model header", code=ErrorCode.MISSING_MODEL)
     if len(raw) > MAX_MODEL_CHARS or not _PRINTABLE_ASCII.fullmatch(raw):

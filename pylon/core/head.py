@@ -174,7 +174,7 @@ def _with_host(authority: bytes | None, scheme: bytes, regular: list[Header]) ->
         if not hosts and scheme in _AUTHORITY_SCHEMES:
             raise malformed(":authority or host is required")
         return regular
-    if not authority or b"@" in authority:
+    if not authority or authority.find(b"@") >= 0:
         raise malformed(":authority is empty or carries userinfo")
     if any(host != authority for host in hosts):
         raise malformed("host differs from :authority")

@@ -95,6 +95,14 @@ class Input(enum.IntEnum):
     RESET = 6
 
 
+# The members as plain globals for the code that runs on every input: on Python 3.11,
+# `State.RECEIVING` is looked up through EnumType.__getattr__, ten times a global's cost.
+AWAITING_HEAD, RECEIVING, DISPATCHED = State.AWAITING_HEAD, State.RECEIVING, State.DISPATCHED
+REJECTED, CLOSED = State.REJECTED, State.CLOSED
+_HEAD, _MALFORMED, _DATA, _TRAILERS = Input.HEAD, Input.MALFORMED, Input.DATA, Input.TRAILERS
+_END, _TICK, _RESET = Input.END, Input.TICK, Input.RESET
+
+
 class IntakeError(Exception):
     """An input the current state cannot take; the intake is now CLOSED."""
 
@@ -136,7 +144,7 @@ class RequestIntake:
     def __init__(self, admission: Admission, limits: IngressLimits, now: float) -> None:
         self._admission = admission
         self._limits = limits
-        self.state = State.AWAITING_HEAD
+        self.state = AWAITING_HEAD
         self.request: AdmittedRequest | None = None
         self.progress = now  # when the request last moved: the stall clock counts from here
         # The first piece is kept as it came (the common single-piece body costs no copy); more
@@ -150,7 +158,7 @@ class RequestIntake:
 
     # --- inputs ---
     def receive_head(self, head: RequestHead, ended: bool, now: float) -> Decision:
-        self._expect(Input.HEAD)
+        self._expect(_HEAD)
         self.progress = now
         try:
             self.request = self._admission.admit(head)
@@ -161,21 +169,21 @@ class RequestIntake:
             return self._reject(body_too_large(self._limits.max_body_bytes, self.request_id))
         if ended:
             return self._dispatch()
-        self.state = State.RECEIVING
+        self.state = RECEIVING
         return None
 
     def receive_malformed(self, error: PylonError) -> Decision:
         """The framing found the message malformed: no usable head (bad fields, over the header
         limits) or a body that breaks its framing (content-length disagreeing with the data)."""
-        self._expect(Input.MALFORMED)
-        if self.state is State.REJECTED:
+        self._expect(_MALFORMED)
+        if self.state is REJECTED:
             return None
         self._body = b""
         return self._reject(error)
 
     def receive_data(self, data: bytes, ended: bool, now: float) -> Decision:
-        self._expect(Input.DATA)
-        if self.state is State.REJECTED:
+        self._expect(_DATA)
+        if self.state is REJECTED:
             return None
         self.progress = now
         if data:
@@ -188,8 +196,8 @@ class RequestIntake:
 
     def receive_trailers(self, fields: Sequence[Header], now: float) -> Decision:
         """Trailers end the body; they are never forwarded, but count against the limits."""
-        self._expect(Input.TRAILERS)
-        if self.state is State.REJECTED:
+        self._expect(_TRAILERS)
+        if self.state is REJECTED:
             return None
         self.progress = now
         limits = self._limits
@@ -203,16 +211,16 @@ class RequestIntake:
         return self._dispatch()
 
     def receive_end(self, now: float) -> Decision:
-        self._expect(Input.END)
-        if self.state is State.REJECTED:
+        self._expect(_END)
+        if self.state is REJECTED:
             return None
         self.progress = now
         return self._dispatch()
 
     def tick(self, now: float) -> Decision:
         """The stall clock: a body that stops arriving for `stall_timeout` gets 408."""
-        self._expect(Input.TICK)
-        if self.state is not State.RECEIVING:
+        self._expect(_TICK)
+        if self.state is not RECEIVING:
             return None
         if now - self.progress < self._limits.stall_timeout:
             return None
@@ -227,20 +235,20 @@ class RequestIntake:
 
     def deadline(self) -> float | None:
         """When `tick` could next reject; None when no clock runs for this request."""
-        if self.state is not State.RECEIVING:
+        if self.state is not RECEIVING:
             return None
         return self.progress + self._limits.stall_timeout
 
     def reset(self) -> None:
         """The peer reset the stream, or the connection went away. Idempotent."""
-        self._expect(Input.RESET)
-        self.state = State.CLOSED
+        self._expect(_RESET)
+        self.state = CLOSED
         self._body = b""
 
     # --- internals ---
     def _expect(self, event: Input) -> None:
         if (self.state, event) not in _TRANSITIONS:
-            state, self.state = self.state, State.CLOSED
+            state, self.state = self.state, CLOSED
             self._body = b""
             raise IntakeError(f"{event.name.lower()} is not valid in state {state.name.lower()}")
 
@@ -255,14 +263,14 @@ class RequestIntake:
 
     def _dispatch(self) -> Dispatch:
         assert self.request is not None
-        self.state = State.DISPATCHED
+        self.state = DISPATCHED
         body, self._body = self._body, b""
         return Dispatch(self.request, bytes(body) if isinstance(body, bytearray) else body)
 
     def _reject(self, error: PylonError) -> Reject:
         if error.request_id is None:
             error.request_id = self.request_id
-        self.state = State.REJECTED
+        self.state = REJECTED
         return Reject(error)
 
 

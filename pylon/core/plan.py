@@ -119,16 +119,17 @@ class Planner:
             headers.extend(trace_headers(request.trace))
         headers.extend(sanitized.headers)
         headers.extend(write.headers)
+        # Positional, in field order: on Python 3.11 keywords to a class call build a dict.
         return ForwardPlan(
-            method=request.method,
-            target=request.target,
-            headers=tuple(headers),
-            body=new_body,
-            request_id=request.request_id,
-            model=request.model,
-            stream_requested=stream,
-            stripped=sanitized.stripped + body_stripped,
-            priority=write,
+            request.method,
+            request.target,
+            tuple(headers),
+            new_body,
+            request.request_id,
+            request.model,
+            stream,  # stream_requested
+            sanitized.stripped + body_stripped,  # stripped
+            write,  # priority
         )
 
     def plan_health(self, request: HealthRequest) -> ForwardPlan:

@@ -15,6 +15,10 @@ from pylon.core.head import RequestHead
 from pylon.core.intake import Admission
 from pylon.lifecycle import Lifecycle, Phase
 
+# A global, not `Phase.READY`: on Python 3.11 an enum member read through its class goes
+# through EnumType.__getattr__, and this one is read for every request.
+_READY = Phase.READY
+
 
 class ProxyAdmission:
     __slots__ = ("_auth", "_lifecycle")
@@ -34,7 +38,7 @@ class ProxyAdmission:
             error.request_id = request.request_id
             raise error
         lifecycle = self._lifecycle
-        if lifecycle.phase is not Phase.READY:
+        if lifecycle.phase is not _READY:
             raise _refusal(lifecycle.phase, request.request_id)
         if request.model not in lifecycle.models.published:
             raise UpstreamError(

@@ -26,7 +26,7 @@ import httptools
 from pylon.core.errors import ClientError, ContractError, ErrorCode, LimitError, PylonError
 from pylon.core.head import http1_head
 from pylon.core.http import Header
-from pylon.core.intake import AdmittedRequest, State
+from pylon.core.intake import AWAITING_HEAD, RECEIVING, REJECTED, AdmittedRequest
 from pylon.lifecycle import Phase
 from pylon.proxy import ResponseSink
 from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
@@ -161,10 +161,10 @@ class Http1Connection(asyncio.Protocol):
         self._framing[stream.id] = (keep_alive, head.method == b"HEAD")
         self._body_left = head.content_length
         self._table.head(stream, head, ended=False)
-        if stream.intake.state is State.REJECTED:
+        if stream.intake.state is REJECTED:
             self._stop_reading()
             raise _StopParsing
-        if stream.intake.state is State.RECEIVING and head.expects_continue:
+        if stream.intake.state is RECEIVING and head.expects_continue:
             # RFC 9110 15.2: an interim response belongs to its own request, after every
             # response before it; a pipelined request gets its 100 when its turn comes.
             self._continue_owed = True
@@ -179,7 +179,7 @@ class Http1Connection(asyncio.Protocol):
             left = self._body_left = left - len(body)
             self._ended = left == 0
         self._table.data(stream.id, body, ended=self._ended)
-        if stream.intake.state is State.REJECTED:
+        if stream.intake.state is REJECTED:
             self._stop_reading()
             raise _StopParsing
 
@@ -262,7 +262,7 @@ class Http1Connection(asyncio.Protocol):
         if self._table.busy or self._closing:
             return  # a request is running: its own timeouts apply, not the connection's
         stream = self._stream
-        if stream is not None and stream.intake.state is State.AWAITING_HEAD:
+        if stream is not None and stream.intake.state is AWAITING_HEAD:
             # A head was started and not finished: tell the client why (408), then close.
             self._observer.transport_event("client_timeout", "http1", timer="header")
             self._table.malformed(
@@ -379,7 +379,7 @@ class Http1Responder:
 
     @property
     def paused(self) -> bool:
-        return self._conn.write_paused
+        return self._conn._write_paused  # read per relayed block: one property call, not two
 
     def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
         parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status]

@@ -22,6 +22,7 @@ from pylon.core.flood import RateGuard
 from pylon.core.head import RequestHead
 from pylon.core.http import Header
 from pylon.core.intake import (
+    RECEIVING,
     Admission,
     AdmittedRequest,
     Decision,
@@ -30,7 +31,6 @@ from pylon.core.intake import (
     IntakeError,
     Reject,
     RequestIntake,
-    State,
 )
 from pylon.observe import RequestRecord
 from pylon.server.budget import BodyBudget
@@ -359,7 +359,7 @@ class StreamTable:
         next_deadline: float | None = None
         for stream in list(self._streams.values()):
             intake = stream.intake
-            if intake.state is not State.RECEIVING:
+            if intake.state is not RECEIVING:
                 continue
             decision = intake.tick(now)
             if decision is not None:

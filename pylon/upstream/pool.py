@@ -360,7 +360,7 @@ def delimited_by_close(
         names = field_names(headers)
     for index, name in enumerate(names):
         if name == b"content-length" or (
-            name == b"transfer-encoding" and b"chunked" in headers[index][1].lower()
+            name == b"transfer-encoding" and headers[index][1].lower().find(b"chunked") >= 0
         ):
             return False
     return True
@@ -427,7 +427,7 @@ class UpstreamPool:
 
     @staticmethod
     def _start(conn: _Connection, plan: ForwardPlan, target: UpstreamTarget) -> Exchange:
-        exchange = Exchange(conn, is_head=plan.method == "HEAD")
+        exchange = Exchange(conn, plan.method == "HEAD")  # is_head
         conn.exchange = exchange
         conn.received = False
         conn._final = False
