@@ -107,16 +107,33 @@ _NOT_OUTPUT_TYPES = frozenset({b"response.created", b"response.in_progress", b"r
 def is_output_event(event: bytes) -> bool:
     """Does this event carry model output (not a comment, `[DONE]` or a bookkeeping notice)?
 
-    Only consulted until the first output of a stream, so clarity beats speed here.
+    Consulted until the first output of a stream, i.e. once per request for most streams.
     """
+    # The event engines write: one `data:` line, then the blank line. Read without the regexes
+    # and the generator (a tenth of a streamed request's cost, measured); the general reading
+    # below gives the same answer for it (a property test holds them equal).
+    if event.startswith(b"data:") and event.find(b"\n") == len(event) - 2:
+        data = event[5:-2].strip()
+        if not data or data == b"[DONE]":
+            return False
+        return data.find(b'"type"') < 0 or _output_type(data)
+    return _is_output_event(event)
+
+
+def _output_type(data: bytes) -> bool:
+    kind = _JSON_TYPE.search(data)
+    return kind is None or kind.group(1) not in _NOT_OUTPUT_TYPES
+
+
+def _is_output_event(event: bytes) -> bool:
+    """`is_output_event` for any event: every line read."""
     data = b"\n".join(match.group(1) for match in _DATA_LINE.finditer(event)).strip()
     if not data or data == b"[DONE]":
         return False
     name = _EVENT_LINE.search(event)
     if name is not None and name.group(1).strip() in _NOT_OUTPUT_TYPES:
         return False
-    kind = _JSON_TYPE.search(data)
-    return kind is None or kind.group(1) not in _NOT_OUTPUT_TYPES
+    return _output_type(data)
 
 
 def error_event(payload: bytes) -> bytes:

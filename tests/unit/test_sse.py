@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event
+from pylon.core.sse import (
+    SseEventTooLarge,
+    SseSplitter,
+    _is_output_event,
+    error_event,
+    is_output_event,
+)
 
 LIMIT = 1 << 20
 
@@ -118,6 +124,44 @@ def test_limit_is_per_event_not_per_stream() -> None:
 )
 def test_is_output_event(event: bytes, output: bool) -> None:
     assert is_output_event(event) is output
+
+
+_SSE_PIECES = st.sampled_from(
+    [
+        b"data:",
+        b"data: ",
+        b"event: ",
+        b"\n",
+        b"\r",
+        b" ",
+        b"[DONE]",
+        b'"type"',
+        b":",
+        b'"',
+        b"response.created",
+        b"response.queued",
+        b"x",
+        b"{",
+        b"}",
+        b"\t",
+        b"id: 1",
+    ]
+)
+
+
+@given(st.lists(_SSE_PIECES, max_size=12))
+def test_the_one_data_line_fast_path_answers_as_the_general_reading(pieces: list[bytes]) -> None:
+    """`is_output_event` reads the common event without regexes; every event, whatever it
+    holds, must get the general reading's answer (a blank line ends each, as the splitter
+    delivers them)."""
+    event = b"".join(pieces) + b"\n\n"
+    assert is_output_event(event) is _is_output_event(event)
+
+
+@given(st.binary(max_size=40))
+def test_the_fast_path_matches_the_general_reading_on_any_data_line(value: bytes) -> None:
+    event = b"data:" + value + b"\n\n"
+    assert is_output_event(event) is _is_output_event(event)
 
 
 def test_error_event_is_one_complete_event() -> None:
