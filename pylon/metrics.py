@@ -500,12 +500,14 @@ class MetricsObserver:
                 histogram[-1] += seconds
             tokens = record.input_tokens
             if tokens is not None:
-                histogram = _tokens(stats.input_tokens, record.input_tokens_source)
+                source = record.input_tokens_source
+                histogram = stats.input_tokens.get(source) or _tokens(stats.input_tokens, source)
                 histogram[bisect_left(TOKEN_BUCKETS, tokens)] += 1
                 histogram[-1] += tokens
             tokens = record.output_tokens
             if tokens is not None:
-                histogram = _tokens(stats.output_tokens, record.output_tokens_source)
+                source = record.output_tokens_source
+                histogram = stats.output_tokens.get(source) or _tokens(stats.output_tokens, source)
                 histogram[bisect_left(TOKEN_BUCKETS, tokens)] += 1
                 histogram[-1] += tokens
             if record.stripped:

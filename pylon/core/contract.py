@@ -221,7 +221,11 @@ def _optional_request_id(values: dict[bytes, list[bytes]]) -> str | None:
 
 
 def _parse_request_id(values: dict[bytes, list[bytes]]) -> str:
-    raw = _single(values, REQUEST_ID, _INVALID_REQUEST_ID)
+    found = values.get(REQUEST_ID)
+    # One value (the common case) needs no helper; `_single` says what is wrong with the rest.
+    raw = found[0] if found is not None and len(found) == 1 else None
+    if raw is None:
+        raw = _single(values, REQUEST_ID, _INVALID_REQUEST_ID)
     if raw is None or not raw:
         raise ContractError(
             "missing required x-request-id header", code=ErrorCode.MISSING_REQUEST_ID
@@ -234,7 +238,18 @@ def _parse_request_id(values: dict[bytes, list[bytes]]) -> str:
     return raw.decode("ascii")
 
 
+# `x-model` values that passed, with their text: a node serves a handful of models and every
+# request names one. Bounded: past the limit, new names are checked every time (still correct).
+_CHECKED_MODELS: dict[bytes, str] = {}
+_CHECKED_MODELS_LIMIT = 256
+
+
 def _parse_model(values: dict[bytes, list[bytes]]) -> str:
+    found = values.get(MODEL)
+    if found is not None and len(found) == 1:
+        known = _CHECKED_MODELS.get(found[0])
+        if known is not None:
+            return known
     raw = _single(values, MODEL, _INVALID_MODEL)
     if raw is None or not raw:
         raise ContractError("missing required x-model header", code=ErrorCode.MISSING_MODEL)
@@ -243,7 +258,10 @@ def _parse_model(values: dict[bytes, list[bytes]]) -> str:
             f"x-model must be 1-{MAX_MODEL_CHARS} printable ASCII characters",
             code=ErrorCode.INVALID_MODEL,
         )
-    return raw.decode("ascii")
+    model = raw.decode("ascii")
+    if len(_CHECKED_MODELS) < _CHECKED_MODELS_LIMIT:
+        _CHECKED_MODELS[raw] = model
+    return model
 
 
 def parse_uint(raw: bytes, maximum: int) -> int | None:

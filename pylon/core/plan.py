@@ -155,9 +155,10 @@ class Planner:
         if not body and request.method in _BODYLESS_METHODS:
             return body, (), False
         view = inspect_body(body)
-        _check_model(view, request.model)
+        if view.model_count != 1 or view.model != request.model:
+            _check_model(view, request.model)  # (the common body, one matching model: no call)
         priority = write.body_priority if request.path in BODY_PRIORITY_PATHS else None
-        if view.verbatim:
+        if not view.stripped and not view.repeated:  # `view.verbatim`, without a property call
             # The common case: forward the client's own bytes, at most with pylon's priority
             # appended, so no value is ever re-encoded.
             if priority is None:

@@ -190,6 +190,8 @@ async def relay_raw(
             previous, last = last, chunk
             if sink.paused:
                 await drain_within(sink, watchdog, limits, "the response body stopped arriving")
+            if exchange.complete:
+                break  # the whole body is relayed (no need to ask for its end)
     except UpstreamTimeout as exc:
         # The head is out; a half body cannot be signalled in HTTP/1.1 except by closing.
         sink.abort()

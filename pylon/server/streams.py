@@ -142,7 +142,7 @@ class StreamTable:
             record.request_id = request.request_id
             record.model = getattr(request, "model", None)
             record.method = request.method
-            record.path = request.target.split("?", 1)[0]
+            record.path = request.target.partition("?")[0]
             self._observer.admitted(record)
         if decision is None:
             self._stall_watch.arm(self._limits.stall_timeout)

@@ -126,7 +126,9 @@ class Exchange:
             chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
             chunks.clear()
             self._buffered = 0
-            self._conn.resume_reading()
+            conn = self._conn
+            if conn._paused:  # (checked here: this runs per relayed block)
+                conn.resume_reading()
             return chunk
         if self._error is not None:
             raise self._error
@@ -156,7 +158,9 @@ class Exchange:
 
     def _complete(self) -> None:
         self._done = True
-        self._wake()
+        waiter = self._waiter  # `_wake`, inlined: once per response
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -395,7 +399,9 @@ class UpstreamPool:
         self._max_idle = max_idle
         self._max_connections = max_connections
         self._queue_timeout = connect_timeout if queue_timeout is None else queue_timeout
-        self._targets: dict[UpstreamTarget, _TargetPool] = {}
+        # Keyed by the target's label (one per host, port and base path): a str hashes in C, an
+        # UpstreamTarget in Python, and the pool looks targets up twice per request.
+        self._targets: dict[str, _TargetPool] = {}
         self._reaper: asyncio.TimerHandle | None = None
 
     def send_idle(self, plan: ForwardPlan) -> Exchange | None:
@@ -420,9 +426,9 @@ class UpstreamPool:
     def _target_pool(self, plan: ForwardPlan) -> _TargetPool:
         assert plan.upstream is not None, "a plan is routed before it is sent"
         target = plan.upstream
-        pool = self._targets.get(target)
+        pool = self._targets.get(target.label)
         if pool is None:
-            pool = self._targets[target] = _TargetPool(target)
+            pool = self._targets[target.label] = _TargetPool(target)
         return pool
 
     @staticmethod
@@ -439,8 +445,9 @@ class UpstreamPool:
         """Return the connection to its pool if the exchange ended cleanly, else close it."""
         conn = exchange._conn
         conn.exchange = None
-        conn.resume_reading()
-        pool = self._targets[conn.target]
+        if conn._paused:
+            conn.resume_reading()
+        pool = self._targets[conn.target.label]
         if exchange.complete and conn.keep_alive and not conn.closed:
             self._hand_over(pool, conn)
             return
@@ -462,11 +469,11 @@ class UpstreamPool:
             self._reaper = None
 
     def open_connections(self, target: UpstreamTarget) -> int:
-        pool = self._targets.get(target)
+        pool = self._targets.get(target.label)
         return pool.open if pool is not None else 0
 
     def idle_connections(self, target: UpstreamTarget) -> int:
-        pool = self._targets.get(target)
+        pool = self._targets.get(target.label)
         return len(pool.idle) if pool is not None else 0
 
     # --- connections ---
