@@ -17,6 +17,9 @@
 # the counters after the warm-up and dumps them after the counted requests; prints
 #   Ir/req N
 # Needs valgrind and h2load (Debian: valgrind nghttp2-client). ~45 s per run.
+# PACE_MS=1: the upstream writes the stream's events 1 ms apart (each a read and a write through
+# pylon: the per-token relay cost), with STREAM=1.
+# PROTOCOL=h2c: the same requests over HTTP/2 (cleartext, prior knowledge) instead of HTTP/1.1.
 # EXTRA: more `pylon serve` arguments; the default suits a pylon with the model gate (issue 10);
 # for an older checkout pass EXTRA="". PORTS: "UPSTREAM PYLON" (default "19011 19012").
 set -euo pipefail
@@ -30,7 +33,8 @@ read -r UP_PORT PY_PORT <<<"${PORTS:-19011 19012}"
 EXTRA=${EXTRA---model mock-model --admin-listen 127.0.0.1:0}
 WORK=$(mktemp -d)
 
-"$PYTHON" "$REPO/scripts/bench/canned_upstream.py" --port "$UP_PORT" >/dev/null 2>&1 &
+"$PYTHON" "$REPO/scripts/bench/canned_upstream.py" --port "$UP_PORT" --pace-ms "${PACE_MS:-0}" \
+  >/dev/null 2>&1 &
 UP=$!
 # shellcheck disable=SC2086  # EXTRA is a list of arguments
 (cd "$WORK" && PYTHONPATH=$TREE exec valgrind --tool=callgrind --callgrind-out-file="$WORK/cg" \
@@ -44,8 +48,11 @@ STREAMED=false
 [ "$STREAM" = 1 ] && STREAMED=true
 printf '{"model":"mock-model","messages":[{"role":"user","content":"hi"}],"stream":%s,"max_tokens":20}' \
   "$STREAMED" >"$WORK/body"
+H1=--h1
+[ "${PROTOCOL:-http1}" = h2c ] && H1=""
 drive() {
-  h2load --h1 -n "$1" -c 8 -d "$WORK/body" -H 'content-type: application/json' \
+  # shellcheck disable=SC2086  # H1 is one flag or none
+  h2load $H1 -n "$1" -c 8 -d "$WORK/body" -H 'content-type: application/json' \
     -H 'x-model: mock-model' -H 'x-request-id: bench-1' \
     "http://127.0.0.1:$PY_PORT/v1/chat/completions" | grep '^requests:'
 }
