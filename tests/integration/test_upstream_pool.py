@@ -280,7 +280,7 @@ async def test_a_response_complete_in_its_first_read_costs_no_ack_syscall() -> N
         pool = UpstreamPool(connect_timeout=2, idle_timeout=5, max_idle=8)
         target = UpstreamTarget("127.0.0.1", engine.port, "")
         assert await exchange(pool, target) == 200
-        conn = pool._targets[target].idle[0]
+        conn = pool._targets[target.label].idle[0]  # keyed by label
         counting = CountingSocket(conn._sock)  # type: ignore[arg-type]
         conn._sock = counting  # type: ignore[assignment]
         for _ in range(3):
