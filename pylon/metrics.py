@@ -44,10 +44,9 @@ from pylon.observe import Observer, quiet
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
-    from pylon.core.plan import ForwardPlan
     from pylon.core.queue import QueueDecision, QueueSnapshot
+    from pylon.core.record import RequestRecord
     from pylon.core.retry import RetryMark
-    from pylon.observe import RequestRecord
     from pylon.routing.build import RoutingSnapshot
 
 MODEL_LABEL_LIMIT = 100  # distinct client model names with a label of their own
@@ -417,17 +416,25 @@ class MetricsObserver:
         if record.stripped:
             self._count_stripped(record.stripped)
 
-    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
+    def dispatched(self, record: RequestRecord) -> None:
         started = self._started
         started.append(record)
-        value = plan.priority.value
+        value = record.engine_priority
         if value is not None:
             self._priorities.append(value)
         if len(started) >= BATCH:
             self.flush()
 
     @quiet
+    def response_head(self, record: RequestRecord) -> None:
+        return None
+
+    @quiet
     def first_output(self, record: RequestRecord) -> None:
+        return None
+
+    @quiet
+    def output(self, record: RequestRecord, count: int) -> None:
         return None
 
     def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
@@ -444,11 +451,11 @@ class MetricsObserver:
         else:
             self._mark(code.value, code.retryable)
 
-    def queue_admission(self, record: RequestRecord, decision: QueueDecision) -> None:
+    def queue_gate(self, record: RequestRecord, decision: QueueDecision) -> None:
         key = (decision.result.value,)
         self._queue_decisions[key] = self._queue_decisions.get(key, 0) + 1
 
-    def done(self, record: RequestRecord) -> None:
+    def complete(self, record: RequestRecord) -> None:
         finished = self._finished
         finished.append(record)
         if len(finished) >= BATCH:

@@ -14,88 +14,30 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.logs import get_lifecycle_logger, get_logger
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
-    from pylon.core.plan import ForwardPlan
     from pylon.core.queue import QueueDecision
     from pylon.core.retry import RetryMark
 
 
-class RequestRecord:
-    """One request as observed: who it is, where it went, and when each step happened."""
+class Observer(ExchangeHooks, Protocol):
+    """The process's view of requests and connections: every moment of every exchange (the
+    `ExchangeHooks`, heard after the exchange's own subscribers), what the intake decided, and
+    connection- and process-level events. Implementations must be cheap and never raise: they
+    run on the hot path, inside the event loop."""
 
-    __slots__ = (
-        "dispatched_at",
-        "done_at",
-        "first_byte_at",
-        "first_output_at",
-        "head_at",
-        "input_tokens",
-        "input_tokens_source",
-        "method",
-        "model",
-        "outcome",
-        "output_tokens",
-        "output_tokens_source",
-        "path",
-        "request_id",
-        "status",
-        "stream_id",
-        "stripped",
-        "transport",
-        "worker",
-    )
-
-    def __init__(self, transport: str, stream_id: int, head_at: float) -> None:
-        self.transport = transport  # "http1", "h2" or "h3"
-        self.stream_id = stream_id
-        self.head_at = head_at  # the request head was received
-        self.dispatched_at: float | None = None  # the request was written to the engine
-        self.first_byte_at: float | None = None  # the first response byte went to the client
-        self.first_output_at: float | None = None  # the first output (event or body) arrived
-        self.done_at: float | None = None
-        self.request_id: str | None = None
-        self.model: str | None = None
-        self.method = ""
-        self.path = ""
-        self.status = 0
-        self.outcome = ""
-        self.worker: str | None = None
-        self.stripped: tuple[str, ...] = ()
-        # Token counts (see `pylon.core.usage`), and where each came from: "usage" (the engine's
-        # report), "gateway" (x-input-tokens), "estimate" (streamed data events); "" = unknown.
-        self.input_tokens: int | None = None
-        self.input_tokens_source = ""
-        self.output_tokens: int | None = None
-        self.output_tokens_source = ""
-
-    def duration_ms(self) -> float | None:
-        if self.done_at is None:
-            return None
-        return round((self.done_at - self.head_at) * 1000, 3)
-
-
-class Observer(Protocol):
-    """Lifecycle events of requests and connections. Implementations must be cheap and never
-    raise: they run on the hot path, inside the event loop."""
-
-    def admitted(self, record: RequestRecord) -> None: ...
-
-    def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        """Pylon answered with its own problem; the engine never saw the request."""
+    def admitted(self, record: RequestRecord) -> None:
+        """The intake admitted the request's head."""
         ...
 
-    def queue_admission(self, record: RequestRecord, decision: QueueDecision) -> None:
-        """Queue admission decided on a request that carried `x-stargate-expected-queue-ms`
+    def queue_gate(self, record: RequestRecord, decision: QueueDecision) -> None:
+        """The queue gate decided on a request that carried `x-stargate-expected-queue-ms`
         (`decision.result`: accepted, rejected, unknown_estimate or disabled), before any
-        engine saw it. A rejection is then also reported as `rejected`."""
+        engine saw it. A rejection then ends the exchange with `rejected`."""
         ...
-
-    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None: ...
-
-    def first_output(self, record: RequestRecord) -> None: ...
 
     def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
         """The engine answered with an error status; `mark` is what the gateway is told."""
@@ -103,10 +45,6 @@ class Observer(Protocol):
 
     def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
         """The engine could not be reached, timed out, or broke the exchange."""
-        ...
-
-    def done(self, record: RequestRecord) -> None:
-        """The exchange is over (`record.outcome` says how)."""
         ...
 
     def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
@@ -122,15 +60,18 @@ class Observer(Protocol):
         ...
 
 
+# Every event an observer hears, the exchange's moments first (in their order).
 OBSERVER_EVENTS = (
     "admitted",
-    "rejected",
+    "queue_gate",
     "dispatched",
+    "response_head",
     "first_output",
+    "output",
     "upstream_status",
     "upstream_failed",
-    "queue_admission",
-    "done",
+    "complete",
+    "rejected",
     "crashed",
     "transport_event",
     "process_event",
@@ -221,7 +162,7 @@ class LogObserver:
             duration_ms=record.duration_ms(),
         )
 
-    def queue_admission(self, record: RequestRecord, decision: QueueDecision) -> None:
+    def queue_gate(self, record: RequestRecord, decision: QueueDecision) -> None:
         if not self._log.is_enabled_for(logging.DEBUG):
             return  # one line per decision only when asked for; rejections log as rejected
         self._log.debug(
@@ -236,11 +177,19 @@ class LogObserver:
         )
 
     @quiet
-    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
+    def dispatched(self, record: RequestRecord) -> None:
+        return None
+
+    @quiet
+    def response_head(self, record: RequestRecord) -> None:
         return None
 
     @quiet
     def first_output(self, record: RequestRecord) -> None:
+        return None
+
+    @quiet
+    def output(self, record: RequestRecord, count: int) -> None:
         return None
 
     def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
@@ -263,7 +212,7 @@ class LogObserver:
             worker=record.worker,
         )
 
-    def done(self, record: RequestRecord) -> None:
+    def complete(self, record: RequestRecord) -> None:
         if not self._log.is_enabled_for(logging.INFO):
             return  # the access log is off: do not even build the line
         self._log.info(
@@ -339,13 +288,15 @@ class Observers:
                 setattr(self, event, handlers[0] if handlers else _ignore)
 
     _admitted: tuple[Callable[[RequestRecord], None], ...]
-    _rejected: tuple[Callable[[RequestRecord, PylonError], None], ...]
-    _dispatched: tuple[Callable[[RequestRecord, ForwardPlan], None], ...]
+    _queue_gate: tuple[Callable[[RequestRecord, QueueDecision], None], ...]
+    _dispatched: tuple[Callable[[RequestRecord], None], ...]
+    _response_head: tuple[Callable[[RequestRecord], None], ...]
     _first_output: tuple[Callable[[RequestRecord], None], ...]
+    _output: tuple[Callable[[RequestRecord, int], None], ...]
     _upstream_status: tuple[Callable[[RequestRecord, RetryMark], None], ...]
     _upstream_failed: tuple[Callable[[RequestRecord, PylonError, bool], None], ...]
-    _queue_admission: tuple[Callable[[RequestRecord, QueueDecision], None], ...]
-    _done: tuple[Callable[[RequestRecord], None], ...]
+    _complete: tuple[Callable[[RequestRecord], None], ...]
+    _rejected: tuple[Callable[[RequestRecord, PylonError], None], ...]
     _crashed: tuple[Callable[[RequestRecord | None, BaseException | None], None], ...]
     _transport_event: tuple[Callable[..., None], ...]
     _process_event: tuple[Callable[..., None], ...]
@@ -354,17 +305,25 @@ class Observers:
         for handler in self._admitted:
             handler(record)
 
-    def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        for handler in self._rejected:
-            handler(record, error)
+    def queue_gate(self, record: RequestRecord, decision: QueueDecision) -> None:
+        for handler in self._queue_gate:
+            handler(record, decision)
 
-    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
+    def dispatched(self, record: RequestRecord) -> None:
         for handler in self._dispatched:
-            handler(record, plan)
+            handler(record)
+
+    def response_head(self, record: RequestRecord) -> None:
+        for handler in self._response_head:
+            handler(record)
 
     def first_output(self, record: RequestRecord) -> None:
         for handler in self._first_output:
             handler(record)
+
+    def output(self, record: RequestRecord, count: int) -> None:
+        for handler in self._output:
+            handler(record, count)
 
     def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
         for handler in self._upstream_status:
@@ -374,13 +333,13 @@ class Observers:
         for handler in self._upstream_failed:
             handler(record, error, after_head)
 
-    def queue_admission(self, record: RequestRecord, decision: QueueDecision) -> None:
-        for handler in self._queue_admission:
-            handler(record, decision)
-
-    def done(self, record: RequestRecord) -> None:
-        for handler in self._done:
+    def complete(self, record: RequestRecord) -> None:
+        for handler in self._complete:
             handler(record)
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        for handler in self._rejected:
+            handler(record, error)
 
     def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
         for handler in self._crashed:

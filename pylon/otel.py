@@ -45,12 +45,15 @@ from opentelemetry.trace import (
 from opentelemetry.util.types import AttributeValue
 
 from pylon.core.contract import TraceContext
+from pylon.core.record import ExchangeHooks
 from pylon.tracing import SPAN_NAME, ExchangeSpan, ExchangeTracer, exchange_error
 
 if TYPE_CHECKING:
     from pylon.core.contract import TunnelRequest
+    from pylon.core.errors import PylonError
     from pylon.core.plan import ForwardPlan
-    from pylon.observe import Observer, RequestRecord
+    from pylon.core.record import RequestRecord
+    from pylon.observe import Observer
     from pylon.settings import Settings
 
 _NO_PARENT = Context()  # a root span: never the ambient (contextvars) context
@@ -75,8 +78,8 @@ def remote_parent(traceparent: str) -> Context:
     return set_span_in_context(NonRecordingSpan(parent), _NO_PARENT)
 
 
-class OtelExchange:
-    """One exchange's span and the trace context the engine gets."""
+class OtelSpan(ExchangeHooks):
+    """One exchange's span and the trace context the engine gets; ends with the exchange."""
 
     __slots__ = ("_offset", "_span", "trace")
 
@@ -88,7 +91,7 @@ class OtelExchange:
     def _ns(self, loop_time: float) -> int:
         return self._offset + int(loop_time * _NS)
 
-    def end(self, record: RequestRecord) -> None:
+    def complete(self, record: RequestRecord) -> None:
         span = self._span
         if not span.is_recording():  # not sampled: nothing to fill in
             span.end()
@@ -106,6 +109,9 @@ class OtelExchange:
         span.set_attributes(attributes)
         done = record.done_at
         span.end(end_time=self._ns(done) if done is not None else None)
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        self.complete(record)
 
 
 _SDK_LOGGER = logging.getLogger("opentelemetry")
@@ -183,9 +189,7 @@ class OtelTracer:
         bridge.attach()
         return cls(provider, settings.backend, loop.time, bridge)
 
-    def start(
-        self, request: TunnelRequest, plan: ForwardPlan, record: RequestRecord
-    ) -> OtelExchange:
+    def start(self, request: TunnelRequest, plan: ForwardPlan, record: RequestRecord) -> OtelSpan:
         offset = time.time_ns() - int(self._clock() * _NS)
         incoming = request.trace
         attributes: dict[str, AttributeValue] = {
@@ -212,13 +216,13 @@ class OtelTracer:
         )
         context = span.get_span_context()
         if context is None or not context.is_valid:  # the SDK is disabled (OTEL_SDK_DISABLED)
-            return OtelExchange(span, None, offset)
+            return OtelSpan(span, None, offset)
         trace = TraceContext(
             traceparent=f"00-{context.trace_id:032x}-{context.span_id:016x}-"
             f"{context.trace_flags:02x}",
             tracestate=incoming.tracestate if incoming is not None else None,
         )
-        return OtelExchange(span, trace, offset)
+        return OtelSpan(span, trace, offset)
 
     def close(self) -> None:
         try:
@@ -229,4 +233,4 @@ class OtelTracer:
 
 
 _: type[ExchangeTracer] = OtelTracer
-__: type[ExchangeSpan] = OtelExchange
+__: type[ExchangeSpan] = OtelSpan

@@ -3,8 +3,8 @@
 The proxy holds an `ExchangeTracer`, or None when tracing is off (then nothing is built and a
 request pays one `is None` check). Once a request is booked on a worker, the proxy starts the
 exchange's span; the span's `trace` is what the `ForwardPlan` carries to the engine in place of
-the client's (`ForwardPlan.routed`), so the engine's spans nest under pylon's. When the exchange
-is over (every exit path), the proxy ends the span with the request's record.
+the client's (`ForwardPlan.routed`), so the engine's spans nest under pylon's. The span
+subscribes to the exchange's moments and ends with its terminal one (every exit path).
 
 `pylon.otel` implements it with the OpenTelemetry SDK (the `otel` extra); this module imports
 nothing from OpenTelemetry, so a pylon without tracing never loads it.
@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from pylon.core.errors import ErrorCode
+from pylon.core.record import ExchangeHooks
 
 if TYPE_CHECKING:
     from pylon.core.contract import TraceContext, TunnelRequest
     from pylon.core.plan import ForwardPlan
-    from pylon.observe import RequestRecord
+    from pylon.core.record import RequestRecord
 
 SPAN_NAME = "pylon.forward"
 
@@ -51,17 +52,14 @@ def exchange_error(record: RequestRecord) -> str | None:
     return None
 
 
-class ExchangeSpan(Protocol):
-    """One exchange's span, from its booking to its end."""
+class ExchangeSpan(ExchangeHooks, Protocol):
+    """One exchange's span, from its booking to its end: it subscribes to the exchange's
+    moments and ends with its terminal one (once; never raises)."""
 
     @property
     def trace(self) -> TraceContext | None:
         """The context the engine continues (pylon's span as its parent, the client's
         tracestate carried); None to forward the client's own trace context unchanged."""
-        ...
-
-    def end(self, record: RequestRecord) -> None:
-        """The exchange is over; `record` says how. Called once, never raises."""
         ...
 
 

@@ -38,8 +38,9 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from pylon.adapters import AdapterOptions, build_adapter
 from pylon.core.contract import TunnelRequest, parse_request
 from pylon.core.plan import Planner
+from pylon.core.record import RequestRecord
 from pylon.core.target import UpstreamTarget
-from pylon.observe import LogObserver, RequestRecord
+from pylon.observe import LogObserver
 from pylon.otel import OtelTracer
 from pylon.settings import load_settings
 

@@ -27,8 +27,8 @@ import pytest
 from mock_dynamo.server import MockConfig, MockServer, start_mock
 from mock_dynamo.tokens import WordTokenizer, prompts
 from pylon.app import Running, start
+from pylon.core.record import RequestRecord
 from pylon.logs import configure_logging
-from pylon.observe import RequestRecord
 from pylon.routing.build import Routing, build_routing
 from pylon.settings import Settings, load_settings
 from router_ffi._native import NativeFactory
@@ -69,8 +69,8 @@ class RoutingObserver(EventObserver):
         self.finished: dict[str | None, RequestRecord] = {}
         self._done = asyncio.Event()
 
-    def done(self, record: RequestRecord) -> None:
-        super().done(record)
+    def complete(self, record: RequestRecord) -> None:
+        super().complete(record)
         self.finished[record.request_id] = record
         self._done.set()
 

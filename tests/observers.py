@@ -6,7 +6,8 @@ import asyncio
 from typing import Any
 
 from pylon.core.errors import PylonError
-from pylon.observe import LogObserver, RequestRecord
+from pylon.core.record import RequestRecord
+from pylon.observe import LogObserver
 
 
 class SeenObserver(LogObserver):

@@ -20,7 +20,8 @@ Per model, an entry is in one phase:
 - decode: the first output came (for a response that is not an event stream, its head): no
   input work is left.
 
-Every entry leaves, exactly once, on `release` (success, error, timeout, cancel), from any phase.
+Every entry leaves, exactly once, with its exchange's terminal moment (success, error, timeout,
+cancel, a rejection), from any phase.
 The scheduling level is the adapter's `queue_level` (`pylon.core.priority`): the order the engine
 serves the priority pylon writes, normalised so that lower runs first; one level for all when the
 engine is told no priority (passthrough, `--no-derive-priority`).
@@ -48,8 +49,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pylon.core.contract import TunnelRequest
-from pylon.core.errors import QueueMismatchError
+from pylon.core.errors import PylonError, QueueMismatchError
 from pylon.core.priority import PriorityAdapter
+from pylon.core.record import ExchangeHooks, RequestRecord
 
 BYTES_PER_TOKEN = 4  # body bytes per input token, when the gateway sent no x-input-tokens
 MIN_SAMPLES = 5  # samples before the measured throughput replaces the initial one
@@ -253,8 +255,10 @@ class ModelQueue:
         return self._samples
 
 
-class QueueEntry:
-    """One request's place in its model's table, from admission to release."""
+class QueueEntry(ExchangeHooks):
+    """One request's place in its model's table, from the queue gate to the exchange's end:
+    it subscribes to the exchange's moments (`pylon.core.record`), which move it through the
+    phases, and leaves with the terminal one."""
 
     __slots__ = ("_busy", "_queue", "_sampled", "decision", "level", "phase", "tokens")
 
@@ -278,13 +282,14 @@ class QueueEntry:
             self.phase = PENDING
             queue._add_pending(level, tokens)
 
-    def dispatched(self, now: float) -> None:
+    def dispatched(self, record: RequestRecord) -> None:
         """The request was written to the engine: its prefill interval starts."""
         if self._sampled and not self._busy and self.phase != GONE:
             self._busy = True
-            self._queue._start_busy(now)
+            assert record.dispatched_at is not None
+            self._queue._start_busy(record.dispatched_at)
 
-    def head(self) -> None:
+    def response_head(self, record: RequestRecord) -> None:
         """The engine's response head arrived: the engine is working on it."""
         if self.phase == PENDING:
             queue = self._queue
@@ -293,9 +298,9 @@ class QueueEntry:
             queue.prefill_tokens += self.tokens
             self.phase = PREFILL
 
-    def first_output(self, now: float, sample: bool) -> None:
+    def first_output(self, record: RequestRecord) -> None:
         """The first output (or, for a response that is not an event stream, its head).
-        `sample`: the output ended a successful prefill, so it measures throughput."""
+        `record.ends_prefill`: it ended a successful prefill, so it measures throughput."""
         phase = self.phase
         if phase >= DECODE:  # DECODE or GONE
             return
@@ -309,7 +314,16 @@ class QueueEntry:
         self.phase = DECODE
         if self._busy:
             self._busy = False
-            queue._stop_busy(now, self.tokens if sample else 0)
+            assert record.first_output_at is not None
+            queue._stop_busy(record.first_output_at, self.tokens if record.ends_prefill else 0)
+
+    def complete(self, record: RequestRecord) -> None:
+        assert record.done_at is not None
+        self.release(record.done_at)
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        assert record.done_at is not None
+        self.release(record.done_at)
 
     def release(self, now: float) -> None:
         """The exchange is over, however it ended. Idempotent."""

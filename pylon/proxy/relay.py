@@ -8,19 +8,21 @@ problem response before the head, a terminal SSE error event after it, or a cut 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError, openai_error
 from pylon.core.http import Header, field_names
 from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event, iter_events
-from pylon.core.usage import FROM_ESTIMATE, FROM_USAGE, data_events, usage_at_end
-from pylon.observe import RequestRecord
+from pylon.core.usage import data_events
 from pylon.proxy.sink import ResponseSink
-from pylon.timers import Deadline
-from pylon.upstream.pool import Exchange, UpstreamBroken, UpstreamTimeout
+from pylon.upstream import UpstreamBroken, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from pylon.proxy.exchange import Exchange, Watchdog
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,31 +31,6 @@ class RelayLimits:
     output_gap_timeout: float  # seconds allowed between events once output started
     max_sse_event_bytes: int  # largest event that may arrive without ending
     client_send_timeout: float = 30.0  # seconds a client may leave the response unread
-
-
-class Watchdog(Deadline):
-    """The relay's timer: when it expires, the engine exchange fails with the armed reason.
-
-    Re-arming per event only stores a float (see `Deadline`), so the gap timeout is nearly free.
-    """
-
-    __slots__ = ("_exchange", "_reason")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop)
-        self._exchange: Exchange | None = None
-        self._reason = ""
-
-    def attach(self, exchange: Exchange) -> None:
-        self._exchange = exchange
-
-    def expired(self) -> None:
-        if self._exchange is not None:
-            self._exchange.fail(UpstreamTimeout(self._reason))
-
-    def arm_for(self, seconds: float, reason: str) -> None:
-        self._reason = reason
-        self.arm(seconds)
 
 
 class ClientStalled(Exception):
@@ -92,31 +69,26 @@ class AlreadyAnswered(UpstreamBroken):
         self.error = error
 
 
-async def relay_sse(
-    exchange: Exchange,
-    sink: ResponseSink,
-    watchdog: Watchdog,
-    limits: RelayLimits,
-    request_id: str | None,
-    on_first_output: Callable[[], None],
-    record: RequestRecord,
-    on_output: Callable[[int], None] | None = None,
-) -> PylonError | None:
-    """Relay an event stream whose head was sent; returns the failure told to the client.
+async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | None:
+    """Relay the event stream of the exchange's attempt, whose head was sent; returns the
+    failure told to the client (a terminal SSE `error` event).
 
-    Counts the output on the way (`record`'s token counts, also when the stream is cut short):
-    the engine's usage when its last events carry one, else the data events relayed.
-    `on_output`: told, for each block relayed from the first output on, how many data events
-    it held (engines stream a token per event: the routers' decode accounting); None: no one.
+    Tells the exchange its first output and, when a subscriber counts output, how many data
+    events each block relayed from then on held (engines stream a token per event: the routers'
+    decode accounting); counts the output on the way (also when the stream is cut short): the
+    engine's usage when its last events carry one, else the data events relayed.
     """
+    attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
+    assert attempt is not None and sink is not None and watchdog is not None
     splitter = SseSplitter(limits.max_sse_event_bytes)
     watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
+    counting = exchange.counts_output
     seen_output = False
     failure: PylonError | None = None
     events = 0
     previous = last = b""  # the last two blocks: where a usage report is
     try:
-        while (chunk := await exchange.next_chunk()) is not None:
+        while (chunk := await attempt.next_chunk()) is not None:
             block = splitter.feed_block(chunk)
             if not block:
                 continue
@@ -127,9 +99,9 @@ async def relay_sse(
             if seen_output or any(map(is_output_event, iter_events(block))):
                 if not seen_output:
                     seen_output = True
-                    on_first_output()
-                if on_output is not None:
-                    on_output(count)
+                    exchange.first_output(True)
+                if counting:
+                    exchange.output(count)
                 watchdog.arm_for(limits.output_gap_timeout, "gap between events too long")
             if sink.paused:
                 await drain_within(sink, watchdog, limits, "gap between events too long")
@@ -149,48 +121,44 @@ async def relay_sse(
         failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
     except SseEventTooLarge as exc:
         failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
-        exchange.fail(UpstreamBroken(str(exc)))  # the connection cannot be reused
+        attempt.fail(UpstreamBroken(str(exc)))  # the connection cannot be reused
     finally:
-        count_tokens(record, previous, last, events)
+        exchange.count_tokens(previous, last, events)
     if failure is not None:
-        failure.request_id = request_id
+        failure.request_id = exchange.record.request_id
         sink.write(error_event(sse_error_payload(failure)))
     sink.end()
     return failure
 
 
-async def relay_raw(
-    exchange: Exchange,
-    sink: ResponseSink,
-    headers: list[Header],
-    watchdog: Watchdog,
-    limits: RelayLimits,
-    record: RequestRecord,
-) -> None:
-    """Relay any other response as it comes; a break after the head cuts the stream.
+async def relay_raw(exchange: Exchange, headers: list[Header], limits: RelayLimits) -> None:
+    """Relay any other response of the exchange's attempt as it comes; a break after the head
+    cuts the stream.
 
     The body must keep coming: the output-gap timeout runs between pieces, so an engine that
     stalls after its head cannot hold the request (and the client) forever. A usage report at
-    the body's end gives `record` its token counts.
+    the body's end gives the record its token counts.
     """
-    sink.start(exchange.status, headers, content_length(exchange.headers, exchange.names))
+    attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
+    assert attempt is not None and sink is not None and watchdog is not None
+    sink.start(attempt.status, headers, content_length(attempt.headers, attempt.names))
     gap = limits.output_gap_timeout
     previous = last = b""  # the last two pieces of the body: where a usage report is
     try:
         while True:
-            if exchange.ready:
+            if attempt.ready:
                 # A small body that came with its head (the common case): no clock, no wait.
-                chunk = exchange.take()
+                chunk = attempt.take()
             else:
                 watchdog.arm_for(gap, "the response body stopped arriving")
-                chunk = await exchange.next_chunk()
+                chunk = await attempt.next_chunk()
             if chunk is None:
                 break
             sink.write(chunk)
             previous, last = last, chunk
             if sink.paused:
                 await drain_within(sink, watchdog, limits, "the response body stopped arriving")
-            if exchange.complete:
+            if attempt.complete:
                 break  # the whole body is relayed (no need to ask for its end)
     except UpstreamTimeout as exc:
         # The head is out; a half body cannot be signalled in HTTP/1.1 except by closing.
@@ -204,22 +172,7 @@ async def relay_raw(
     watchdog.cancel()
     sink.end()
     if last:
-        count_tokens(record, previous, last, None)
-
-
-def count_tokens(record: RequestRecord, previous: bytes, last: bytes, events: int | None) -> None:
-    """The response's token counts onto `record`: the engine's usage when its end carries one,
-    else (a stream) the `events` relayed as the output estimate."""
-    usage = usage_at_end(previous, last)
-    if usage is not None:
-        given, made = usage
-        if given is not None:
-            record.input_tokens, record.input_tokens_source = given, FROM_USAGE
-        if made is not None:
-            record.output_tokens, record.output_tokens_source = made, FROM_USAGE
-            return
-    if events is not None:
-        record.output_tokens, record.output_tokens_source = events, FROM_ESTIMATE
+        exchange.count_tokens(previous, last, None)
 
 
 def sse_error_payload(error: PylonError) -> bytes:

@@ -1,9 +1,9 @@
 """Which engine worker gets a request, and the booking that lives exactly as long as the exchange.
 
-The proxy asks its `Router` for a `Booking` right before dispatch, tells the booking when the
-first output arrives (and, where the booking counts output, how many output events followed),
-and releases it in the forwarding `finally`: success, engine error, timeout, client cancel and
-shutdown all free it.
+The proxy asks its `Router` for a `Booking` right before dispatch; the booking subscribes to
+the exchange's moments (`pylon.core.record.ExchangeHooks`): it hears the first output (and,
+where it counts output, how many output events followed) and is released by the exchange's
+terminal moment: success, engine error, timeout, client cancel and shutdown all free it.
 
 - `SingleUpstream` (`--routing off`, one `--upstream`, today's behaviour) is the default.
 - `spec`: `--worker SPEC` parsed into a frozen `WorkerSpec`.
@@ -22,6 +22,7 @@ from typing import Protocol
 
 from pylon.core.http import Header
 from pylon.core.plan import ForwardPlan
+from pylon.core.record import ExchangeHooks
 from pylon.core.target import UpstreamTarget
 
 
@@ -29,8 +30,13 @@ class NoWorker(Exception):
     """No worker can take the request now; pylon answers 503 (retryable) without an engine."""
 
 
-class Booking(Protocol):
-    """One request's claim on a worker."""
+class Booking(ExchangeHooks, Protocol):
+    """One exchange's claim on a worker: where it goes, and the accounting of its load.
+
+    A booking subscribes to its exchange's moments (`ExchangeHooks`): `first_output` is the end
+    of prefill, `output` the decode progress (only when `counts_output`), and `complete` or
+    `rejected` its release, exactly once whatever ended the exchange.
+    """
 
     @property
     def target(self) -> UpstreamTarget:
@@ -55,53 +61,41 @@ class Booking(Protocol):
 
     @property
     def counts_output(self) -> bool:
-        """Whether the relay should report output (`output_tokens`); False spares the relay
-        the counting on every output block."""
+        """Whether the booking hears `output` (False spares the relay the counting on every
+        output block)."""
         ...
 
-    def first_output(self) -> None:
-        """Prefill is done: the engine produced its first output (or its response head)."""
-        ...
-
-    def output_tokens(self, count: int) -> None:
-        """`count` more output tokens were relayed (for decode-load accounting)."""
-        ...
-
-    def release(self, outcome: str) -> None:
-        """The exchange is over. Called exactly once per booking; a second call is a no-op."""
+    @property
+    def quiet(self) -> bool:
+        """True when every hook is a no-op (nothing to account): the exchange does not
+        subscribe it at all."""
         ...
 
 
 class Router(Protocol):
-    def book(self, plan: ForwardPlan) -> Booking:
+    async def book(self, plan: ForwardPlan) -> Booking:
         """Choose a worker for `plan` and reserve it; raises `NoWorker`.
 
-        Synchronous: choosing is a computation over what the router already knows (loads, cache
-        views), never a wait; a request that no worker can take now is answered at once (503
-        retryable), and waiting for a connection to the chosen worker is the pool's job."""
+        A coroutine so that work which can take milliseconds (the `kv` router tokenizing a
+        large prompt) leaves the event loop; choosing itself is a computation over what the
+        router already knows (loads, cache views), never a wait for a worker: a request that
+        no worker can take now is answered at once (503 retryable), and waiting for a
+        connection to the chosen worker is the pool's job."""
         ...
 
 
-class StaticBooking:
+class StaticBooking(ExchangeHooks):
     """A booking with nothing to account: one fixed target, shared by every request."""
 
     __slots__ = ("headers", "target", "worker")
     counts_output = False
+    quiet = True
     body = None
 
     def __init__(self, target: UpstreamTarget, headers: tuple[Header, ...] = ()) -> None:
         self.target = target
         self.headers = headers
         self.worker = target.label
-
-    def first_output(self) -> None:
-        return None
-
-    def output_tokens(self, count: int) -> None:
-        return None
-
-    def release(self, outcome: str) -> None:
-        return None
 
 
 class SingleUpstream:
@@ -112,7 +106,7 @@ class SingleUpstream:
     def __init__(self, target: UpstreamTarget) -> None:
         self._booking = StaticBooking(target)
 
-    def book(self, plan: ForwardPlan) -> Booking:
+    async def book(self, plan: ForwardPlan) -> Booking:
         return self._booking
 
 

@@ -19,10 +19,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pylon.core.http import Header
+from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.target import UpstreamTarget
 from pylon.routing.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from pylon.core.errors import PylonError
 
 INSTANCE_PIN_HEADER = b"x-dynamo-worker-instance-id"
 
@@ -170,12 +175,14 @@ def count_decision(worker: Worker, policy: str) -> None:
     decisions[policy] = decisions.get(policy, 0) + 1
 
 
-class WorkerBooking:
+class WorkerBooking(ExchangeHooks):
     """A request in flight on one worker (the round-robin and least-loaded routers' booking);
-    `policy` names the router that chose it (counted per worker)."""
+    `policy` names the router that chose it (counted per worker). Released by the exchange's
+    terminal moment, exactly once."""
 
     __slots__ = ("_released", "_worker", "headers", "target", "worker")
     counts_output = False
+    quiet = False
     body = None
 
     def __init__(self, worker: Worker, policy: str) -> None:
@@ -187,13 +194,14 @@ class WorkerBooking:
         worker.active += 1
         count_decision(worker, policy)
 
-    def first_output(self) -> None:
-        return None
+    def complete(self, record: RequestRecord) -> None:
+        self.release()
 
-    def output_tokens(self, count: int) -> None:
-        return None
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        self.release()
 
-    def release(self, outcome: str) -> None:
+    def release(self) -> None:
+        """The exchange is over: the worker carries one request less (idempotent)."""
         if not self._released:
             self._released = True
             self._worker.active -= 1

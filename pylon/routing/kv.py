@@ -36,12 +36,14 @@ import contextlib
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pylon.core.body import with_token_data
 from pylon.core.http import Header
 from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
+from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.routing import Booking, NoWorker, Router
 from pylon.routing.fleet import Fleet, Worker, count_decision
 from pylon.routing.kv_watch import KvEventWatch
@@ -49,6 +51,7 @@ from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.round_robin import no_worker
 
 if TYPE_CHECKING:
+    from pylon.core.errors import PylonError
     from pylon.observe import Observer
     from pylon.routing.token_data import TokenDataProver
     from pylon.settings import Settings
@@ -62,6 +65,9 @@ if TYPE_CHECKING:
 INSTANCE_RANK_HEADER = b"x-dynamo-dp-rank"
 URL_RANK_HEADER = b"x-data-parallel-rank"
 POLICY = "kv"
+# Bodies up to this size are tokenized on the event loop; larger ones in the tokenizer thread
+# (see `KvRouter._prompt_tokens`).
+INLINE_TOKENIZE_BYTES = 16 * 1024
 # Select-and-reserve latency (seconds), as the event loop waits for it: ~0.12 ms typical.
 SELECT_SECONDS_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0
@@ -75,11 +81,14 @@ class Tokenizer(Protocol):
         ...
 
 
-class KvBooking:
-    """One request's reservation on the worker the core chose."""
+class KvBooking(ExchangeHooks):
+    """One exchange's reservation on the worker the core chose; its moments drive the
+    reservation (`first_output` -> prefill complete, `output` -> output tokens, the terminal
+    moment -> free)."""
 
     __slots__ = ("_released", "_reservation", "_worker", "body", "headers", "target", "worker")
     counts_output = True
+    quiet = False
 
     def __init__(
         self,
@@ -102,13 +111,20 @@ class KvBooking:
     def reservation(self) -> Reservation:
         return self._reservation
 
-    def first_output(self) -> None:
+    def first_output(self, record: RequestRecord) -> None:
         self._reservation.prefill_complete()
 
-    def output_tokens(self, count: int) -> None:
+    def output(self, record: RequestRecord, count: int) -> None:
         self._reservation.output_tokens(count)
 
-    def release(self, outcome: str) -> None:
+    def complete(self, record: RequestRecord) -> None:
+        self.release()
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Free the reservation (idempotent; a no-op after the core's shutdown)."""
         if not self._released:
             self._released = True
             self._worker.active -= 1
@@ -152,6 +168,9 @@ class KvRouter:
         }
         self._allowed: tuple[int, ...] | None = None
         self._fallback = LeastLoadedRouter(fleet)
+        # One thread: large prompts are tokenized one at a time, in arrival order, and never
+        # take the threads of the loop's default executor.
+        self._tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="pylon-tokenize")
         self.fallbacks = 0  # requests booked least-loaded: nothing to tokenize
         self.errors = 0  # requests booked least-loaded: the tokenizer or the core failed
         # Select latencies: one count per SELECT_SECONDS_BUCKETS bound, +Inf, then the sum.
@@ -172,17 +191,12 @@ class KvRouter:
         everyone = len(admitted) == len(self._fleet.workers)
         self._allowed = None if everyone else tuple(w.spec.worker_id for w in admitted)
 
-    def book(self, plan: ForwardPlan) -> Booking:
+    async def book(self, plan: ForwardPlan) -> Booking:
         if not self._fleet.admitted:
             raise no_worker(self._fleet)
-        try:
-            tokens = self._tokenizer.prompt_tokens(plan.target.partition("?")[0], plan.body)
-        except Exception as exc:  # the tokenizer's bug must not fail the request
-            self._failed("tokenize", f"{type(exc).__name__}")
-            return self._fallback.book(plan)
-        if not tokens:
-            self.fallbacks += 1
-            return self._fallback.book(plan)
+        tokens = await self._prompt_tokens(plan)
+        if tokens is None:
+            return self._fallback.choose()
         core = self._core
         salt = self._salt(plan) if self._salt is not None else None
         request = self._select_request(
@@ -197,7 +211,7 @@ class KvRouter:
             raise NoWorker(f"no engine worker can take the request now: {exc}") from None
         except self._ffi_error as exc:
             self._failed("select_and_reserve", str(exc))
-            return self._fallback.book(plan)
+            return self._fallback.choose()
         elapsed = time.perf_counter() - started
         latencies = self.select_seconds
         latencies[bisect_left(SELECT_SECONDS_BUCKETS, elapsed)] += 1
@@ -207,7 +221,7 @@ class KvRouter:
         if worker is None:  # the core only knows the workers upserted from the same fleet
             reservation.free()
             self._failed("select_and_reserve", f"the core chose an unknown worker {wid}")
-            return self._fallback.book(plan)
+            return self._fallback.choose()
         headers = worker.headers
         ranks = self._rank_headers[wid]
         if ranks:
@@ -220,6 +234,30 @@ class KvRouter:
             else:
                 token_data.want(plan.model)
         return KvBooking(worker, reservation, headers, body)
+
+    async def _prompt_tokens(self, plan: ForwardPlan) -> list[int] | None:
+        """The prompt's token ids, or None to book least-loaded (nothing to route by).
+
+        A body of `INLINE_TOKENIZE_BYTES` or less is tokenized on the event loop (tens of
+        microseconds: a thread hop would cost more); a larger one in the router's tokenizer
+        thread, so that a 1 MiB prompt (milliseconds of rendering and encoding) never holds
+        the loop; the encode releases the GIL (see `pylon.tokenize`).
+        """
+        path = plan.target.partition("?")[0]
+        try:
+            if len(plan.body) <= INLINE_TOKENIZE_BYTES:
+                tokens = self._tokenizer.prompt_tokens(path, plan.body)
+            else:
+                tokens = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_thread, self._tokenizer.prompt_tokens, path, plan.body
+                )
+        except Exception as exc:  # the tokenizer's bug must not fail the request
+            self._failed("tokenize", f"{type(exc).__name__}")
+            return None
+        if not tokens:
+            self.fallbacks += 1
+            return None
+        return tokens
 
     def start(self) -> None:
         """Follow every worker's KV-event streams (in the running loop) until `aclose`."""
@@ -285,6 +323,7 @@ class KvRouter:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
         if self.token_data is not None:
             await self.token_data.aclose()
         report = await asyncio.to_thread(self._core.shutdown)

@@ -39,7 +39,11 @@ class LeastLoadedRouter:
         self._fleet = fleet
         self._next = 0
 
-    def book(self, plan: ForwardPlan) -> Booking:
+    async def book(self, plan: ForwardPlan) -> Booking:
+        return self.choose()
+
+    def choose(self) -> WorkerBooking:
+        """The booking on the least-loaded admitted worker, at once; raises `NoWorker`."""
         admitted = self._fleet.admitted
         if not admitted:
             raise no_worker(self._fleet)

@@ -27,7 +27,7 @@ class RoundRobinRouter:
         self._fleet = fleet
         self._next = 0
 
-    def book(self, plan: ForwardPlan) -> Booking:
+    async def book(self, plan: ForwardPlan) -> Booking:
         admitted = self._fleet.admitted
         if not admitted:
             raise no_worker(self._fleet)

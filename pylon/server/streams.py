@@ -32,13 +32,13 @@ from pylon.core.intake import (
     Reject,
     RequestIntake,
 )
-from pylon.observe import RequestRecord
 from pylon.server.budget import BodyBudget
 from pylon.timers import Deadline
 
 if TYPE_CHECKING:
     from pylon.lifecycle import Lifecycle
     from pylon.proxy import Proxy, ResponseSink
+    from pylon.proxy.exchange import Exchange
 
 # Why a request's task was cancelled; the proxy logs it as the request's outcome.
 CLIENT_RESET = "client_reset"
@@ -49,13 +49,12 @@ SHUTDOWN = "shutdown"
 class Stream:
     """One request on a connection, from its head to the end of its task."""
 
-    __slots__ = ("held", "id", "intake", "record", "sink", "task")
+    __slots__ = ("exchange", "held", "id", "intake", "task")
 
-    def __init__(self, stream_id: int, intake: RequestIntake, record: RequestRecord) -> None:
+    def __init__(self, stream_id: int, intake: RequestIntake, exchange: Exchange) -> None:
         self.id = stream_id
         self.intake = intake
-        self.record = record
-        self.sink: ResponseSink | None = None
+        self.exchange = exchange  # the request's way out, and its record
         self.task: asyncio.Task[None] | None = None
         self.held = 0  # request-body bytes taken from the budgets for this stream
 
@@ -126,7 +125,7 @@ class StreamTable:
         """A new request stream; its head follows (`head` or `malformed`)."""
         now = self._loop.time()
         intake = RequestIntake(self._admission, self._limits, now)
-        stream = Stream(stream_id, intake, RequestRecord(self.protocol, stream_id, now))
+        stream = Stream(stream_id, intake, self._proxy.open(self.protocol, stream_id, now))
         self._streams[stream_id] = stream
         return stream
 
@@ -138,12 +137,7 @@ class StreamTable:
             return
         request = stream.intake.request
         if request is not None:
-            record = stream.record
-            record.request_id = request.request_id
-            record.model = getattr(request, "model", None)
-            record.method = request.method
-            record.path = request.target.partition("?")[0]
-            self._observer.admitted(record)
+            stream.exchange.admitted(request)
         if decision is None:
             self._stall_watch.arm(self._limits.stall_timeout)
         else:
@@ -162,8 +156,7 @@ class StreamTable:
             return
         if error.request_id is None and fields is not None:
             error.request_id = request_id_of(fields)
-        if stream.record.request_id is None:
-            stream.record.request_id = error.request_id
+        stream.exchange.identified(error.request_id)
         try:
             decision = stream.intake.receive_malformed(error)
         except IntakeError as exc:
@@ -222,7 +215,7 @@ class StreamTable:
                 "stream_cancelled",
                 self.protocol,
                 stream_id=stream_id,
-                request_id=stream.record.request_id,
+                request_id=stream.exchange.record.request_id,
                 reason=reason,
             )
         self._ready = collections.deque(item for item in self._ready if item[0] is not stream)
@@ -255,7 +248,7 @@ class StreamTable:
     def request_id(self, stream_id: int) -> str | None:
         """The id of a stream's request, when known: every log line about a request names it."""
         stream = self._streams.get(stream_id)
-        return stream.record.request_id if stream is not None else None
+        return stream.exchange.record.request_id if stream is not None else None
 
     @property
     def queued(self) -> bool:
@@ -275,7 +268,7 @@ class StreamTable:
             "stream_state_error",
             self.protocol,
             stream_id=stream.id,
-            request_id=stream.record.request_id,
+            request_id=stream.exchange.record.request_id,
             detail=str(exc),
         )
         self.cancel(stream.id, "protocol_error")
@@ -292,16 +285,13 @@ class StreamTable:
 
     def _reject(self, stream: Stream, error: PylonError) -> None:
         self._release(stream)
-        sink = self._framing.reject_sink(stream)
-        stream.record.done_at = self._loop.time()
-        self._proxy.reject(sink, error, stream.record)
+        stream.exchange.reject(self._framing.reject_sink(stream), error)
         self._streams.pop(stream.id, None)
 
     def _start(self, stream: Stream, dispatch: Dispatch) -> None:
-        sink = stream.sink = self._framing.response_sink(stream, dispatch.request)
-        task = self._loop.create_task(
-            self._proxy.handle(dispatch.request, dispatch.body, sink, stream.record)
-        )
+        exchange = stream.exchange
+        exchange.sink = self._framing.response_sink(stream, dispatch.request)
+        task = self._loop.create_task(self._proxy.handle(exchange, dispatch.request, dispatch.body))
         stream.task = task
         self._tasks += 1
         # A small object, not a closure over `self`: no reference cycle per request.
@@ -312,7 +302,7 @@ class StreamTable:
         self._release(stream)
         crashed = not task.cancelled() and task.exception() is not None
         if crashed:
-            self._observer.crashed(stream.record, task.exception())
+            stream.exchange.crashed(task.exception())
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
         self._framing.stream_done(stream, crashed)
@@ -368,7 +358,7 @@ class StreamTable:
                     self.protocol,
                     timer="body",
                     stream_id=stream.id,
-                    request_id=stream.record.request_id,
+                    request_id=stream.exchange.record.request_id,
                 )
                 self._decide(stream, decision)
                 continue

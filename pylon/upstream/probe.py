@@ -16,7 +16,7 @@ from typing import cast
 import httptools
 
 from pylon.core.target import UpstreamTarget
-from pylon.upstream.pool import MAX_RESPONSE_HEAD, delimited_by_close
+from pylon.upstream.connection import MAX_RESPONSE_HEAD, delimited_by_close
 
 
 class FetchError(Exception):

@@ -7,7 +7,8 @@ import asyncio
 import json
 from typing import Any
 
-from pylon.observe import LogObserver, RequestRecord
+from pylon.core.record import RequestRecord
+from pylon.observe import LogObserver
 from tests.integration.conftest import MODEL, StackFactory
 from tests.transport.h2client import H2Client, request_headers
 
@@ -32,8 +33,8 @@ class Lines(LogObserver):
         self.admitted_ids.append(record.request_id)
         self._changed.set()
 
-    def done(self, record: RequestRecord) -> None:
-        super().done(record)
+    def complete(self, record: RequestRecord) -> None:
+        super().complete(record)
         self.done_records.append(record)
         self._changed.set()
 

@@ -18,7 +18,8 @@ import pytest
 
 from pylon.core.errors import PylonError
 from pylon.core.queue import MIN_SAMPLES, QueueDecision, QueueSnapshot
-from pylon.observe import LogObserver, RequestRecord
+from pylon.core.record import RequestRecord
+from pylon.observe import LogObserver
 from tests.stack import MODEL, PROTOCOLS, Stack, StackFactory
 
 CHAT = "/v1/chat/completions"
@@ -34,13 +35,13 @@ class QueueObserver(LogObserver):
         self.rejections: list[tuple[str | None, str]] = []
         self._done: dict[str, asyncio.Event] = {}
 
-    def queue_admission(self, record: RequestRecord, decision: QueueDecision) -> None:
+    def queue_gate(self, record: RequestRecord, decision: QueueDecision) -> None:
         self.decisions.append((record.request_id, decision))
 
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         self.rejections.append((record.request_id, error.code.value))
 
-    def done(self, record: RequestRecord) -> None:
+    def complete(self, record: RequestRecord) -> None:
         assert record.request_id is not None
         self.done_event(record.request_id).set()
 

@@ -13,17 +13,21 @@ import pytest
 
 from pylon.core.errors import PylonError
 from pylon.core.plan import ForwardPlan
+from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.retry import RetryMark
 from pylon.core.target import UpstreamTarget
-from pylon.observe import LogObserver, RequestRecord
+from pylon.observe import LogObserver
 from pylon.routing import Booking
 from tests.stack import MODEL, Stack, StackFactory
 
 CHAT = "/v1/chat/completions"
+# A booking's life on a successful exchange: every moment once, in order, then the release.
+LIFE_OK = ["dispatched", "response_head", "first_output", "release:ok"]
 
 
-class RecordingBooking:
+class RecordingBooking(ExchangeHooks):
     counts_output = True
+    quiet = False
     body = None
 
     def __init__(self, target: UpstreamTarget, log: list[str], tokens: list[int]) -> None:
@@ -33,15 +37,24 @@ class RecordingBooking:
         self._log = log
         self._tokens = tokens
 
-    def first_output(self) -> None:
+    def dispatched(self, record: RequestRecord) -> None:
+        self._log.append("dispatched")
+
+    def response_head(self, record: RequestRecord) -> None:
+        self._log.append("response_head")
+
+    def first_output(self, record: RequestRecord) -> None:
         self._log.append("first_output")
 
-    def output_tokens(self, count: int) -> None:
-        assert self._log == ["first_output"], "output is counted from the first output on"
+    def output(self, record: RequestRecord, count: int) -> None:
+        assert self._log[-1] == "first_output", "output is counted from the first output on"
         self._tokens.append(count)
 
-    def release(self, outcome: str) -> None:
-        self._log.append(f"release:{outcome}")
+    def complete(self, record: RequestRecord) -> None:
+        self._log.append(f"release:{record.outcome}")
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        self._log.append(f"rejected:{error.code.value}")
 
 
 class RecordingRouter:
@@ -52,7 +65,7 @@ class RecordingRouter:
         self.lives: dict[str, list[str]] = {}
         self.tokens: dict[str, list[int]] = {}  # what `output_tokens` was told, per block
 
-    def book(self, plan: ForwardPlan) -> Booking:
+    async def book(self, plan: ForwardPlan) -> Booking:
         assert self.target is not None and plan.request_id is not None
         rid = plan.request_id
         return RecordingBooking(
@@ -72,8 +85,11 @@ class RecordingObserver(LogObserver):
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         self.events.append(("rejected", record.request_id))
 
-    def dispatched(self, record: RequestRecord, plan: ForwardPlan) -> None:
+    def dispatched(self, record: RequestRecord) -> None:
         self.events.append(("dispatched", record.request_id))
+
+    def response_head(self, record: RequestRecord) -> None:
+        self.events.append(("response_head", record.request_id))
 
     def first_output(self, record: RequestRecord) -> None:
         self.events.append(("first_output", record.request_id))
@@ -84,8 +100,8 @@ class RecordingObserver(LogObserver):
     def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
         self.events.append(("upstream_failed", record.request_id))
 
-    def done(self, record: RequestRecord) -> None:
-        self.events.append(("done", record.request_id))
+    def complete(self, record: RequestRecord) -> None:
+        self.events.append(("complete", record.request_id))
         self.records.append(record)
 
 
@@ -110,7 +126,7 @@ async def test_booking_is_released_once_after_the_exchange_on_success(
     for request_id, stream in (("ok-stream", True), ("ok-json", False)):
         reply = await stack.post(CHAT, chat(stream), headers={"x-request-id": request_id})
         assert reply.status_code == 200
-        assert router.lives[request_id] == ["first_output", "release:ok"]
+        assert router.lives[request_id] == LIFE_OK
         bodies[request_id] = reply.content
     # Every output event of the stream was counted ([DONE] not); a whole JSON answer counts
     # nothing (its booking ends with it).
@@ -126,15 +142,15 @@ async def test_booking_is_released_on_engine_faults_and_timeouts(make_stack: Sta
     await stack.faults([{"drop_after_events": 2, "times": 1}])
     reply = await stack.post(CHAT, chat(True), headers={"x-request-id": "dropped"})
     assert reply.status_code == 200 and b"upstream_protocol_error" in reply.content
-    assert router.lives["dropped"] == ["first_output", "release:upstream_protocol_error"]
+    assert router.lives["dropped"] == [*LIFE_OK[:-1], "release:upstream_protocol_error"]
     await stack.faults([{"stall_after_events": 0, "times": 1}])
     reply = await stack.post(CHAT, chat(True), headers={"x-request-id": "stalled"})
     assert b"upstream_timeout" in reply.content
-    assert router.lives["stalled"] == ["release:upstream_timeout"]
+    assert router.lives["stalled"] == ["dispatched", "response_head", "release:upstream_timeout"]
     await stack.faults([{"status": 503, "retryable": True, "times": 1}])
     reply = await stack.post(CHAT, chat(False), headers={"x-request-id": "refused"})
     assert reply.status_code == 503
-    assert router.lives["refused"] == ["first_output", "release:ok"]
+    assert router.lives["refused"] == LIFE_OK
 
 
 async def test_booking_is_released_when_the_client_leaves(make_stack: StackFactory) -> None:
@@ -154,9 +170,9 @@ async def test_booking_is_released_when_the_client_leaves(make_stack: StackFacto
     writer.transport.abort()
     await stack.wait_record("leaver", "cancelled")
     async with asyncio.timeout(5):
-        while len(router.lives["leaver"]) < 2:
+        while len(router.lives["leaver"]) < len(LIFE_OK):
             await asyncio.sleep(0)  # the release runs in pylon's task, after the engine saw it
-    assert router.lives["leaver"] == ["first_output", "release:client_disconnected"]
+    assert router.lives["leaver"] == [*LIFE_OK[:-1], "release:client_disconnected"]
 
 
 @pytest.mark.parametrize("protocol", ["http1", "h2", "h3"])
@@ -171,7 +187,7 @@ async def test_observer_sees_every_step_in_clock_order(
     reply = await stack.send(protocol, CHAT, headers, json.dumps(chat(True)).encode())
     assert reply.status == 200
     steps = [name for name, request_id in observer.events if request_id == "seen-1"]
-    assert steps == ["admitted", "dispatched", "first_output", "done"]
+    assert steps == ["admitted", "dispatched", "response_head", "first_output", "complete"]
     record = observer.records[-1]
     assert record.transport == protocol and record.outcome == "ok" and record.status == 200
     assert record.dispatched_at is not None and record.first_byte_at is not None

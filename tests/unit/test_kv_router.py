@@ -11,6 +11,7 @@ import pytest
 
 from pylon.core.plan import ForwardPlan
 from pylon.core.priority import NO_WRITE
+from pylon.core.record import RequestRecord
 from pylon.core.target import UpstreamTarget
 from pylon.routing import NoWorker
 from pylon.routing.fleet import INSTANCE_PIN_HEADER, Fleet
@@ -26,6 +27,7 @@ from tests.observers import EventObserver
 from tests.router_ffi.fake_native import FakeNative, FakeSelectionError
 
 FRONTEND = "http://127.0.0.1:8000"
+RECORD = RequestRecord("http1", 1, 0.0)  # what the exchange hands its booking with a moment
 EV = "kv-events=tcp://127.0.0.1:9"
 
 
@@ -89,7 +91,7 @@ async def fake() -> AsyncIterator[Refusing]:
 async def test_a_booking_tells_the_core_what_the_exchange_does(fake: Refusing) -> None:
     router, fleet, events = await kv_router(fake, f"url=http://a:1,{EV},block-size=4")
     assert [e["workers"] for e in events.of("kv_router_started")] == [["http://a:1"]]
-    booking = router.book(plan(b"abcdefgh"))
+    booking = await router.book(plan(b"abcdefgh"))
     assert isinstance(booking, KvBooking) and booking.counts_output
     assert booking.target == UpstreamTarget("a", 1, "") and booking.headers == ()
     sid = booking.reservation.selection_id
@@ -98,12 +100,12 @@ async def test_a_booking_tells_the_core_what_the_exchange_does(fake: Refusing) -
     assert "cache_salt" not in fake.last_request or fake.last_request["cache_salt"] is None
     assert fleet.workers[0].active == 1 and fleet.workers[0].decisions == {"kv": 1}
     assert sum(router.select_seconds[:-1]) == 1 and router.select_seconds[-1] > 0
-    booking.first_output()
-    booking.first_output()
-    booking.output_tokens(3)
-    booking.output_tokens(6)  # 9 tokens: two blocks of 4
-    booking.release("ok")
-    booking.release("ok")
+    booking.first_output(RECORD)
+    booking.first_output(RECORD)
+    booking.output(RECORD, 3)
+    booking.output(RECORD, 6)  # 9 tokens: two blocks of 4
+    booking.release()
+    booking.release()
     assert fleet.workers[0].active == 0
     router.core.quiesce()
     assert fake.ops_for(sid) == [
@@ -117,7 +119,7 @@ async def test_a_booking_tells_the_core_what_the_exchange_does(fake: Refusing) -
     await router.aclose()
     assert events.of("kv_router_stopped") == [{"drained": True, "abandoned": 0}]
     with pytest.raises(NoWorker, match="shut down"):
-        router.book(plan())  # after the core's shutdown: 503, never a crash
+        await router.book(plan())  # after the core's shutdown: 503, never a crash
     assert fake.touched_after_shutdown == []
 
 
@@ -127,7 +129,7 @@ async def test_dp_rank_pins_and_the_instance_pin(fake: Refusing) -> None:
         f"url=http://a:1,{EV},kv-events=tcp://127.0.0.1:10,dp-size=2",
         f"instance-id=18446744073709551615,{EV},kv-events=tcp://127.0.0.1:11,dp-size=2",
     )
-    first, second = router.book(plan()), router.book(plan())
+    first, second = await router.book(plan()), await router.book(plan())
     assert first.headers == ((URL_RANK_HEADER, b"0"),)
     assert second.target == UpstreamTarget.from_url(FRONTEND)
     assert second.headers == (
@@ -135,23 +137,23 @@ async def test_dp_rank_pins_and_the_instance_pin(fake: Refusing) -> None:
         (INSTANCE_RANK_HEADER, b"0"),
     )
     for booking in (first, second):
-        booking.release("ok")
+        booking.release()
     await router.aclose()
 
 
 async def test_only_admitted_workers_are_offered(fake: Refusing) -> None:
     router, fleet, _ = await kv_router(fake, f"url=http://a:1,{EV}", f"url=http://b:1,{EV}")
-    router.book(plan()).release("ok")
+    (await router.book(plan())).release()
     assert fake.last_request.get("allowed_worker_ids") is None  # everyone: no filter
     fleet.set_admitted(fleet.workers[0], False)
     for _ in range(3):
-        booking = router.book(plan())
+        booking = await router.book(plan())
         assert booking.worker == "http://b:1"
-        booking.release("ok")
+        booking.release()
     assert list(fake.last_request["allowed_worker_ids"]) == [fleet.workers[1].spec.worker_id]
     fleet.set_admitted(fleet.workers[1], False)
     with pytest.raises(NoWorker, match="health checks"):
-        router.book(plan())
+        await router.book(plan())
     await router.aclose()
 
 
@@ -162,11 +164,11 @@ async def test_requests_without_a_prompt_or_with_a_failing_tokenizer_go_least_lo
     router, fleet, events = await kv_router(
         fake, f"url=http://a:1,{EV}", f"url=http://b:1,{EV}", tokenizer=tokenizer
     )
-    held = router.book(plan(path="/v1/embeddings"))
+    held = await router.book(plan(path="/v1/embeddings"))
     assert router.fallbacks == 1 and not held.counts_output
-    assert router.book(plan(body=b"")).worker != held.worker  # no tokens: least-loaded
+    assert (await router.book(plan(body=b""))).worker != held.worker  # no tokens: least-loaded
     tokenizer.fail = True
-    router.book(plan())
+    await router.book(plan())
     assert router.errors == 1
     assert events.of("kv_routing_failed") == [{"op": "tokenize", "detail": "RuntimeError"}]
     assert fleet.active == 3
@@ -185,10 +187,10 @@ async def test_what_the_core_refuses(
     fake.refuse = refusal
     if outcome == "no_worker":
         with pytest.raises(NoWorker, match="no engine worker can take the request now"):
-            router.book(plan())
+            await router.book(plan())
         assert fleet.active == 0
     else:
-        booking = router.book(plan())  # the core failed: least-loaded, and reported
+        booking = await router.book(plan())  # the core failed: least-loaded, and reported
         assert booking.worker == "http://a:1" and router.errors == 1
         assert events.of("kv_routing_failed")[0]["op"] == "select_and_reserve"
     await router.aclose()

@@ -9,8 +9,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pylon.core.errors import ClientError, ErrorCode, UpstreamError
-from pylon.core.plan import ForwardPlan
-from pylon.core.priority import PriorityWrite
+from pylon.core.record import RequestRecord
 from pylon.core.retry import RetryMark
 from pylon.core.sanitize import (
     DENIED_BODY_FIELDS,
@@ -21,7 +20,6 @@ from pylon.core.sanitize import (
     stripped_control_labels,
 )
 from pylon.metrics import MetricsObserver
-from pylon.observe import RequestRecord
 
 # --- stripped-control labels ---------------------------------------------------------------
 
@@ -106,29 +104,16 @@ def record(model: str | None, transport: str = "http1", at: float = 100.0) -> Re
     return entry
 
 
-def plan(priority: int | None) -> ForwardPlan:
-    return ForwardPlan(
-        "POST",
-        "/v1/chat/completions",
-        (),
-        b"{}",
-        "r",
-        "m",
-        False,
-        (),
-        PriorityWrite(value=priority),
-    )
-
-
 def forward(metrics: MetricsObserver, entry: RequestRecord, status: int = 200) -> None:
     """A forwarded request's events, as the proxy sends them, 0.5 s from head to done."""
     entry.dispatched_at = entry.head_at + 0.1
-    metrics.dispatched(entry, plan(7))
+    entry.engine_priority = 7
+    metrics.dispatched(entry)
     entry.first_byte_at = entry.first_output_at = entry.head_at + 0.2
     metrics.first_output(entry)
     entry.status = status
     entry.done_at = entry.head_at + 0.5
-    metrics.done(entry)
+    metrics.complete(entry)
 
 
 def test_models_past_the_limit_are_counted_as_other() -> None:
@@ -145,13 +130,13 @@ def test_in_flight_counts_the_requests_at_the_engine() -> None:
     first, second = record("m", "h2"), record("m", "h2")
     for entry in (first, second):
         entry.dispatched_at = 1.0
-        metrics.dispatched(entry, plan(None))
+        metrics.dispatched(entry)
     key = (("backend", "vllm"), ("model", "m"), ("transport", "h2"))
     assert scrape(metrics)["pylon_requests_in_flight"][key] == 2
     first.done_at = second.done_at = 2.0
-    metrics.done(first)
+    metrics.complete(first)
     assert scrape(metrics)["pylon_requests_in_flight"][key] == 1
-    metrics.done(second)
+    metrics.complete(second)
     assert scrape(metrics)["pylon_requests_in_flight"][key] == 0
     # A request pylon refused before the engine never counted as in flight.
     refused = record("m", "h2")

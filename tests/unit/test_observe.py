@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pylon.core.errors import ClientError, ErrorCode
-from pylon.observe import LogObserver, Observers, RequestRecord, quiet
+from pylon.core.record import RequestRecord
+from pylon.observe import LogObserver, Observers, quiet
 
 
 class Noting(LogObserver):
@@ -17,8 +18,8 @@ class Noting(LogObserver):
     def admitted(self, record: RequestRecord) -> None:  # an override: not quiet any more
         self._heard.append((self._name, "admitted"))
 
-    def done(self, record: RequestRecord) -> None:
-        self._heard.append((self._name, "done"))
+    def complete(self, record: RequestRecord) -> None:
+        self._heard.append((self._name, "complete"))
 
     def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
         self._heard.append((self._name, f"{kind}/{protocol}/{fields}"))
@@ -33,15 +34,15 @@ def test_events_reach_every_observer_in_order() -> None:
     both = Observers(Noting("first", heard), Noting("second", heard))
     record = RequestRecord("h2", 1, 0.0)
     both.admitted(record)
-    both.done(record)
+    both.complete(record)
     both.transport_event("h2_flood", "h2", kind="ping")
     both.crashed(record, None)
     both.rejected(record, ClientError("x", code=ErrorCode.MISSING_MODEL))  # LogObserver's line
     assert heard == [
         ("first", "admitted"),
         ("second", "admitted"),
-        ("first", "done"),
-        ("second", "done"),
+        ("first", "complete"),
+        ("second", "complete"),
         ("first", "h2_flood/h2/{'kind': 'ping'}"),
         ("second", "h2_flood/h2/{'kind': 'ping'}"),
     ]

@@ -27,12 +27,34 @@ from pylon.core.queue import (
     Result,
     queue_ms,
 )
+from pylon.core.record import RequestRecord
 from pylon.core.sanitize import sanitize_request_headers
 from pylon.settings import SettingsError, load_settings
 
 from .helpers import tunnel
 
 FAST = settings(max_examples=200, deadline=None)
+
+
+# The exchange's moments, as an exchange tells them to its queue entry (the record carries the
+# loop-clock readings; see pylon.core.record).
+def dispatch(entry: QueueEntry, now: float) -> None:
+    record = RequestRecord("http1", 1, 0.0)
+    record.dispatched_at = now
+    entry.dispatched(record)
+
+
+def head(entry: QueueEntry) -> None:
+    entry.response_head(RequestRecord("http1", 1, 0.0))
+
+
+def output(entry: QueueEntry, now: float, ends_prefill: bool) -> None:
+    record = RequestRecord("http1", 1, 0.0)
+    record.first_output_at = now
+    record.ends_prefill = ends_prefill
+    entry.first_output(record)
+
+
 CEILING = 3600
 
 
@@ -220,25 +242,25 @@ def test_phases_move_and_leave() -> None:
         return snap.pending, snap.pending_tokens, snap.prefill, snap.prefill_tokens, snap.decode
 
     assert counts() == (1, 40, 0, 0, 0)
-    entry.dispatched(0.0)
+    dispatch(entry, 0.0)
     assert counts() == (1, 40, 0, 0, 0)  # dispatch alone is not a response head
-    entry.head()
+    head(entry)
     assert counts() == (0, 0, 1, 40, 0)
-    entry.first_output(0.5, sample=True)
+    output(entry, 0.5, True)
     assert counts() == (0, 0, 0, 0, 1)
     entry.release(1.0)
     assert counts() == (0, 0, 0, 0, 0)
     entry.release(2.0)  # idempotent
-    entry.first_output(2.0, sample=True)  # too late: nothing moves
+    output(entry, 2.0, True)  # too late: nothing moves
     assert counts() == (0, 0, 0, 0, 0)
 
 
 def test_non_stream_head_moves_straight_to_decode_and_every_phase_can_leave() -> None:
     queue = admission()
     whole = admit(queue, stream=False, tokens=5)
-    whole.first_output(1.0, sample=False)  # the head of a whole response
+    output(whole, 1.0, False)  # the head of a whole response
     in_prefill = admit(queue, tokens=6)
-    in_prefill.head()
+    head(in_prefill)
     pending = admit(queue, tokens=7)
     (snap,) = queue.table.snapshot()
     assert (snap.pending, snap.prefill, snap.decode) == (1, 1, 1)
@@ -264,7 +286,7 @@ def test_prefill_is_ahead_of_everyone_pending_only_of_its_level_and_below() -> N
     assert table.estimate_ms("m", 1) == 100
     assert table.estimate_ms("m", 50) == 1100
     assert table.estimate_ms("m", CEILING) == 11_100
-    urgent.head()  # in prefill now: ahead of everyone, even level 0
+    head(urgent)  # in prefill now: ahead of everyone, even level 0
     assert table.estimate_ms("m", 0) == 100
     (snap,) = table.snapshot()
     assert snap.estimates_ms == ((50, 1100), (CEILING, 11_100))
@@ -335,9 +357,9 @@ def test_queue_ms_rounds_up_and_caps() -> None:
 
 def run_one(queue: QueueAdmission, tokens: int, start: float, end: float) -> None:
     entry = admit(queue, tokens=tokens)
-    entry.dispatched(start)
-    entry.head()
-    entry.first_output(end, sample=True)
+    dispatch(entry, start)
+    head(entry)
+    output(entry, end, True)
     entry.release(end)
 
 
@@ -365,9 +387,9 @@ def test_concurrent_prefills_share_their_time() -> None:
         start = round_ * 1.0
         entries = [admit(queue, tokens=100) for _ in range(4)]
         for entry in entries:
-            entry.dispatched(start)
+            dispatch(entry, start)
         for i, entry in enumerate(entries):
-            entry.first_output(start + 0.1 + i * 0.0001, sample=True)
+            output(entry, start + 0.1 + i * 0.0001, True)
             entry.release(start + 0.2)
     tps = queue.table.input_tps("m")
     assert tps is not None and tps == pytest.approx(4000.0, rel=0.01)
@@ -377,11 +399,11 @@ def test_continuous_load_is_cut_into_samples() -> None:
     """Prefills overlapping without a pause: no busy period ends, samples still close."""
     queue = admission(initial_tps=None)
     previous = admit(queue, tokens=250)
-    previous.dispatched(0.0)
+    dispatch(previous, 0.0)
     for i in range(1, 40):
         following = admit(queue, tokens=250)
-        following.dispatched(i * 0.25 - 0.01)  # starts before the previous one ends
-        previous.first_output(i * 0.25, sample=True)
+        dispatch(following, i * 0.25 - 0.01)  # starts before the previous one ends
+        output(previous, i * 0.25, True)
         previous.release(i * 0.25)
         previous = following
     assert queue.table.input_tps("m") == pytest.approx(1000.0, rel=0.01)
@@ -400,11 +422,11 @@ def test_failed_and_unsampled_requests_do_not_measure() -> None:
     queue = admission(initial_tps=None)
     for i in range(MIN_SAMPLES + 2):
         failed = admit(queue, tokens=100)
-        failed.dispatched(float(i))
+        dispatch(failed, float(i))
         failed.release(i + 5.0)  # timed out, alone: its busy time is dropped
         whole = admit(queue, stream=False, tokens=100)  # not an event stream: not sampled
-        whole.dispatched(float(i))
-        whole.first_output(i + 0.001, sample=True)
+        dispatch(whole, float(i))
+        output(whole, i + 0.001, True)
         whole.release(i + 0.001)
     assert queue.table.input_tps("m") is None
     for i in range(MIN_SAMPLES):
@@ -416,8 +438,8 @@ def test_embeddings_measure_at_their_head() -> None:
     queue = admission(initial_tps=None)
     for i in range(MIN_SAMPLES):
         entry = queue.admit(request(tokens=50, target=b"/v1/embeddings"), 0, False)
-        entry.dispatched(float(i))
-        entry.first_output(i + 0.05, sample=True)
+        dispatch(entry, float(i))
+        output(entry, i + 0.05, True)
         entry.release(i + 0.05)
     assert queue.table.input_tps("m") == pytest.approx(1000.0)
 
@@ -450,11 +472,11 @@ def test_entries_always_leave_and_counts_stay_sane(ops: list[Any], backend: str)
             continue
         entry = entries[index % len(entries)]
         if kind == "dispatch":
-            entry.dispatched(now)
+            dispatch(entry, now)
         elif kind == "head":
-            entry.head()
+            head(entry)
         elif kind == "first":
-            entry.first_output(now, sample=flag)
+            output(entry, now, flag)
         else:
             entry.release(now)
         (snap,) = queue.table.snapshot()
@@ -492,7 +514,7 @@ def test_estimates_are_monotonic_in_level(
     for tokens, rank, started in live:
         entry = admit(queue, tokens=tokens, priority=rank)
         if started:
-            entry.head()
+            head(entry)
     low_ms = queue.table.estimate_ms("m", low)
     high_ms = queue.table.estimate_ms("m", high)
     assert low_ms is not None and high_ms is not None
@@ -511,12 +533,12 @@ def test_more_work_ahead_never_lowers_an_estimate(
     for live_tokens, live_rank, live_started in live:
         entry = admit(queue, tokens=live_tokens, priority=live_rank)
         if live_started:
-            entry.head()
+            head(entry)
     levels = [0, 1, 100, CEILING]
     before = [queue.table.estimate_ms("m", level) for level in levels]
     extra = admit(queue, tokens=tokens, priority=rank)
     if started:
-        extra.head()
+        head(extra)
     after = [queue.table.estimate_ms("m", level) for level in levels]
     assert all(
         a is not None and b is not None and a >= b for a, b in zip(after, before, strict=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pylon.observe import RequestRecord
+from pylon.core.record import RequestRecord
 from pylon.otel import remote_parent
 from pylon.tracing import UPSTREAM_FAILURES, exchange_error
 

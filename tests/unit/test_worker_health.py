@@ -159,35 +159,35 @@ def admit_all(fleet: Fleet) -> None:
         fleet.set_admitted(worker, True)
 
 
-def test_round_robin_cycles_the_admitted_and_refuses_when_none_is() -> None:
+async def test_round_robin_cycles_the_admitted_and_refuses_when_none_is() -> None:
     fleet = fleet_of("url=http://a:1", "url=http://b:1", "url=http://c:1")
     router = RoundRobinRouter(fleet)
     with pytest.raises(NoWorker, match="none of the 3 workers passes its health checks"):
-        router.book(PLAN)
+        await router.book(PLAN)
     admit_all(fleet)
-    bookings = [router.book(PLAN) for _ in range(4)]
+    bookings = [await router.book(PLAN) for _ in range(4)]
     assert [b.worker for b in bookings] == ["http://a:1", "http://b:1", "http://c:1", "http://a:1"]
     assert fleet.active_by_worker() == {"http://a:1": 2, "http://b:1": 1, "http://c:1": 1}
     fleet.set_admitted(fleet.workers[1], False)
-    assert {router.book(PLAN).worker for _ in range(4)} == {"http://a:1", "http://c:1"}
+    assert {(await router.book(PLAN)).worker for _ in range(4)} == {"http://a:1", "http://c:1"}
     for booking in bookings:
-        booking.release("ok")
-        booking.release("ok")  # a second release is a no-op
+        booking.release()
+        booking.release()  # a second release is a no-op
     assert fleet.workers[1].active == 0
 
 
-def test_least_loaded_picks_the_fewest_and_breaks_ties_in_turn() -> None:
+async def test_least_loaded_picks_the_fewest_and_breaks_ties_in_turn() -> None:
     fleet = fleet_of("url=http://a:1", "url=http://b:1", "url=http://c:1")
     admit_all(fleet)
     router = LeastLoadedRouter(fleet)
-    first = [router.book(PLAN) for _ in range(3)]  # all idle: in turn
+    first = [await router.book(PLAN) for _ in range(3)]  # all idle: in turn
     assert [b.worker for b in first] == ["http://a:1", "http://b:1", "http://c:1"]
-    first[1].release("ok")
-    assert router.book(PLAN).worker == "http://b:1"  # the only one with fewer
+    first[1].release()
+    assert (await router.book(PLAN)).worker == "http://b:1"  # the only one with fewer
     for booking in first:
-        booking.release("ok")
+        booking.release()
     # Now a=0, b=1, c=0, the cursor past b: c, then a, then all at 1: from the cursor, b.
-    assert [router.book(PLAN).worker for _ in range(3)] == [
+    assert [(await router.book(PLAN)).worker for _ in range(3)] == [
         "http://c:1",
         "http://a:1",
         "http://b:1",
