@@ -8,9 +8,23 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
 from pylon.settings import (
+    BRINGUP,
+    ENGINE,
+    FLOODS,
     GROUPS,
+    HTTP2,
+    LIMITS,
+    LISTENERS,
+    LOGGING,
+    QUEUE,
+    QUIC,
+    ROUTING,
+    TIMEOUTS,
+    TLS_AUTH,
+    TRACING,
     Settings,
     SettingsError,
     load_settings,
@@ -211,6 +225,107 @@ def test_every_setting_has_a_topic_and_a_description() -> None:
         extra = field.json_schema_extra
         assert isinstance(extra, dict) and extra["group"] in GROUPS, name
         assert field.description, name
+
+
+# Each topic's settings in the order `pylon serve --help` and docs/operations.md list them.
+TOPIC_FIELDS = {
+    LISTENERS: ("listen", "quic_listen", "admin_listen"),
+    ENGINE: (
+        "upstream",
+        "backend",
+        "priority_ceiling",
+        "derive_priority",
+        "sglang_low_priority_first",
+        "upstream_max_idle",
+        "upstream_max_connections",
+        "retryable_status_codes",
+        "require_upstream_retry_header",
+        "upstream_retry_header",
+        "propagate_retry_after",
+        "local_connect_failures_retryable",
+        "tokenizer",
+    ),
+    ROUTING: (
+        "routing",
+        "worker",
+        "worker_health_path",
+        "worker_health_interval",
+        "worker_health_timeout",
+        "worker_eject_after",
+        "worker_readmit_after",
+        "kv_overlap_weight",
+        "kv_token_data",
+    ),
+    BRINGUP: (
+        "upstream_health_gate",
+        "upstream_health_path",
+        "upstream_health_wait",
+        "upstream_health_interval",
+        "upstream_health_timeout",
+        "model",
+        "model_discovery_interval",
+        "model_discovery_timeout",
+    ),
+    QUEUE: (
+        "queue_admission",
+        "queue_admission_min_delta_ms",
+        "queue_admission_factor",
+        "queue_admission_retry_after_ms",
+        "initial_input_tps",
+    ),
+    LIMITS: (
+        "max_body_bytes",
+        "max_connection_body_bytes",
+        "max_total_body_bytes",
+        "max_header_bytes",
+        "max_headers",
+        "max_sse_event_bytes",
+    ),
+    TIMEOUTS: (
+        "first_output_timeout",
+        "output_gap_timeout",
+        "client_send_timeout",
+        "upstream_connect_timeout",
+        "upstream_idle_timeout",
+        "upstream_queue_timeout",
+        "shutdown_grace",
+        "header_timeout",
+        "client_idle_timeout",
+    ),
+    TLS_AUTH: ("tunnel_token_file", "tls_cert", "tls_key", "tls_client_ca", "tls_reload_interval"),
+    HTTP2: ("h2_max_concurrent_streams", "h2_stream_window"),
+    QUIC: (
+        "quic_idle_timeout",
+        "quic_max_data",
+        "quic_max_stream_data",
+        "quic_max_concurrent_streams",
+        "quic_retry",
+    ),
+    FLOODS: ("flood_window", "max_stream_resets", "max_control_frames"),
+    LOGGING: ("log_format", "log_level"),
+    TRACING: ("otel_endpoint", "otel_service_name"),
+}
+
+
+def test_settings_come_by_topic_in_the_pinned_order() -> None:
+    """The model lists the topics in GROUPS order and each topic's settings as pinned: `--help`,
+    docs/operations.md and `pylon config` follow it, so a reorder is a visible change."""
+    assert tuple(TOPIC_FIELDS) == GROUPS
+    assert list(Settings.model_fields) == [
+        name for names in TOPIC_FIELDS.values() for name in names
+    ]
+
+
+def test_each_part_of_the_model_holds_one_topic() -> None:
+    """`Settings` is composed of one part per topic (its bases, listed last topic first): each
+    part declares exactly its topic's settings."""
+    parts = [base for base in reversed(Settings.__bases__) if base is not BaseSettings]
+    assert len(parts) == len(GROUPS)
+    for part, (topic, names) in zip(parts, TOPIC_FIELDS.items(), strict=True):
+        assert tuple(part.model_fields) == names, (part.__name__, topic)
+        for name, field in part.model_fields.items():
+            assert isinstance(field.json_schema_extra, dict), name
+            assert field.json_schema_extra["group"] == topic, (part.__name__, name)
 
 
 def test_log_level_case_insensitive(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,159 @@
+"""`Settings`: the one model pylon builds at start-up, composed of one part per topic.
+
+Each part (`pylon.settings.<topic>`) owns its topic's fields and the validators that read only
+them. What is left here is the source ranking (`pylon.settings.sources`) and the rules that span
+topics, each saying which.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from pydantic import model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from pylon.settings.bringup import BringupSettings
+from pylon.settings.engine import EngineSettings
+from pylon.settings.flood_guards import FloodGuardSettings
+from pylon.settings.http2 import Http2Settings
+from pylon.settings.limits import LimitSettings
+from pylon.settings.listeners import ListenerSettings
+from pylon.settings.logging import LoggingSettings
+from pylon.settings.queue_gate import QueueGateSettings
+from pylon.settings.quic import QuicSettings
+from pylon.settings.routing import RoutingSettings
+from pylon.settings.sources import ENV_PREFIX, ranked_sources
+from pylon.settings.timeouts import TimeoutSettings
+from pylon.settings.tls_auth import TlsAuthSettings
+from pylon.settings.tracing import TracingSettings
+
+
+# pydantic takes the fields of the last base first, so the parts are listed last topic first:
+# the fields come out in `GROUPS` order, which `pylon config`, the order of validation errors,
+# and each topic's rows in `--help` and docs/operations.md follow. The parts' own model
+# validators run in the same order, before the cross-topic ones below.
+class Settings(
+    BaseSettings,
+    TracingSettings,
+    LoggingSettings,
+    FloodGuardSettings,
+    QuicSettings,
+    Http2Settings,
+    TlsAuthSettings,
+    TimeoutSettings,
+    LimitSettings,
+    QueueGateSettings,
+    BringupSettings,
+    RoutingSettings,
+    EngineSettings,
+    ListenerSettings,
+):
+    """Every setting: flag `--<name>`, variable `PYLON_<NAME>`, config file key `<name>`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True
+    )
+
+    @model_validator(mode="after")
+    def _routing_takes_effect(self) -> Self:
+        """Workers and routing modes that could not do what they say refuse the start.
+
+        Spans Routing (`routing`, `worker`, `kv_token_data`) and Engine (`upstream`, `backend`,
+        `tokenizer`). The checks run in a fixed order: the first one that fails is the message.
+        """
+        if self.routing == "off":
+            if self.worker:
+                raise ValueError(
+                    "--worker needs --routing round-robin, least-loaded or kv: with --routing "
+                    "off every request goes to --upstream and the workers would be ignored"
+                )
+            self._kv_settings_unused()
+            return self
+        self._workers_distinct()
+        self._upstream_fits_workers()
+        if self.routing == "kv":
+            self._kv_can_route()
+        else:
+            self._kv_settings_unused()
+        return self
+
+    def _workers_distinct(self) -> None:
+        """At least one worker, and no URL or worker id twice."""
+        if not self.worker:
+            raise ValueError(f"--routing {self.routing} needs at least one --worker")
+        ids: set[int] = set()
+        urls: set[str] = set()
+        for spec in self.worker:
+            if spec.url is not None:
+                if spec.url in urls:
+                    raise ValueError(f"--worker url={spec.url} is given twice")
+                urls.add(spec.url)
+            if spec.worker_id in ids:
+                raise ValueError(
+                    f"--worker {spec.label}: worker id {spec.worker_id} is given twice"
+                )
+            ids.add(spec.worker_id)
+
+    def _upstream_fits_workers(self) -> None:
+        """instance-id= workers sit behind a Dynamo frontend at --upstream; url= workers alone
+        leave --upstream unused."""
+        pinned = [spec for spec in self.worker if spec.instance_id is not None]
+        if pinned:
+            if self.backend != "dynamo":
+                raise ValueError(
+                    f"--worker {pinned[0].label} needs --backend dynamo (a Dynamo frontend "
+                    f"pins the instance by header), not {self.backend}"
+                )
+            if self.upstream is None:
+                raise ValueError(
+                    f"--worker {pinned[0].label} needs --upstream: the Dynamo frontend in "
+                    "front of the instance"
+                )
+        elif self.upstream is not None:
+            raise ValueError(
+                f"--upstream is not used with --routing {self.routing} and only url= workers "
+                "(requests go to the workers' own URLs): drop it, or route to instance-id= "
+                "workers"
+            )
+
+    def _kv_can_route(self) -> None:
+        """--routing kv: every worker's KV events, the tokenizer, and a frontend for token ids."""
+        for spec in self.worker:
+            if not spec.kv_events:
+                raise ValueError(
+                    f"--routing kv: --worker {spec.label} has no kv-events= endpoint (the "
+                    "KV router follows each worker's cache through its KV events)"
+                )
+        if self.tokenizer is None:
+            raise ValueError(
+                "--routing kv needs --tokenizer DIR: prompts are tokenized as the engine "
+                "does, to find the worker that holds their KV blocks"
+            )
+        if self.kv_token_data and self.backend != "dynamo":
+            raise ValueError(
+                f"--kv-token-data needs --backend dynamo: only a Dynamo frontend reads "
+                f"nvext.token_data, not {self.backend}"
+            )
+
+    def _kv_settings_unused(self) -> None:
+        """Any mode but kv: the settings only kv routing reads are refused, not ignored."""
+        if self.tokenizer is not None:
+            raise ValueError("--tokenizer is only used by --routing kv")
+        if self.kv_token_data:
+            raise ValueError("--kv-token-data needs --routing kv (its tokenization)")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return ranked_sources(settings_cls, init_settings, env_settings)
+
+    def redacted(self) -> dict[str, Any]:
+        """Effective settings for display. No secret is a setting (the tunnel token lives in its
+        file, URL credentials are refused); kept as the one place display goes through."""
+        return self.model_dump(mode="json")

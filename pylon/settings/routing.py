@@ -1,0 +1,122 @@
+"""Routing: how a request picks its engine worker, the workers, and their health checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, PlainSerializer, field_validator
+from pydantic_settings import NoDecode
+
+from pylon.routing.spec import WorkerSpec, WorkerSpecError, parse_worker_spec, worker_from_table
+from pylon.settings.topics import ORIGIN_FORM, ROUTING, group
+
+Routing = Literal["off", "round-robin", "least-loaded", "kv"]
+# A worker as a setting: parsed from its SPEC (or a [[worker]] table), shown as its SPEC.
+Worker = Annotated[WorkerSpec, PlainSerializer(lambda spec: spec.text(), return_type=str)]
+WORKER_ENV_SEPARATOR = ";"  # a SPEC holds commas, so PYLON_WORKER separates specs with `;`
+
+
+class RoutingSettings(BaseModel):
+    """The `Routing` topic, each setting on its own. What a mode needs from the workers and
+    from the engine settings (`--upstream`, `--backend`, `--tokenizer`) is checked by `Settings`."""
+
+    routing: Routing = Field(
+        "off",
+        description="how a request picks its engine worker: off (every request to --upstream), "
+        "round-robin, least-loaded (fewest requests in flight) or kv (the worker that holds "
+        "the prompt's KV cache and is not overloaded; needs --tokenizer and the dynamo extra)",
+        json_schema_extra=group(ROUTING),
+    )
+    worker: Annotated[tuple[Worker, ...], NoDecode] = Field(
+        (),
+        description="an engine worker to route to (repeatable; needs --routing other than off): "
+        "comma-separated key=value, url=http://HOST:PORT (its own URL) or instance-id=U64 (a "
+        "Dynamo instance behind the --upstream frontend), plus kv-events=tcp://HOST:PORT (one "
+        "per dp rank), block-size=16, dp-size=1; also [[worker]] tables in --config",
+        json_schema_extra=group(ROUTING, "SPEC", repeatable=True, separator=WORKER_ENV_SEPARATOR),
+    )
+    worker_health_path: str = Field(
+        "/health",
+        description="path each worker's active health check GETs (2xx = healthy)",
+        json_schema_extra=group(ROUTING, "PATH"),
+    )
+    worker_health_interval: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between health checks of each worker",
+        json_schema_extra=group(ROUTING),
+    )
+    worker_health_timeout: float = Field(
+        1.0,
+        gt=0,
+        description="seconds one worker health check may take (longer = a failure)",
+        json_schema_extra=group(ROUTING),
+    )
+    worker_eject_after: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="consecutive failed health checks that take a worker out of routing",
+        json_schema_extra=group(ROUTING, "CHECKS"),
+    )
+    worker_readmit_after: int = Field(
+        2,
+        ge=1,
+        le=1000,
+        description="consecutive passed health checks that bring an ejected worker back (a "
+        "worker is admitted at start after its first passed check)",
+        json_schema_extra=group(ROUTING, "CHECKS"),
+    )
+    kv_overlap_weight: float | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="--routing kv: how much a worker's cached prefix counts against its load in "
+        "Dynamo's selection cost (weight x blocks to prefill + active blocks); unset = Dynamo's "
+        "default (1). docs/benchmarks.md 'Routing quality' measures 1 against 8",
+        json_schema_extra=group(ROUTING, "WEIGHT"),
+    )
+    kv_token_data: bool = Field(
+        False,
+        description="--routing kv, --backend dynamo: send the frontend pylon's token ids "
+        "(nvext.token_data) for models whose rendering pylon proved identical to its own (a "
+        "mismatch at start refuses it); docs/routing.md",
+        json_schema_extra=group(ROUTING),
+    )
+
+    @field_validator("worker", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        """SPEC strings (flags; the environment's `;`-separated), [[worker]] tables (config
+        file) or specs -> a tuple of `WorkerSpec`; the first bad one is the error."""
+        if isinstance(value, str):
+            value = [part for part in value.split(WORKER_ENV_SEPARATOR) if part.strip()]
+        if isinstance(value, (WorkerSpec, Mapping)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"expected worker specs, got {value!r}")
+        specs = []
+        for item in value:
+            try:
+                if isinstance(item, str):
+                    specs.append(parse_worker_spec(item))
+                elif isinstance(item, Mapping):
+                    specs.append(worker_from_table(item))
+                elif isinstance(item, WorkerSpec):
+                    specs.append(item)
+                else:
+                    raise WorkerSpecError(f"not a worker spec: {item!r}")
+            except WorkerSpecError as exc:
+                raise ValueError(str(exc)) from None
+        return tuple(specs)
+
+    @field_validator("worker_health_path")
+    @classmethod
+    def _valid_worker_health_path(cls, value: str) -> str:
+        if not value.startswith("/") or not ORIGIN_FORM.fullmatch(value):
+            raise ValueError(
+                f"not a request path: {value!r} (a path such as /health, visible ASCII)"
+            )
+        return value
