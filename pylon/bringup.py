@@ -41,10 +41,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from pylon.models import CatalogChange, ModelCatalog, ModelListError, parse_model_list
-from pylon.upstream.probe import Fetched, FetchError, fetch
+from pylon.upstream.probe import Fetch, FetchError, fetch
 
 if TYPE_CHECKING:
     from pylon.core.target import UpstreamTarget
@@ -60,12 +60,6 @@ MAX_MODEL_LIST_BYTES = 1024 * 1024
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
-
-
-class Fetch(Protocol):
-    async def __call__(
-        self, target: UpstreamTarget, path: str, *, timeout: float, max_body: int
-    ) -> Fetched: ...
 
 
 class EngineNotReady(Exception):

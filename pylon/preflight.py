@@ -25,13 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pylon.settings import Settings, split_host_port
+from pylon.startup import StartupError as StartupError  # re-exported: where refusals came from
 
 if TYPE_CHECKING:
     from pylon.tokenize import Tokenizer
-
-
-class StartupError(Exception):
-    """Pylon cannot start as configured; the message is one line for the operator."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,15 @@ from pylon.core.plan import ForwardPlan
 from pylon.core.target import UpstreamTarget
 
 
+class Tokenizer(Protocol):
+    """The `kv` router's port to tokenization: a request's prompt as token ids."""
+
+    def prompt_tokens(self, path: str, body: bytes) -> list[int] | None:
+        """The prompt's token ids as the engine will see them, or None when the request has
+        no prompt to route by (another route, or a body it cannot read)."""
+        ...
+
+
 class NoWorker(Exception):
     """No worker can take the request now; pylon answers 503 (retryable) without an engine."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pylon.core.target import UpstreamTarget
-from pylon.routing import Router
+from pylon.routing import Router, Tokenizer
 from pylon.routing.fleet import Fleet, WorkerView
 from pylon.routing.health import HealthChecker
 from pylon.routing.least_loaded import LeastLoadedRouter
@@ -23,7 +23,7 @@ from pylon.routing.round_robin import RoundRobinRouter
 
 if TYPE_CHECKING:
     from pylon.observe import Observer
-    from pylon.routing.kv import KvRouter, Tokenizer
+    from pylon.routing.kv import KvRouter
     from pylon.settings import Settings
     from router_ffi._native import NativeFactory
 
@@ -97,7 +97,7 @@ async def build_routing(
 
     `tokenizer`: for `kv`, instead of loading `--tokenizer` (tests); `native`: for `kv`, a
     factory of the native selection service instead of Dynamo's (tests).
-    Raises `pylon.preflight.StartupError` when the `kv` parts cannot be built.
+    Raises `pylon.startup.StartupError` when the `kv` parts cannot be built.
     """
     mode = settings.routing
     assert mode != "off", "--routing off has no routing parts"

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from pylon.bringup import Fetch
 from pylon.routing.fleet import Fleet, Worker
-from pylon.upstream.probe import FetchError, fetch
+from pylon.upstream.probe import Fetch, FetchError, fetch
 
 if TYPE_CHECKING:
     from pylon.core.target import UpstreamTarget

@@ -36,13 +36,13 @@ import contextlib
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pylon.core.body import with_token_data
 from pylon.core.http import Header
 from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
-from pylon.routing import Booking, NoWorker, Router
+from pylon.routing import Booking, NoWorker, Router, Tokenizer
 from pylon.routing.fleet import Fleet, Worker, count_decision
 from pylon.routing.kv_watch import KvEventWatch
 from pylon.routing.least_loaded import LeastLoadedRouter
@@ -66,13 +66,6 @@ POLICY = "kv"
 SELECT_SECONDS_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0
 )  # fmt: skip
-
-
-class Tokenizer(Protocol):
-    def prompt_tokens(self, path: str, body: bytes) -> list[int] | None:
-        """The prompt's token ids as the engine will see them, or None when the request has
-        no prompt to route by (another route, or a body it cannot read)."""
-        ...
 
 
 class KvBooking:
@@ -312,7 +305,7 @@ async def build_kv_router(
     """The selection core with every worker upserted, and the router over it.
 
     Raises `StartupError` (one line) when the core cannot start or refuses a worker."""
-    from pylon.preflight import StartupError
+    from pylon.startup import StartupError
     from router_ffi import RouterFfiError, SelectionCore
 
     if tokenizer is None:
