@@ -2,7 +2,8 @@
 
 `build_core` assembles the transport-neutral parts (lifecycle, observers, metrics, admission,
 pool, router, tracer, queue admission, proxy) from Settings; the listeners get them injected.
-Nothing below this module reads Settings for itself, except through the frozen values built here.
+Nothing below this module reads Settings: each component takes its own frozen options,
+built from Settings in `pylon.assemble`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pylon.adapters import build_adapter
+from pylon.assemble import (
+    bring_up_options,
+    ingress_limits,
+    pool_options,
+    quic_options,
+    relay_limits,
+    routing_options,
+    tracing_options,
+)
 from pylon.auth import TokenAuth
 from pylon.bringup import BringUp, EngineNotReady, bring_up
 from pylon.core.intake import IngressLimits
@@ -36,7 +46,7 @@ from pylon.preflight import (
     load_tokenizer,
     tokenizer_warnings,
 )
-from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
+from pylon.proxy import Proxy, ProxyAdmission
 from pylon.routing import Router, SingleUpstream
 from pylon.routing.build import Routing, build_routing
 from pylon.server.budget import BodyBudget
@@ -51,7 +61,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from pylon.admin import AdminServer
-    from pylon.server.http3 import Http3Server, QuicOptions
+    from pylon.server.http3 import Http3Server
     from pylon.tls import TlsIdentity
     from pylon.tokenize import Tokenizer
 
@@ -83,23 +93,6 @@ class Core:
     tracer: ExchangeTracer | None = None  # None: tracing is off
     metrics: MetricsObserver | None = None  # None when there is no admin listener to serve them
     tokenizer: Tokenizer | None = None  # --tokenizer, loaded once (pylon.tokenize)
-
-
-def ingress_limits(settings: Settings) -> IngressLimits:
-    return IngressLimits(
-        max_header_bytes=settings.max_header_bytes,
-        max_headers=settings.max_headers,
-        max_body_bytes=settings.max_body_bytes,
-        max_connection_body_bytes=settings.max_connection_body_bytes,
-        stall_timeout=settings.header_timeout,
-        idle_timeout=settings.client_idle_timeout,
-        max_streams=settings.h2_max_concurrent_streams,
-        max_quic_streams=settings.quic_max_concurrent_streams,
-        h2_stream_window=settings.h2_stream_window,
-        max_stream_resets=settings.max_stream_resets,
-        max_control_frames=settings.max_control_frames,
-        flood_window=settings.flood_window,
-    )
 
 
 def build_core(
@@ -136,13 +129,7 @@ def build_core(
     lifecycle = lifecycle or Lifecycle()
     path = settings.tunnel_token_file
     auth = TokenAuth(path) if path is not None else None
-    pool = UpstreamPool(
-        connect_timeout=settings.upstream_connect_timeout,
-        idle_timeout=settings.upstream_idle_timeout,
-        max_idle=settings.upstream_max_idle,
-        max_connections=settings.upstream_max_connections,
-        queue_timeout=settings.upstream_queue_timeout,
-    )
+    pool = UpstreamPool(pool_options(settings))
     adapter = build_adapter(
         settings.backend, settings.adapter_options, derive=settings.derive_priority
     )
@@ -156,18 +143,13 @@ def build_core(
     if settings.otel_endpoint is not None or span_exporter is not None:
         from pylon.otel import OtelTracer
 
-        tracer = OtelTracer.build(settings, pool.loop, observer, span_exporter)
+        tracer = OtelTracer.build(tracing_options(settings), pool.loop, observer, span_exporter)
     proxy = Proxy(
         planner=planner,
         router=router or SingleUpstream(UpstreamTarget.from_url(upstream)),
         pool=pool,
         observer=observer,
-        relay=RelayLimits(
-            first_output_timeout=settings.first_output_timeout,
-            output_gap_timeout=settings.output_gap_timeout,
-            max_sse_event_bytes=settings.max_sse_event_bytes,
-            client_send_timeout=settings.client_send_timeout,
-        ),
+        relay=relay_limits(settings),
         retry=settings.retry_policy,
         tracer=tracer,
         queue=queue,
@@ -283,17 +265,6 @@ async def _start_admin(
     address = await admin.start(settings.admin_listen)
     stack.callback(admin.close)
     return admin, address
-
-
-def quic_options(settings: Settings) -> QuicOptions:
-    from pylon.server.http3 import QuicOptions
-
-    return QuicOptions(
-        idle_timeout=settings.quic_idle_timeout,
-        max_data=settings.quic_max_data,
-        max_stream_data=settings.quic_max_stream_data,
-        retry=settings.quic_retry,
-    )
 
 
 class LiveConnections:
@@ -425,7 +396,7 @@ async def _engine(
     With `routing`, the gate is the workers' health checks (see `pylon.bringup`)."""
     try:
         result = await bring_up(
-            settings,
+            bring_up_options(settings),
             UpstreamTarget.from_url(upstream) if routing is None else None,
             core.lifecycle,
             core.observer,
@@ -512,7 +483,7 @@ async def start(
         observer.process_event(warning.event, **warning.fields)
     async with AsyncExitStack() as stack:
         if routing is None and settings.routing != "off" and router is None:
-            routing = await build_routing(settings, observer, tokenizer=tokenizer)
+            routing = await build_routing(routing_options(settings), observer, tokenizer=tokenizer)
         if routing is not None:
             # Closed last: the requests cancelled at close release their bookings first.
             stack.push_async_callback(routing.aclose)

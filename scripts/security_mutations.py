@@ -1027,7 +1027,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "health gate",
         "tunnel requests admitted before the engine passed its health gate",
-        never("pylon/bringup.py", "settings.upstream_health_gate"),
+        never("pylon/bringup.py", "options.health_gate"),
         {
             "core": (
                 f"{BRINGUP_T}::test_requests_during_the_gate_get_503_not_ready_on_every_transport",

@@ -27,6 +27,7 @@ import pytest
 from mock_dynamo.server import MockConfig, MockServer, start_mock
 from mock_dynamo.tokens import WordTokenizer, prompts
 from pylon.app import Running, start
+from pylon.assemble import routing_options
 from pylon.logs import configure_logging
 from pylon.observe import RequestRecord
 from pylon.routing.build import Routing, build_routing
@@ -241,7 +242,7 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
             built = load_settings({**defaults, **settings})
             observer = RoutingObserver()
             parts = await build_routing(
-                built,
+                routing_options(built),
                 observer,
                 tokenizer=tokenizer or (WordPrompts() if routing == "kv" else None),
                 native=native,
