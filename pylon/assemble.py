@@ -1,27 +1,49 @@
-"""The assembly layer: Settings in, each component's frozen options out.
+"""The assembly layer: Settings in, each component's frozen options and the shared parts out.
 
 Nothing below this layer reads Settings: every component takes its own options, and the
 functions here are the one place they are built from it (`ingress_limits`, `pool_options`,
 `relay_limits`, `quic_options`, `routing_options`, `bring_up_options`, `tracing_options`).
-`pylon.app` builds the parts from them.
+`build_core` then assembles the transport-neutral parts every listener shares (lifecycle,
+observers, metrics, admission, pool, router, tracer, queue admission, proxy) into a `Core`;
+`pylon.run.start` hands it to the listeners (`pylon.listeners`).
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pylon.adapters import build_adapter
+from pylon.adapters.base import PriorityAdapter
+from pylon.auth import TokenAuth
 from pylon.bringup import BringUpOptions
 from pylon.core.intake import IngressLimits
+from pylon.core.plan import Planner
+from pylon.core.queue import QueueAdmission, QueueTable
 from pylon.core.target import UpstreamTarget
-from pylon.proxy import RelayLimits
+from pylon.lifecycle import Lifecycle
+from pylon.metrics import MetricsObserver
+from pylon.observe import LogObserver, Observer, Observers
+from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
+from pylon.routing import Router, SingleUpstream
 from pylon.routing.build import KvOptions, RoutingOptions
 from pylon.routing.health import HealthCheckOptions
+from pylon.server.budget import BodyBudget
+from pylon.server.streams import Ingress
 from pylon.settings import Settings
-from pylon.upstream.pool import PoolOptions
+from pylon.tracing import ExchangeTracer
+from pylon.upstream.pool import PoolOptions, UpstreamPool
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from pylon.otel import TracingOptions
     from pylon.server.http3 import QuicOptions
+    from pylon.tokenize import Tokenizer
+
+
+# --- Settings -> each component's options ---------------------------------------------------
 
 
 def ingress_limits(settings: Settings) -> IngressLimits:
@@ -120,3 +142,125 @@ def tracing_options(settings: Settings) -> TracingOptions:
         traces_url=settings.otel_traces_url,
         backend=settings.backend,
     )
+
+
+# --- options -> the shared parts ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Core:
+    """The transport-neutral parts every listener shares."""
+
+    lifecycle: Lifecycle
+    observer: Observer
+    admission: ProxyAdmission
+    proxy: Proxy
+    pool: UpstreamPool
+    limits: IngressLimits
+    ingress: Ingress  # what every client connection shares
+    queue: QueueAdmission  # the live request tables and queue estimates (`queue.table`)
+    tracer: ExchangeTracer | None = None  # None: tracing is off
+    metrics: MetricsObserver | None = None  # None when there is no admin listener to serve them
+    tokenizer: Tokenizer | None = None  # --tokenizer, loaded once (pylon.tokenize)
+
+
+def build_core(
+    settings: Settings,
+    upstream: str,
+    *,
+    observer: Observer | None = None,
+    lifecycle: Lifecycle | None = None,
+    router: Router | None = None,
+    span_exporter: SpanExporter | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> Core:
+    """Assemble the proxy and its parts. Must run inside the event loop (the pool binds it).
+
+    `router`: who picks the engine worker; default, every request to `upstream`.
+    `observer`: who hears the events (default, the log lines); with an admin listener, the
+    metrics hear them too (`Observers`).
+    `span_exporter`: where spans go instead of the OTLP collector (tests); tracing is on when
+    it is given or `settings.otel_endpoint` is set, and nothing of it is built otherwise.
+    `tokenizer`: the `--tokenizer` model dir as `preflight.load_tokenizer` loaded it.
+    """
+    metrics = _metrics(settings)
+    observer = observer or LogObserver()
+    if metrics is not None:
+        observer = Observers(observer, metrics)
+    lifecycle = lifecycle or Lifecycle()
+    path = settings.tunnel_token_file
+    auth = TokenAuth(path) if path is not None else None
+    pool = UpstreamPool(pool_options(settings))
+    adapter = build_adapter(
+        settings.backend, settings.adapter_options, derive=settings.derive_priority
+    )
+    planner = Planner(adapter, consumed=auth.consumed if auth is not None else frozenset())
+    queue = _queue_admission(settings, adapter, lifecycle, metrics)
+    tracer = _tracer(settings, pool.loop, observer, span_exporter)
+    proxy = Proxy(
+        planner=planner,
+        router=router or SingleUpstream(UpstreamTarget.from_url(upstream)),
+        pool=pool,
+        observer=observer,
+        relay=relay_limits(settings),
+        retry=settings.retry_policy,
+        tracer=tracer,
+        queue=queue,
+    )
+    admission = ProxyAdmission(lifecycle, auth)
+    limits = ingress_limits(settings)
+    budget = BodyBudget(settings.max_total_body_bytes)
+    ingress = Ingress(proxy, admission, limits, lifecycle, budget)
+    return Core(
+        lifecycle,
+        observer,
+        admission,
+        proxy,
+        pool,
+        limits,
+        ingress,
+        queue,
+        tracer,
+        metrics,
+        tokenizer,
+    )
+
+
+def _metrics(settings: Settings) -> MetricsObserver | None:
+    """The metrics observer, when an admin listener will serve them (`--admin-listen`)."""
+    if not settings.admin_listen:
+        return None
+    return MetricsObserver(
+        settings.backend,
+        priority_ceiling=settings.priority_ceiling,
+        local_connect_retryable=settings.local_connect_failures_retryable,
+    )
+
+
+def _queue_admission(
+    settings: Settings,
+    adapter: PriorityAdapter,
+    lifecycle: Lifecycle,
+    metrics: MetricsObserver | None,
+) -> QueueAdmission:
+    queue = QueueAdmission(QueueTable(settings.initial_input_tps), settings.queue_policy, adapter)
+    # A re-published model is a new generation: its throughput is measured afresh.
+    lifecycle.models.on_retire(queue.table.retire)
+    if metrics is not None:
+        metrics.queue_snapshot = queue.table.snapshot
+    return queue
+
+
+def _tracer(
+    settings: Settings,
+    loop: asyncio.AbstractEventLoop,
+    observer: Observer,
+    exporter: SpanExporter | None,
+) -> ExchangeTracer | None:
+    """Tracing, when `--otel-endpoint` is set or a test hands in its exporter; else None, and
+    nothing of OpenTelemetry is imported."""
+    if settings.otel_endpoint is None and exporter is None:
+        return None
+    from pylon.otel import OtelTracer
+
+    return OtelTracer.build(tracing_options(settings), loop, observer, exporter)

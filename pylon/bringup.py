@@ -1,6 +1,6 @@
 """Engine bring-up: the health gate, then the model set (static, or discovered and kept fresh).
 
-Runs after the listeners are up (`pylon.app.start`); until it passes, `Lifecycle` is `STARTING`
+Runs after the listeners are up (`pylon.run.start`); until it passes, `Lifecycle` is `STARTING`
 and tunnel requests get `503 not_ready` (retryable).
 
 1. **Health gate** (`HealthGate`, unless `--no-upstream-health-gate`): rounds of `GET` probes of

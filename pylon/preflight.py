@@ -12,7 +12,7 @@ than asked.
   (`insecure_listener`), an upstream URL whose path ends in `/v1` (`upstream_path_v1`), a setting
   that has no effect with the others (`setting_ignored`).
 
-Pure checks of files and settings: `pylon.app.start` runs them before it starts anything.
+Pure checks of files and settings: `pylon.run.start` runs them before it starts anything.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ TRANSPORTS = ("http1", "h2", "h3")
 SUITE = ["tests/unit", "tests/integration", "tests/transport"]
 
 ADMISSION = "pylon/proxy/admission.py"
-APP = "pylon/app.py"
+ASSEMBLE = "pylon/assemble.py"
 AUTH = "pylon/auth.py"
 CONTRACT = "pylon/core/contract.py"
 FLOOD = "pylon/core/flood.py"
@@ -166,7 +166,7 @@ MUTATIONS: list[Mutation] = [
         "tunnel token auth",
         "authorization forwarded to the engine (Planner consumed=empty)",
         edit(
-            APP,
+            ASSEMBLE,
             "consumed=auth.consumed if auth is not None else frozenset())",
             "consumed=frozenset())",
         ),

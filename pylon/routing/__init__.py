@@ -11,7 +11,8 @@ shutdown all free it.
   flight; `health`: the active health checks that eject and re-admit workers.
 - `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol;
   `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts).
-- `build`: `build_routing(settings, ...)`, the routing parts for `pylon.app.start`.
+- `build`: `build_routing(options, ...)`, the routing parts for `pylon.run.start`; the `kv`
+  router's prompt tokens come through the `Tokenizer` port (`pylon.tokenize` implements it).
 
 docs/routing.md explains the modes, the worker spec and the booking lifetime.
 """

@@ -1,7 +1,7 @@
 """The routing parts of one pylon, from its `RoutingOptions`: the fleet, its health checks and
 the router (for `kv`, the selection core with every worker upserted).
 
-`pylon.app.start` calls `build_routing` for `--routing` other than off, starts the health checks
+`pylon.run.start` calls `build_routing` for `--routing` other than off, starts the health checks
 with `start()`, hands `router` to `build_core`, passes `checks` to bring-up, and closes it all
 with `aclose()` at stop (the health loop ends; the `kv` router's selection core shuts down once
 the requests still in flight have released their bookings). `pylon.assemble.routing_options`

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 import httpx
 import pytest
 
-from pylon.app import start
 from pylon.core.plan import ForwardPlan
 from pylon.core.priority import NO_WRITE
 from pylon.core.target import UpstreamTarget
 from pylon.logs import configure_logging
+from pylon.run import start
 from pylon.settings import load_settings
 from pylon.upstream.pool import PoolOptions, UpstreamBusy, UpstreamPool
 from tests.integration.conftest import read_request

@@ -1,4 +1,5 @@
-"""scripts/import_graph.py: pylon's modules import each other without a cycle."""
+"""scripts/import_graph.py: pylon's modules import each other without a cycle, and only the
+assembly layer reads Settings (every other part takes its own frozen options)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "import_graph.py"
+# The process layer: Settings in, each component's options and parts out (and the checks on
+# Settings before anything starts).
+READS_SETTINGS = {"pylon.assemble", "pylon.listeners", "pylon.run", "pylon.preflight", "pylon.cli"}
 
 
 def import_graph(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -46,3 +50,13 @@ def test_a_cycle_fails_the_script_however_the_import_is_written(tmp_path: Path) 
         "import cycle: pylon.a -> pylon.b -> pylon.a",
         "import cycle: pylon.sub.c -> pylon.sub.d -> pylon.sub.c",
     ]
+
+
+def test_only_the_assembly_layer_reads_settings() -> None:
+    result = import_graph("--importers-of", "pylon.settings.Settings")
+    assert result.returncode == 0, result.stderr
+    readers = {
+        module for module in result.stdout.split() if not module.startswith("pylon.settings")
+    }
+    assert readers <= READS_SETTINGS, f"below the assembly layer: {readers - READS_SETTINGS}"
+    assert "pylon.assemble" in readers  # the check sees the imports it is there to limit
