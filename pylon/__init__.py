@@ -19,10 +19,12 @@ How a request flows (each layer only knows the one below it):
   booking per request, released when the exchange ends), upstream pool (`pylon.upstream`:
   connections per target, capped), observer (`pylon.observe`) and relay limits. Relays SSE event
   by event with output timeouts, marks retries.
-- Process (`pylon.app`, `pylon.lifecycle`, `pylon.settings`, `pylon.preflight`, `pylon.cli`):
-  Settings built once (a setting that cannot take effect refuses the start, one line, exit 2),
-  files checked before any listener opens, parts built in one place, listeners started, drained
-  on SIGTERM (a second signal ends the drain at once).
+- Process (`pylon.settings`, `pylon.preflight`, `pylon.assemble`, `pylon.listeners`,
+  `pylon.run`, `pylon.lifecycle`, `pylon.cli`): Settings built once (a setting that cannot take
+  effect refuses the start with a `pylon.startup.StartupError`, one line, exit 2), files checked
+  before any listener opens, each component's frozen options and the parts built in one place
+  (nothing below it reads Settings), listeners started, drained on SIGTERM (a second signal ends
+  the drain at once).
 - Bring-up (`pylon.bringup`, `pylon.models`, `pylon.upstream.probe`): with the listeners up, the
   engine's health gate, then the published model set (static, or `/v1/models` polled, with a
   generation per appearance); `Lifecycle.readiness()` says whether and why pylon is ready.

@@ -29,8 +29,8 @@ from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from pylon.lifecycle import Lifecycle
-from pylon.preflight import StartupError
 from pylon.settings import split_host_port
+from pylon.startup import StartupError
 
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 64

@@ -1,6 +1,6 @@
 """Engine bring-up: the health gate, then the model set (static, or discovered and kept fresh).
 
-Runs after the listeners are up (`pylon.app.start`); until it passes, `Lifecycle` is `STARTING`
+Runs after the listeners are up (`pylon.run.start`); until it passes, `Lifecycle` is `STARTING`
 and tunnel requests get `503 not_ready` (retryable).
 
 1. **Health gate** (`HealthGate`, unless `--no-upstream-health-gate`): rounds of `GET` probes of
@@ -41,17 +41,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from pylon.models import CatalogChange, ModelCatalog, ModelListError, parse_model_list
-from pylon.upstream.probe import Fetched, FetchError, fetch
+from pylon.upstream.probe import Fetch, FetchError, fetch
 
 if TYPE_CHECKING:
     from pylon.core.target import UpstreamTarget
     from pylon.lifecycle import Lifecycle
     from pylon.observe import Observer
     from pylon.routing.health import HealthChecker
-    from pylon.settings import Settings
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
 MODELS_PATH = "/v1/models"
@@ -62,10 +61,27 @@ Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 
 
-class Fetch(Protocol):
-    async def __call__(
-        self, target: UpstreamTarget, path: str, *, timeout: float, max_body: int
-    ) -> Fetched: ...
+@dataclass(frozen=True, slots=True)
+class BringUpOptions:
+    """How bring-up gates on the engine and finds its models."""
+
+    health_gate: bool
+    """Wait for the engine's health before taking requests (`--upstream-health-gate`)."""
+    health_paths: tuple[str, ...]
+    """Paths the gate probes first, before `/health` and `/v1/health/ready`
+    (`--upstream-health-path`)."""
+    health_wait: float
+    """Seconds the gate waits for a 2xx before `EngineNotReady` (`--upstream-health-wait`)."""
+    health_interval: float
+    """Seconds between rounds of probes (`--upstream-health-interval`)."""
+    health_timeout: float
+    """Seconds one probe may take (`--upstream-health-timeout`)."""
+    models: tuple[str, ...]
+    """The static model set (`--model`); empty: discover it from `/v1/models`."""
+    discovery_interval: float
+    """Seconds between `/v1/models` polls (`--model-discovery-interval`)."""
+    discovery_timeout: float
+    """Seconds one `/v1/models` poll may take (`--model-discovery-timeout`)."""
 
 
 class EngineNotReady(Exception):
@@ -258,7 +274,7 @@ class BringUp:
 
 
 async def bring_up(
-    settings: Settings,
+    options: BringUpOptions,
     target: UpstreamTarget | None,
     lifecycle: Lifecycle,
     observer: Observer,
@@ -275,20 +291,20 @@ async def bring_up(
     instead (see above; already running)."""
     health_path = None
     fleet = workers.fleet if workers is not None else None
-    if settings.upstream_health_gate:
+    if options.health_gate:
         if workers is not None:
-            health_path = await _fleet_gate(settings, workers, observer)
+            health_path = await _fleet_gate(options.health_wait, workers, observer)
         else:
-            health_path = await _engine_gate(settings, _known(target), observer, fetch)
+            health_path = await _engine_gate(options, _known(target), observer, fetch)
     discovery = None
-    if settings.model:
-        report_change(observer, lifecycle.models.apply(settings.model), "static")
+    if options.models:
+        report_change(observer, lifecycle.models.apply(options.models), "static")
     else:
         discovery = ModelDiscovery(
             lifecycle.models,
             fleet.discovery_target if fleet is not None else _known(target),
-            interval=settings.model_discovery_interval,
-            timeout=settings.model_discovery_timeout,
+            interval=options.discovery_interval,
+            timeout=options.discovery_timeout,
             observer=observer,
             fetch=fetch,
         )
@@ -300,14 +316,14 @@ async def bring_up(
 
 
 async def _engine_gate(
-    settings: Settings, target: UpstreamTarget, observer: Observer, fetch: Fetch
+    options: BringUpOptions, target: UpstreamTarget, observer: Observer, fetch: Fetch
 ) -> str:
     gate = HealthGate(
         target,
-        health_paths(settings.upstream_health_path),
-        wait=settings.upstream_health_wait,
-        interval=settings.upstream_health_interval,
-        timeout=settings.upstream_health_timeout,
+        health_paths(options.health_paths),
+        wait=options.health_wait,
+        interval=options.health_interval,
+        timeout=options.health_timeout,
         observer=observer,
         fetch=fetch,
     )
@@ -319,12 +335,12 @@ def _known(target: UpstreamTarget | None) -> UpstreamTarget:
     return target
 
 
-async def _fleet_gate(settings: Settings, workers: HealthChecker, observer: Observer) -> str:
-    """Wait for the first admitted worker; `EngineNotReady` after `--upstream-health-wait`
-    (the first round of checks is always waited for, so a wait of 0 is one round)."""
+async def _fleet_gate(wait: float, workers: HealthChecker, observer: Observer) -> str:
+    """Wait for the first admitted worker; `EngineNotReady` after `wait` seconds
+    (`--upstream-health-wait`; the first round of checks is always waited for, so a wait of 0
+    is one round)."""
     loop = asyncio.get_running_loop()
     started = loop.time()
-    wait = settings.upstream_health_wait
     path = workers.path
     fleet = workers.fleet
     await workers.first_round()  # bounded by --worker-health-timeout

@@ -228,13 +228,8 @@ def main_options(
 def serve(**kwargs: Any) -> None:
     """Run pylon in front of an engine (or an embedded mock_dynamo when --upstream is unset)."""
     settings = _build(kwargs)
-    from pylon.preflight import (
-        StartupError,
-        check_files,
-        check_routing,
-        check_tracing,
-        load_tokenizer,
-    )
+    from pylon.preflight import check_files, check_routing, check_tracing, load_tokenizer
+    from pylon.startup import StartupError
 
     try:
         check_files(settings)  # first, so a refusal is the only line (start() checks again)
@@ -246,7 +241,7 @@ def serve(**kwargs: Any) -> None:
     observer = _start_logging(settings)
     import uvloop
 
-    from pylon.app import serve as run_server
+    from pylon.run import serve as run_server
 
     try:
         status = uvloop.run(run_server(settings, observer=observer, tokenizer=tokenizer))

@@ -368,9 +368,9 @@ class MetricsObserver:
         self._queue_decisions: dict[tuple[str], int] = {}
         self._discovery_polls: dict[tuple[str, str], int] = {}
         self._models_published = 0
-        # Set once the queue table exists (`pylon.app.build_core`): read at scrape time only.
+        # Set once the queue table exists (`pylon.assemble.build_core`): read at scrape time only.
         self.queue_snapshot: Callable[[], Iterable[QueueSnapshot]] | None = None
-        # Set by `pylon.app.start` with --routing other than off: read at scrape time only.
+        # Set by `pylon.run.start` with --routing other than off: read at scrape time only.
         self.routing_snapshot: Callable[[], RoutingSnapshot] | None = None
         self._tls_not_after: float | None = None
         self._tls_reloads = dict.fromkeys(_TLS_RELOAD_RESULTS, 0)

@@ -25,6 +25,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     from pylon.core.plan import ForwardPlan
     from pylon.core.record import RequestRecord
     from pylon.observe import Observer
-    from pylon.settings import Settings
 
 _NO_PARENT = Context()  # a root span: never the ambient (contextvars) context
 _NS = 1_000_000_000
@@ -147,6 +147,19 @@ class SdkLogBridge(logging.Handler):
             _SDK_LOGGER.propagate = True
 
 
+@dataclass(frozen=True, slots=True)
+class TracingOptions:
+    """Where spans go and what they say about this pylon."""
+
+    service_name: str
+    """The `service.name` resource attribute (`--otel-service-name`)."""
+    traces_url: str | None
+    """The OTLP/HTTP URL spans are posted to (`--otel-endpoint` + `/v1/traces`); None with an
+    injected exporter (tests), which has its own."""
+    backend: str
+    """The engine dialect every span names as `pylon.backend` (`--backend`)."""
+
+
 class OtelTracer:
     """`ExchangeTracer` on an OpenTelemetry tracer provider of pylon's own."""
 
@@ -168,26 +181,27 @@ class OtelTracer:
     @classmethod
     def build(
         cls,
-        settings: Settings,
+        options: TracingOptions,
         loop: asyncio.AbstractEventLoop,
         observer: Observer,
         exporter: SpanExporter | None = None,
     ) -> OtelTracer:
-        """Spans to the OTLP/HTTP collector of `settings`, batched; or, when `exporter` is
-        given (tests), to it, each as it ends. The SDK's log records go to `observer`."""
-        resource = Resource.create({SERVICE_NAME: settings.otel_service_name})
+        """Spans to the OTLP/HTTP collector at `options.traces_url`, batched; or, when
+        `exporter` is given (tests), to it, each as it ends. The SDK's log records go to
+        `observer`."""
+        resource = Resource.create({SERVICE_NAME: options.service_name})
         provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(
-                BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otel_traces_url))
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=options.traces_url))
             )
         else:
             provider.add_span_processor(SimpleSpanProcessor(exporter))
         bridge = SdkLogBridge(loop, observer)
         bridge.attach()
-        return cls(provider, settings.backend, loop.time, bridge)
+        return cls(provider, options.backend, loop.time, bridge)
 
     def start(self, request: TunnelRequest, plan: ForwardPlan, record: RequestRecord) -> OtelSpan:
         offset = time.time_ns() - int(self._clock() * _NS)

@@ -12,7 +12,7 @@ than asked.
   (`insecure_listener`), an upstream URL whose path ends in `/v1` (`upstream_path_v1`), a setting
   that has no effect with the others (`setting_ignored`).
 
-Pure checks of files and settings: `pylon.app.start` runs them before it starts anything.
+Pure checks of files and settings: `pylon.run.start` runs them before it starts anything.
 """
 
 from __future__ import annotations
@@ -25,13 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pylon.settings import Settings, split_host_port
+from pylon.startup import StartupError as StartupError  # re-exported: where refusals came from
 
 if TYPE_CHECKING:
     from pylon.tokenize import Tokenizer
-
-
-class StartupError(Exception):
-    """Pylon cannot start as configured; the message is one line for the operator."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 `Planner.plan` runs synchronously on the one event loop that relays every SSE stream of the
 node, so its wall time for one request *is* the loop hold. The planner is built as
-pylon/app.py builds it (dynamo backend, derived priority) and fed a `TunnelRequest` from
+pylon/assemble.py builds it (dynamo backend, derived priority) and fed a `TunnelRequest` from
 `parse_request`. For each shape and size the script times `--repeat` calls and prints the median
 in ms per MiB and the longest single call (the max loop hold) in ms.
 

@@ -41,8 +41,7 @@ from pylon.core.plan import Planner
 from pylon.core.record import RequestRecord
 from pylon.core.target import UpstreamTarget
 from pylon.observe import LogObserver
-from pylon.otel import OtelTracer
-from pylon.settings import load_settings
+from pylon.otel import OtelTracer, TracingOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACEPARENT = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -136,10 +135,10 @@ def main() -> int:
         )
     )
 
-    settings = load_settings({"otel_endpoint": "http://127.0.0.1:4318"})
+    options = TracingOptions("pylon", "http://127.0.0.1:4318/v1/traces", backend="dynamo")
     loop = asyncio.new_event_loop()  # its clock only: the readings' clock, as in pylon
     clock = loop.time
-    tracer = OtelTracer.build(settings, loop, LogObserver(), Dropping())
+    tracer = OtelTracer.build(options, loop, LogObserver(), Dropping())
     record = RequestRecord("h2", 1, clock())
     record.request_id, record.model, record.method = "bench-1", "mock-model", "POST"
     record.path, record.worker = "/v1/chat/completions", target.label
@@ -165,7 +164,7 @@ def main() -> int:
         )
     )
     keeping = Keeping()
-    keeper = OtelTracer.build(settings, loop, LogObserver(), keeping)
+    keeper = OtelTracer.build(options, loop, LogObserver(), keeping)
     for _ in range(1000):
         keeper.start(tunnel, after_plan, record).end(record)
     spans = keeping.spans

@@ -35,7 +35,7 @@ TRANSPORTS = ("http1", "h2", "h3")
 SUITE = ["tests/unit", "tests/integration", "tests/transport"]
 
 ADMISSION = "pylon/proxy/admission.py"
-APP = "pylon/app.py"
+ASSEMBLE = "pylon/assemble.py"
 AUTH = "pylon/auth.py"
 CONTRACT = "pylon/core/contract.py"
 FLOOD = "pylon/core/flood.py"
@@ -166,7 +166,7 @@ MUTATIONS: list[Mutation] = [
         "tunnel token auth",
         "authorization forwarded to the engine (Planner consumed=empty)",
         edit(
-            APP,
+            ASSEMBLE,
             "consumed=auth.consumed if auth is not None else frozenset())",
             "consumed=frozenset())",
         ),
@@ -1027,7 +1027,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "health gate",
         "tunnel requests admitted before the engine passed its health gate",
-        never("pylon/bringup.py", "settings.upstream_health_gate"),
+        never("pylon/bringup.py", "options.health_gate"),
         {
             "core": (
                 f"{BRINGUP_T}::test_requests_during_the_gate_get_503_not_ready_on_every_transport",

@@ -1,7 +1,7 @@
 """Several real mock_dynamo workers behind one real pylon with `--routing` on (`make_fleet`).
 
 Like `tests/stack.py` (`make_stack`): everything on 127.0.0.1 ephemeral ports, started through
-`pylon.app.start`, in the test's event loop. Each worker is a mock_dynamo of its own, given to
+`pylon.run.start`, in the test's event loop. Each worker is a mock_dynamo of its own, given to
 pylon as `--worker url=<its URL>` (with `kv=True`: its KV-event socket as `kv-events=`, a
 prefix cache and the block size), or, with `instance_ids`, one mock plays the Dynamo frontend
 and the workers are `instance-id=` workers behind it.
@@ -26,10 +26,11 @@ import pytest
 
 from mock_dynamo.server import MockConfig, MockServer, start_mock
 from mock_dynamo.tokens import WordTokenizer, prompts
-from pylon.app import Running, start
+from pylon.assemble import routing_options
 from pylon.core.record import RequestRecord
 from pylon.logs import configure_logging
 from pylon.routing.build import Routing, build_routing
+from pylon.run import Running, start
 from pylon.settings import Settings, load_settings
 from router_ffi._native import NativeFactory
 from tests.cancellation import wait_for_record
@@ -241,7 +242,7 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
             built = load_settings({**defaults, **settings})
             observer = RoutingObserver()
             parts = await build_routing(
-                built,
+                routing_options(built),
                 observer,
                 tokenizer=tokenizer or (WordPrompts() if routing == "kv" else None),
                 native=native,

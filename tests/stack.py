@@ -1,4 +1,4 @@
-"""The one test stack: a real mock_dynamo and a real pylon, started through `pylon.app.start`
+"""The one test stack: a real mock_dynamo and a real pylon, started through `pylon.run.start`
 (the same wiring `pylon serve` runs), on 127.0.0.1 ephemeral ports, in the test's event loop.
 
 Every stack listens on TCP (HTTP/1.1 and HTTP/2) and, unless `quic_listen=None` is passed, on
@@ -28,10 +28,10 @@ from aioquic.asyncio.client import connect
 from aioquic.quic.configuration import QuicConfiguration
 
 from mock_dynamo.server import MockConfig, MockServer, start_mock
-from pylon.app import Running, start
 from pylon.logs import configure_logging
 from pylon.observe import Observer
 from pylon.routing import Router
+from pylon.run import Running, start
 from pylon.server.http3 import Http3Server
 from pylon.settings import Settings, load_settings
 from pylon.tls import TlsIdentity
@@ -92,8 +92,8 @@ class Stack:
     # --- QUIC (HTTP/3) ---
     @property
     def server(self) -> Http3Server:
-        assert self.running.h3 is not None, "this stack has no QUIC listener"
-        return self.running.h3
+        assert self.running.listeners.h3 is not None, "this stack has no QUIC listener"
+        return self.running.listeners.h3
 
     @property
     def identity(self) -> TlsIdentity:
@@ -207,7 +207,7 @@ StackFactory = Callable[..., Awaitable[Stack]]
 async def make_stack() -> AsyncIterator[StackFactory]:
     """Start mock_dynamo and pylon with the given settings; everything stops at teardown.
 
-    `span_exporter`: trace every engine exchange into it (see `pylon.app.build_core`)."""
+    `span_exporter`: trace every engine exchange into it (see `pylon.assemble.build_core`)."""
     configure_logging("json", "warning")
     async with contextlib.AsyncExitStack() as exits:
 

@@ -11,7 +11,8 @@ terminal moment: success, engine error, timeout, client cancel and shutdown all 
   flight; `health`: the active health checks that eject and re-admit workers.
 - `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol;
   `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts).
-- `build`: `build_routing(settings, ...)`, the routing parts for `pylon.app.start`.
+- `build`: `build_routing(options, ...)`, the routing parts for `pylon.run.start`; the `kv`
+  router's prompt tokens come through the `Tokenizer` port (`pylon.tokenize` implements it).
 
 docs/routing.md explains the modes, the worker spec and the booking lifetime.
 """
@@ -24,6 +25,15 @@ from pylon.core.http import Header
 from pylon.core.plan import ForwardPlan
 from pylon.core.record import ExchangeHooks
 from pylon.core.target import UpstreamTarget
+
+
+class Tokenizer(Protocol):
+    """The `kv` router's port to tokenization: a request's prompt as token ids."""
+
+    def prompt_tokens(self, path: str, body: bytes) -> list[int] | None:
+        """The prompt's token ids as the engine will see them, or None when the request has
+        no prompt to route by (another route, or a body it cannot read)."""
+        ...
 
 
 class NoWorker(Exception):

@@ -1,9 +1,11 @@
-"""The routing parts of one pylon, from Settings: the fleet, its health checks and the router.
+"""The routing parts of one pylon, from its `RoutingOptions`: the fleet, its health checks and
+the router (for `kv`, the selection core with every worker upserted).
 
-`pylon.app.start` calls `build_routing` for `--routing` other than off, starts the health checks
+`pylon.run.start` calls `build_routing` for `--routing` other than off, starts the health checks
 with `start()`, hands `router` to `build_core`, passes `checks` to bring-up, and closes it all
 with `aclose()` at stop (the health loop ends; the `kv` router's selection core shuts down once
-the requests still in flight have released their bookings).
+the requests still in flight have released their bookings). `pylon.assemble.routing_options`
+builds the options from Settings.
 """
 
 from __future__ import annotations
@@ -12,20 +14,52 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pylon.core.target import UpstreamTarget
-from pylon.routing import Router
+from pylon.routing import Router, Tokenizer
 from pylon.routing.fleet import Fleet, WorkerView
-from pylon.routing.health import HealthChecker
+from pylon.routing.health import HealthChecker, HealthCheckOptions
 from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.round_robin import RoundRobinRouter
+from pylon.startup import StartupError
 
 if TYPE_CHECKING:
     from pylon.observe import Observer
-    from pylon.routing.kv import KvRouter, Tokenizer
-    from pylon.settings import Settings
+    from pylon.routing.kv import KvRouter
+    from pylon.routing.spec import WorkerSpec
+    from router_ffi import RouterFfiError, SelectionCore
     from router_ffi._native import NativeFactory
+
+
+@dataclass(frozen=True, slots=True)
+class KvOptions:
+    """The `kv` router's options, beside the workers' own (`block-size=`, `kv-events=`)."""
+
+    overlap_weight: float | None
+    """Weight of a worker's cached prefix against its load in Dynamo's selection cost (weight x
+    blocks to prefill + active blocks; `--kv-overlap-weight`); None: Dynamo's default (1)."""
+    token_data: bool
+    """Send the frontend pylon's token ids for the models proven to render alike
+    (`--kv-token-data`)."""
+    probe_timeout: float
+    """Seconds one `--kv-token-data` proof probe may take to answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingOptions:
+    """What `--routing` (other than off) builds: the mode, the workers and their checks."""
+
+    mode: Literal["round-robin", "least-loaded", "kv"]
+    """How a request picks its worker (`--routing`)."""
+    workers: tuple[WorkerSpec, ...]
+    """The workers, in the order given (`--worker`)."""
+    frontend: UpstreamTarget | None
+    """The Dynamo frontend `instance-id=` workers sit behind (`--upstream`); None: none."""
+    health: HealthCheckOptions
+    """How each worker is checked, ejected and re-admitted."""
+    kv: KvOptions | None = None
+    """The `kv` router's options; None for the other modes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,36 +121,103 @@ class Routing:
 
 
 async def build_routing(
-    settings: Settings,
+    options: RoutingOptions,
     observer: Observer,
     *,
     tokenizer: Tokenizer | None = None,
     native: NativeFactory | None = None,
 ) -> Routing:
-    """The routing parts for `settings.routing` (not `off`).
+    """The routing parts for `options.mode`.
 
-    `tokenizer`: for `kv`, instead of loading `--tokenizer` (tests); `native`: for `kv`, a
-    factory of the native selection service instead of Dynamo's (tests).
-    Raises `pylon.preflight.StartupError` when the `kv` parts cannot be built.
+    `tokenizer`: for `kv`, the loaded `--tokenizer` (or a test's stand-in); `native`: for `kv`,
+    a factory of the native selection service instead of Dynamo's (tests).
+    Raises `pylon.startup.StartupError` when the `kv` parts cannot be built.
     """
-    mode = settings.routing
-    assert mode != "off", "--routing off has no routing parts"
-    frontend = UpstreamTarget.from_url(str(settings.upstream)) if settings.upstream else None
-    fleet = Fleet.from_specs(settings.worker, frontend)
-    checks = HealthChecker(
-        fleet,
-        path=settings.worker_health_path,
-        interval=settings.worker_health_interval,
-        timeout=settings.worker_health_timeout,
-        eject_after=settings.worker_eject_after,
-        readmit_after=settings.worker_readmit_after,
-        observer=observer,
-    )
+    mode = options.mode
+    fleet = Fleet.from_specs(options.workers, options.frontend)
+    checks = HealthChecker(fleet, options.health, observer=observer)
     if mode == "round-robin":
         return Routing(mode, RoundRobinRouter(fleet), fleet, checks)
     if mode == "least-loaded":
         return Routing(mode, LeastLoadedRouter(fleet), fleet, checks)
-    from pylon.routing.kv import build_kv_router
-
-    kv = await build_kv_router(settings, fleet, observer, tokenizer=tokenizer, native=native)
+    assert options.kv is not None and tokenizer is not None, "kv needs its options and tokenizer"
+    kv = await build_kv_router(options.kv, fleet, observer, tokenizer, native=native)
     return Routing(mode, kv, fleet, checks, kv, _closers=[kv.aclose])
+
+
+async def build_kv_router(
+    options: KvOptions,
+    fleet: Fleet,
+    observer: Observer,
+    tokenizer: Tokenizer,
+    *,
+    native: NativeFactory | None = None,
+) -> KvRouter:
+    """The selection core with every worker upserted, and the router over it.
+
+    Raises `StartupError` (one line) when the core cannot start or refuses a worker."""
+    from pylon.routing.kv import KvRouter
+    from router_ffi import RouterFfiError
+
+    try:
+        core = await asyncio.to_thread(
+            _upserted_core, fleet, options, _native_errors_to(observer), native
+        )
+    except RouterFfiError as exc:
+        raise StartupError(f"--routing kv: {' '.join(str(exc).split())}") from None
+    prover = None
+    if options.token_data:
+        from pylon.routing.token_data import TokenDataProver
+
+        prover = TokenDataProver(tokenizer, fleet, observer, timeout=options.probe_timeout)
+    router = KvRouter(core, fleet, tokenizer, observer, token_data=prover)
+    observer.process_event(
+        "kv_router_started",
+        workers=[worker.label for worker in fleet.workers],
+        kv_events={worker.label: list(worker.spec.kv_events) for worker in fleet.workers},
+    )
+    return router
+
+
+def _upserted_core(
+    fleet: Fleet,
+    options: KvOptions,
+    on_error: Callable[[RouterFfiError], None],
+    native: NativeFactory | None,
+) -> SelectionCore:
+    """A started selection core that knows every worker (blocking: run it off the loop)."""
+    from pylon.routing.kv import native_spec
+    from router_ffi import SelectionCore
+
+    core = SelectionCore(
+        on_error=on_error, native=native, overlap_score_weight=options.overlap_weight
+    )
+    try:
+        for worker in fleet.workers:
+            record = core.upsert_worker(native_spec(worker))
+            if not record.schedulable:
+                reasons = ", ".join(record.not_schedulable_reasons) or record.lifecycle
+                raise StartupError(
+                    f"--worker {worker.label}: Dynamo's selection core will not schedule "
+                    f"it ({reasons})"
+                )
+    except BaseException:
+        core.shutdown()
+        raise
+    return core
+
+
+def _native_errors_to(observer: Observer) -> Callable[[RouterFfiError], None]:
+    """The core's error sink: it runs on the core's owner thread, so each error is handed to
+    the event loop (the observer is only ever called there)."""
+    loop = asyncio.get_running_loop()
+
+    def on_error(error: RouterFfiError) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            loop.call_soon_threadsafe(_report_native_error, observer, error)
+
+    return on_error
+
+
+def _report_native_error(observer: Observer, error: RouterFfiError) -> None:
+    observer.process_event("kv_router_error", detail=str(error))

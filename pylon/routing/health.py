@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
 
-from pylon.bringup import Fetch
 from pylon.routing.fleet import Fleet, Worker
-from pylon.upstream.probe import FetchError, fetch
+from pylon.upstream.probe import Fetch, FetchError, fetch
 
 if TYPE_CHECKING:
     from pylon.core.target import UpstreamTarget
@@ -35,6 +35,22 @@ if TYPE_CHECKING:
 
 MAX_HEALTH_BODY = 1024 * 1024  # a Dynamo frontend's /health lists every instance
 Sleep = Callable[[float], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheckOptions:
+    """How each worker is checked, and when it leaves and rejoins the rotation."""
+
+    path: str
+    """The path each check asks with `GET` (`--worker-health-path`)."""
+    interval: float
+    """Seconds between rounds of checks (`--worker-health-interval`)."""
+    timeout: float
+    """Seconds one check may take (`--worker-health-timeout`)."""
+    eject_after: int
+    """Failed checks in a row that eject an admitted worker (`--worker-eject-after`)."""
+    readmit_after: int
+    """Passed checks in a row that re-admit an ejected worker (`--worker-readmit-after`)."""
 
 
 def listed_instances(body: bytes) -> frozenset[int] | None:
@@ -65,22 +81,18 @@ class HealthChecker:
     def __init__(
         self,
         fleet: Fleet,
+        options: HealthCheckOptions,
         *,
-        path: str,
-        interval: float,
-        timeout: float,
-        eject_after: int,
-        readmit_after: int,
         observer: Observer,
         fetch: Fetch = fetch,
         sleep: Sleep = asyncio.sleep,
     ) -> None:
         self._fleet = fleet
-        self._path = path
-        self._interval = interval
-        self._timeout = timeout
-        self._eject_after = eject_after
-        self._readmit_after = readmit_after
+        self._path = options.path
+        self._interval = options.interval
+        self._timeout = options.timeout
+        self._eject_after = options.eject_after
+        self._readmit_after = options.readmit_after
         self._observer = observer
         self._fetch = fetch
         self._sleep = sleep

@@ -1,8 +1,8 @@
 """`--routing kv`: the worker that holds the prompt's KV cache and is not overloaded, chosen by
 Dynamo's native selection core (`router_ffi.SelectionCore`), booked for exactly the exchange.
 
-At start every worker is upserted into the core with its KV-event endpoints (the core follows
-each engine's cache through them). Per request:
+At start (`pylon.routing.build.build_kv_router`) every worker is upserted into the core with its
+KV-event endpoints (the core follows each engine's cache through them). Per request:
 
 1. the prompt's token ids: the injected `Tokenizer` renders `/v1/completions` prompts and
    `/v1/chat/completions` messages exactly as the engine does (`prompt_tokens(path, body)` on
@@ -32,19 +32,18 @@ worker, or a native 503 (no schedulable worker), is `NoWorker`: 503, retryable.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pylon.core.body import with_token_data
 from pylon.core.http import Header
 from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
 from pylon.core.record import ExchangeHooks, RequestRecord
-from pylon.routing import Booking, NoWorker, Router
+from pylon.routing import Booking, NoWorker, Router, Tokenizer
 from pylon.routing.fleet import Fleet, Worker, count_decision
 from pylon.routing.kv_watch import KvEventWatch
 from pylon.routing.least_loaded import LeastLoadedRouter
@@ -54,10 +53,8 @@ if TYPE_CHECKING:
     from pylon.core.errors import PylonError
     from pylon.observe import Observer
     from pylon.routing.token_data import TokenDataProver
-    from pylon.settings import Settings
-    from router_ffi import Reservation, RouterFfiError, SelectionCore
+    from router_ffi import Reservation, SelectionCore
     from router_ffi import WorkerSpec as NativeWorker
-    from router_ffi._native import NativeFactory
 
 # The DP-rank pin pylon writes next to the worker, when the worker has several ranks: Dynamo's
 # own header for an instance behind the frontend; for a worker's own URL, the header vLLM and
@@ -72,13 +69,6 @@ INLINE_TOKENIZE_BYTES = 16 * 1024
 SELECT_SECONDS_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0
 )  # fmt: skip
-
-
-class Tokenizer(Protocol):
-    def prompt_tokens(self, path: str, body: bytes) -> list[int] | None:
-        """The prompt's token ids as the engine will see them, or None when the request has
-        no prompt to route by (another route, or a body it cannot read)."""
-        ...
 
 
 class KvBooking(ExchangeHooks):
@@ -340,68 +330,6 @@ def _rank_headers(worker: Worker) -> tuple[tuple[Header, ...], ...]:
     return tuple(((name, str(rank).encode("ascii")),) for rank in range(worker.spec.dp_size))
 
 
-async def build_kv_router(
-    settings: Settings,
-    fleet: Fleet,
-    observer: Observer,
-    *,
-    tokenizer: Tokenizer | None = None,
-    native: NativeFactory | None = None,
-) -> KvRouter:
-    """The selection core with every worker upserted, and the router over it.
-
-    Raises `StartupError` (one line) when the core cannot start or refuses a worker."""
-    from pylon.preflight import StartupError
-    from router_ffi import RouterFfiError, SelectionCore
-
-    if tokenizer is None:
-        from pylon.preflight import load_tokenizer
-
-        loaded = await asyncio.to_thread(load_tokenizer, settings)
-        assert loaded is not None, "Settings require --tokenizer for --routing kv"
-        tokenizer = loaded
-    loop = asyncio.get_running_loop()
-
-    def on_error(error: RouterFfiError) -> None:  # on the core's owner thread
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
-            loop.call_soon_threadsafe(_report_native_error, observer, error)
-
-    def start() -> SelectionCore:
-        core = SelectionCore(
-            on_error=on_error, native=native, overlap_score_weight=settings.kv_overlap_weight
-        )
-        try:
-            for worker in fleet.workers:
-                record = core.upsert_worker(native_spec(worker))
-                if not record.schedulable:
-                    reasons = ", ".join(record.not_schedulable_reasons) or record.lifecycle
-                    raise StartupError(
-                        f"--worker {worker.label}: Dynamo's selection core will not schedule "
-                        f"it ({reasons})"
-                    )
-        except BaseException:
-            core.shutdown()
-            raise
-        return core
-
-    try:
-        core = await asyncio.to_thread(start)
-    except RouterFfiError as exc:
-        raise StartupError(f"--routing kv: {' '.join(str(exc).split())}") from None
-    prover = None
-    if settings.kv_token_data:
-        from pylon.routing.token_data import TokenDataProver
-
-        prover = TokenDataProver(tokenizer, fleet, observer, timeout=settings.first_output_timeout)
-    router = KvRouter(core, fleet, tokenizer, observer, token_data=prover)
-    observer.process_event(
-        "kv_router_started",
-        workers=[worker.label for worker in fleet.workers],
-        kv_events={worker.label: list(worker.spec.kv_events) for worker in fleet.workers},
-    )
-    return router
-
-
 def native_spec(worker: Worker) -> NativeWorker:
     """The worker as the selection core knows it."""
     from router_ffi import WorkerSpec as NativeWorker
@@ -414,10 +342,6 @@ def native_spec(worker: Worker) -> NativeWorker:
         kv_events=spec.kv_events,
         dp_size=spec.dp_size,
     )
-
-
-def _report_native_error(observer: Observer, error: Any) -> None:
-    observer.process_event("kv_router_error", detail=str(error))
 
 
 _: type[Router] = KvRouter

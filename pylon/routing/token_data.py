@@ -38,7 +38,7 @@ from pylon.upstream.probe import Fetched, FetchError, post_json
 if TYPE_CHECKING:
     from pylon.core.target import UpstreamTarget
     from pylon.observe import Observer
-    from pylon.routing.kv import Tokenizer
+    from pylon.routing import Tokenizer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

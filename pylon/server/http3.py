@@ -70,10 +70,12 @@ _CERTIFICATE_REQUIRED = 0x100 + 116
 
 @dataclass(frozen=True, slots=True)
 class QuicOptions:
-    idle_timeout: float
-    max_data: int
-    max_stream_data: int
-    retry: bool
+    """The QUIC listener's transport options (the limits on requests are `IngressLimits`)."""
+
+    idle_timeout: float  # seconds without packets before a connection is closed
+    max_data: int  # bytes: the connection's receive window
+    max_stream_data: int  # bytes: each stream's receive window
+    retry: bool  # validate client addresses with a QUIC Retry before any handshake
 
 
 class Http3Protocol(QuicConnectionProtocol):

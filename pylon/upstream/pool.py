@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pylon.core.target import UpstreamTarget
@@ -44,23 +45,34 @@ class _TargetPool:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PoolOptions:
+    """How many engine connections the pool opens and keeps, and how long it waits for them."""
+
+    connect_timeout: float
+    """Seconds to open one connection (`--upstream-connect-timeout`)."""
+    idle_timeout: float
+    """Seconds an idle kept-alive connection stays open (`--upstream-idle-timeout`)."""
+    max_idle: int
+    """Idle connections kept per target (`--upstream-max-idle`)."""
+    max_connections: int = 1024
+    """Open connections per target; requests above it wait (`--upstream-max-connections`)."""
+    queue_timeout: float | None = None
+    """Seconds a request waits for a free connection (`--upstream-queue-timeout`); None: the
+    connect timeout."""
+
+
 class UpstreamPool:
     def __init__(
-        self,
-        *,
-        connect_timeout: float,
-        idle_timeout: float,
-        max_idle: int,
-        max_connections: int = 1024,
-        queue_timeout: float | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
+        self, options: PoolOptions, *, loop: asyncio.AbstractEventLoop | None = None
     ) -> None:
         self.loop = loop or asyncio.get_running_loop()
-        self._connect_timeout = connect_timeout
-        self._idle_timeout = idle_timeout
-        self._max_idle = max_idle
-        self._max_connections = max_connections
-        self._queue_timeout = connect_timeout if queue_timeout is None else queue_timeout
+        self._connect_timeout = options.connect_timeout
+        self._idle_timeout = options.idle_timeout
+        self._max_idle = options.max_idle
+        self._max_connections = options.max_connections
+        queue_timeout = options.queue_timeout
+        self._queue_timeout = options.connect_timeout if queue_timeout is None else queue_timeout
         # Keyed by the target's label (one per host, port and base path): a str hashes in C, an
         # UpstreamTarget in Python, and the pool looks targets up twice per request.
         self._targets: dict[str, _TargetPool] = {}

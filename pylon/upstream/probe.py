@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import httptools
 
@@ -32,6 +32,15 @@ class FetchError(Exception):
 class Fetched:
     status: int
     body: bytes
+
+
+class Fetch(Protocol):
+    """What `fetch` is, for the loops that take it injected (health gate, discovery, worker
+    health checks): tests hand in a scripted engine instead."""
+
+    async def __call__(
+        self, target: UpstreamTarget, path: str, *, timeout: float, max_body: int
+    ) -> Fetched: ...
 
 
 class _Stop(Exception):

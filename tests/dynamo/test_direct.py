@@ -1,7 +1,7 @@
 """pylon's `instance-id=` workers against a real Dynamo 1.6.1 frontend in `direct` router mode.
 
 The frontend (``--router-mode direct``) routes only by the pin a request carries; a request with
-none gets 400. Two mocker workers behind it; pylon runs in-process (`pylon.app.start`) with
+none gets 400. Two mocker workers behind it; pylon runs in-process (`pylon.run.start`) with
 ``--routing round-robin|least-loaded --worker instance-id=<a> --worker instance-id=<b>``.
 
 Which worker served a reply is read from the mockers' own logs: the reply's ``id`` is
@@ -36,9 +36,9 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="httpx is not installed: pip install -e '.[dynamo]'")
 
-from pylon.app import Running, start  # noqa: E402
 from pylon.logs import configure_logging  # noqa: E402
 from pylon.routing.fleet import INSTANCE_PIN_HEADER  # noqa: E402
+from pylon.run import Running, start  # noqa: E402
 from pylon.settings import load_settings  # noqa: E402
 from tests.fleet import RoutingObserver  # noqa: E402
 from tests.tokenizer_models import CONVERSATIONS  # noqa: E402

@@ -17,12 +17,12 @@ from prometheus_client.openmetrics.parser import (
 
 from pylon import admin
 from pylon.admin import AdminRoutes, AdminServer
-from pylon.app import start
 from pylon.lifecycle import Lifecycle
 from pylon.metrics import MetricsObserver
 from pylon.observe import LogObserver
-from pylon.preflight import StartupError
+from pylon.run import start
 from pylon.settings import load_settings
+from pylon.startup import StartupError
 from tests.integration.conftest import raw_exchange
 from tests.stack import Stack, StackFactory
 
@@ -33,8 +33,8 @@ def admin_url(stack: Stack) -> str:
 
 
 def admin_address(stack: Stack) -> tuple[str, int]:
-    assert stack.running.admin_address is not None
-    host, port = stack.running.admin_address.rsplit(":", 1)
+    assert stack.running.listeners.admin_address is not None
+    host, port = stack.running.listeners.admin_address.rsplit(":", 1)
     return host, int(port)
 
 
@@ -177,7 +177,7 @@ async def test_connections_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_an_empty_admin_listen_disables_it(make_stack: StackFactory) -> None:
     stack = await make_stack("dynamo", quic_listen=None, admin_listen="")
-    assert stack.running.admin is None and stack.running.admin_address is None
+    assert stack.running.listeners.admin is None and stack.running.listeners.admin_address is None
     assert stack.running.core.metrics is None
     assert isinstance(stack.running.core.observer, LogObserver)  # no fan-out, no metrics cost
     reply = await stack.post("/v1/chat/completions", {"model": "mock-model", "messages": []})

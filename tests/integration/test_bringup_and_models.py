@@ -260,7 +260,7 @@ async def test_readiness_flips_first_on_drain_while_in_flight_requests_finish(
     late = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-request-id: new\r\n"
     late_writer.write(late)
     async with asyncio.timeout(5):
-        while stack.running.live.in_progress < 2:
+        while stack.running.listeners.live.in_progress < 2:
             await asyncio.sleep(0)  # pylon runs in this loop: let it read the bytes
     stack.drain()
     assert lifecycle(stack).readiness() == (False, "draining")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pylon.preflight import StartupError
+from pylon.startup import StartupError
 from tests.fleet import FleetFactory, WordPrompts
 from tests.router_ffi.fake_native import FakeNative
 from tests.stack import MODEL

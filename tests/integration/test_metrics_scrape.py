@@ -160,7 +160,7 @@ async def test_names_types_and_labels_after_traffic_on_every_transport(
     assert value(samples, "pylon_request_output_tokens_count", model=MODEL, source="usage") == 3
     assert value(samples, "pylon_request_output_tokens_sum", model=MODEL, source="usage") == 12
     # HTTP/3 needs a TLS identity (self-signed here): its expiry is exported.
-    assert stack.running.h3 is not None
+    assert stack.running.listeners.h3 is not None
     not_after = stack.identity.current.not_after.timestamp()
     assert value(samples, "pylon_tls_certificate_expiry_timestamp_seconds") == not_after
     assert value(samples, "pylon_tls_reloads_total", result="ok") == 0

@@ -212,7 +212,7 @@ async def test_a_request_arriving_during_the_drain_gets_a_retryable_503(
     writer.write(head[:20])  # the head has started when the drain begins
     await writer.drain()
     async with asyncio.timeout(5):
-        while stack.running.live.in_progress == 0:
+        while stack.running.listeners.live.in_progress == 0:
             await asyncio.sleep(0)  # pylon runs in this loop: let it read the bytes
     stack.drain()
     writer.write(head[20:] + body)

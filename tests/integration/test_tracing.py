@@ -23,10 +23,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from mock_dynamo.server import MockConfig, start_mock
-from pylon.app import start
 from pylon.core.target import UpstreamTarget
 from pylon.logs import configure_logging
 from pylon.observe import LogObserver
+from pylon.run import start
 from pylon.settings import load_settings
 from pylon.tracing import SPAN_NAME
 from tests.integration.conftest import MODEL, Stack, StackFactory, header_values

@@ -11,20 +11,21 @@ import contextlib
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import pytest
 
-from pylon.app import start
 from pylon.core.plan import ForwardPlan
 from pylon.core.priority import NO_WRITE
 from pylon.core.target import UpstreamTarget
 from pylon.logs import configure_logging
+from pylon.run import start
 from pylon.settings import load_settings
-from pylon.upstream.pool import UpstreamBusy, UpstreamPool
+from pylon.upstream.pool import PoolOptions, UpstreamBusy, UpstreamPool
 from tests.integration.conftest import read_request
 
+POOL = PoolOptions(connect_timeout=2, idle_timeout=5, max_idle=8)
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
 
@@ -99,7 +100,7 @@ async def exchange(pool: UpstreamPool, target: UpstreamTarget) -> int:
 
 async def test_connections_are_kept_per_target() -> None:
     async with engine_server(Engine()) as one, engine_server(Engine()) as two:
-        pool = UpstreamPool(connect_timeout=2, idle_timeout=5, max_idle=8)
+        pool = UpstreamPool(POOL)
         first, second = (UpstreamTarget("127.0.0.1", e.port, "") for e in (one, two))
         for _ in range(3):
             assert await exchange(pool, first) == 200
@@ -112,7 +113,7 @@ async def test_connections_are_kept_per_target() -> None:
 async def test_requests_above_the_cap_wait_for_a_free_connection() -> None:
     engine = Engine(hold=True)
     async with engine_server(engine):
-        pool = UpstreamPool(connect_timeout=2, idle_timeout=5, max_idle=8, max_connections=2)
+        pool = UpstreamPool(replace(POOL, max_connections=2))
         target = UpstreamTarget("127.0.0.1", engine.port, "")
         tasks = [asyncio.create_task(exchange(pool, target)) for _ in range(5)]
         await engine.wait_requests(2)
@@ -126,9 +127,7 @@ async def test_requests_above_the_cap_wait_for_a_free_connection() -> None:
 async def test_a_request_that_waits_too_long_is_upstream_busy() -> None:
     engine = Engine(hold=True)
     async with engine_server(engine):
-        pool = UpstreamPool(
-            connect_timeout=2, idle_timeout=5, max_idle=8, max_connections=1, queue_timeout=0.05
-        )
+        pool = UpstreamPool(replace(POOL, max_connections=1, queue_timeout=0.05))
         target = UpstreamTarget("127.0.0.1", engine.port, "")
         held = asyncio.create_task(exchange(pool, target))
         await engine.wait_requests(1)
@@ -143,7 +142,7 @@ async def test_a_request_that_waits_too_long_is_upstream_busy() -> None:
 async def test_idle_connections_are_reaped_on_the_idle_timeout() -> None:
     engine = Engine()
     async with engine_server(engine):
-        pool = UpstreamPool(connect_timeout=2, idle_timeout=0.2, max_idle=8)
+        pool = UpstreamPool(replace(POOL, idle_timeout=0.2))
         target = UpstreamTarget("127.0.0.1", engine.port, "")
         assert await exchange(pool, target) == 200
         assert pool.idle_connections(target) == 1
@@ -237,7 +236,7 @@ async def test_a_streamed_response_is_acknowledged_at_once_on_a_kept_alive_conne
     engine = NagleEngine()
     server = await asyncio.start_server(engine.handle, "127.0.0.1", 0)
     engine.port = server.sockets[0].getsockname()[1]
-    pool = UpstreamPool(connect_timeout=2, idle_timeout=5, max_idle=8)
+    pool = UpstreamPool(POOL)
     target = UpstreamTarget("127.0.0.1", engine.port, "")
     quick_after_head = []
     try:
@@ -277,7 +276,7 @@ async def test_a_response_complete_in_its_first_read_costs_no_ack_syscall() -> N
     small response, head and body in one read, costs no syscall."""
     engine = Engine()
     async with engine_server(engine):
-        pool = UpstreamPool(connect_timeout=2, idle_timeout=5, max_idle=8)
+        pool = UpstreamPool(POOL)
         target = UpstreamTarget("127.0.0.1", engine.port, "")
         assert await exchange(pool, target) == 200
         conn = pool._targets[target.label].idle[0]  # keyed by label

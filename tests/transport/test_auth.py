@@ -13,11 +13,11 @@ import orjson
 import pytest
 
 from pylon import auth
-from pylon.app import serve
 from pylon.auth import TokenAuth, TokenFileError
 from pylon.logs import configure_logging
-from pylon.preflight import StartupError
+from pylon.run import serve
 from pylon.settings import load_settings
+from pylon.startup import StartupError
 from tests.integration.conftest import MODEL, Stack, StackFactory, header_values
 from tests.stack import PROTOCOLS
 

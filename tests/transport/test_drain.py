@@ -54,7 +54,7 @@ async def head_started(stack: Stack, writer: asyncio.StreamWriter, head: bytes) 
     writer.write(head[:20])
     await writer.drain()
     async with asyncio.timeout(5):
-        while stack.running.live.in_progress == 0:
+        while stack.running.listeners.live.in_progress == 0:
             await asyncio.sleep(0)  # pylon runs in this loop: let it read the bytes
 
 

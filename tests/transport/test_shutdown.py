@@ -18,9 +18,9 @@ from aioquic.asyncio.client import connect
 
 from mock_dynamo.config import MockConfig
 from mock_dynamo.server import start_mock
-from pylon.app import serve
 from pylon.logs import configure_logging
 from pylon.observe import LogObserver
+from pylon.run import serve
 from pylon.settings import load_settings
 from tests.cancellation import wait_for_record
 from tests.h3client import H3Client, client_configuration, request_headers

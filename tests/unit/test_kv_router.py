@@ -14,21 +14,17 @@ from pylon.core.priority import NO_WRITE
 from pylon.core.record import RequestRecord
 from pylon.core.target import UpstreamTarget
 from pylon.routing import NoWorker
+from pylon.routing.build import KvOptions, build_kv_router
 from pylon.routing.fleet import INSTANCE_PIN_HEADER, Fleet
-from pylon.routing.kv import (
-    INSTANCE_RANK_HEADER,
-    URL_RANK_HEADER,
-    KvBooking,
-    KvRouter,
-    build_kv_router,
-)
-from pylon.settings import load_settings
+from pylon.routing.kv import INSTANCE_RANK_HEADER, URL_RANK_HEADER, KvBooking, KvRouter
+from pylon.routing.spec import parse_worker_spec
 from tests.observers import EventObserver
 from tests.router_ffi.fake_native import FakeNative, FakeSelectionError
 
 FRONTEND = "http://127.0.0.1:8000"
 RECORD = RequestRecord("http1", 1, 0.0)  # what the exchange hands its booking with a moment
 EV = "kv-events=tcp://127.0.0.1:9"
+KV = KvOptions(overlap_weight=None, token_data=False, probe_timeout=5.0)
 
 
 class Prompts:
@@ -63,21 +59,12 @@ class Refusing(FakeNative):
 async def kv_router(
     fake: FakeNative, *specs: str, tokenizer: Prompts | None = None
 ) -> tuple[KvRouter, Fleet, EventObserver]:
-    settings = load_settings(
-        {
-            "routing": "kv",
-            "worker": list(specs),
-            "tokenizer": "/",
-            "upstream": FRONTEND if any("instance-id" in s for s in specs) else None,
-        }
-    )
-    fleet = Fleet.from_specs(settings.worker, UpstreamTarget.from_url(FRONTEND))
+    workers = [parse_worker_spec(spec) for spec in specs]
+    fleet = Fleet.from_specs(workers, UpstreamTarget.from_url(FRONTEND))
     for worker in fleet.workers:
         fleet.set_admitted(worker, True)
     observer = EventObserver()
-    router = await build_kv_router(
-        settings, fleet, observer, tokenizer=tokenizer or Prompts(), native=lambda: fake
-    )
+    router = await build_kv_router(KV, fleet, observer, tokenizer or Prompts(), native=lambda: fake)
     return router, fleet, observer
 
 

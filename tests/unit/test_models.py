@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pylon.app import build_core
+from pylon.assemble import build_core
 from pylon.models import (
     MAX_MODELS,
     MAX_REMEMBERED_MODELS,

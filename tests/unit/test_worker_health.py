@@ -3,6 +3,7 @@ each worker's health answers, one `check_once()` per round (no clock involved)."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -15,7 +16,7 @@ from pylon.core.priority import NO_WRITE
 from pylon.core.target import UpstreamTarget
 from pylon.routing import NoWorker
 from pylon.routing.fleet import INSTANCE_PIN_HEADER, Fleet, Worker
-from pylon.routing.health import HealthChecker, listed_instances
+from pylon.routing.health import HealthChecker, HealthCheckOptions, listed_instances
 from pylon.routing.least_loaded import LeastLoadedRouter, least_loaded
 from pylon.routing.round_robin import RoundRobinRouter
 from pylon.routing.spec import parse_worker_spec
@@ -48,16 +49,13 @@ class Answers:
         return Fetched(answer, self.bodies.get(target.label, b"{}"))
 
 
-def checker(fleet: Fleet, answers: Answers, observer: Any, **kw: Any) -> HealthChecker:
-    options: dict[str, Any] = {
-        "path": "/health",
-        "interval": 1.0,
-        "timeout": 1.0,
-        "eject_after": 3,
-        "readmit_after": 2,
-        **kw,
-    }
-    return HealthChecker(fleet, observer=observer, fetch=answers, **options)
+CHECKS = HealthCheckOptions("/health", interval=1.0, timeout=1.0, eject_after=3, readmit_after=2)
+
+
+def checker(
+    fleet: Fleet, answers: Answers, observer: Any, options: HealthCheckOptions = CHECKS
+) -> HealthChecker:
+    return HealthChecker(fleet, options, observer=observer, fetch=answers)
 
 
 async def test_admission_at_start_ejection_after_n_and_readmission_after_m() -> None:
@@ -103,7 +101,7 @@ async def test_admission_at_start_ejection_after_n_and_readmission_after_m() -> 
 async def test_instance_workers_share_one_frontend_probe_and_its_instance_list() -> None:
     fleet = fleet_of("instance-id=7", "instance-id=18446744073709551615", "url=http://a:1")
     answers, events = Answers(), EventObserver()
-    checks = checker(fleet, answers, events, eject_after=1)
+    checks = checker(fleet, answers, events, replace(CHECKS, eject_after=1))
     answers.bodies["127.0.0.1:8000"] = orjson.dumps(
         {
             "status": "healthy",

@@ -1,0 +1,266 @@
+"""The assembly layer: Settings in, each component's frozen options and the shared parts out.
+
+Nothing below this layer reads Settings: every component takes its own options, and the
+functions here are the one place they are built from it (`ingress_limits`, `pool_options`,
+`relay_limits`, `quic_options`, `routing_options`, `bring_up_options`, `tracing_options`).
+`build_core` then assembles the transport-neutral parts every listener shares (lifecycle,
+observers, metrics, admission, pool, router, tracer, queue admission, proxy) into a `Core`;
+`pylon.run.start` hands it to the listeners (`pylon.listeners`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pylon.adapters import build_adapter
+from pylon.adapters.base import PriorityAdapter
+from pylon.auth import TokenAuth
+from pylon.bringup import BringUpOptions
+from pylon.core.intake import IngressLimits
+from pylon.core.plan import Planner
+from pylon.core.queue import QueueAdmission, QueueTable
+from pylon.core.target import UpstreamTarget
+from pylon.lifecycle import Lifecycle
+from pylon.metrics import MetricsObserver
+from pylon.observe import LogObserver, Observer, Observers
+from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
+from pylon.routing import Router, SingleUpstream
+from pylon.routing.build import KvOptions, RoutingOptions
+from pylon.routing.health import HealthCheckOptions
+from pylon.server.budget import BodyBudget
+from pylon.server.streams import Ingress
+from pylon.settings import Settings
+from pylon.tracing import ExchangeTracer
+from pylon.upstream.pool import PoolOptions, UpstreamPool
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from pylon.otel import TracingOptions
+    from pylon.server.http3 import QuicOptions
+    from pylon.tokenize import Tokenizer
+
+
+# --- Settings -> each component's options ---------------------------------------------------
+
+
+def ingress_limits(settings: Settings) -> IngressLimits:
+    return IngressLimits(
+        max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
+        max_body_bytes=settings.max_body_bytes,
+        max_connection_body_bytes=settings.max_connection_body_bytes,
+        stall_timeout=settings.header_timeout,
+        idle_timeout=settings.client_idle_timeout,
+        max_streams=settings.h2_max_concurrent_streams,
+        max_quic_streams=settings.quic_max_concurrent_streams,
+        h2_stream_window=settings.h2_stream_window,
+        max_stream_resets=settings.max_stream_resets,
+        max_control_frames=settings.max_control_frames,
+        flood_window=settings.flood_window,
+    )
+
+
+def pool_options(settings: Settings) -> PoolOptions:
+    return PoolOptions(
+        connect_timeout=settings.upstream_connect_timeout,
+        idle_timeout=settings.upstream_idle_timeout,
+        max_idle=settings.upstream_max_idle,
+        max_connections=settings.upstream_max_connections,
+        queue_timeout=settings.upstream_queue_timeout,
+    )
+
+
+def relay_limits(settings: Settings) -> RelayLimits:
+    return RelayLimits(
+        first_output_timeout=settings.first_output_timeout,
+        output_gap_timeout=settings.output_gap_timeout,
+        max_sse_event_bytes=settings.max_sse_event_bytes,
+        client_send_timeout=settings.client_send_timeout,
+    )
+
+
+def quic_options(settings: Settings) -> QuicOptions:
+    from pylon.server.http3 import QuicOptions  # aioquic: imported only with a QUIC listener
+
+    return QuicOptions(
+        idle_timeout=settings.quic_idle_timeout,
+        max_data=settings.quic_max_data,
+        max_stream_data=settings.quic_max_stream_data,
+        retry=settings.quic_retry,
+    )
+
+
+def routing_options(settings: Settings) -> RoutingOptions:
+    """`--routing` other than off: the workers, their health checks, the `kv` router."""
+    mode = settings.routing
+    assert mode != "off", "--routing off has no routing parts"
+    return RoutingOptions(
+        mode,
+        workers=settings.worker,
+        frontend=UpstreamTarget.from_url(str(settings.upstream)) if settings.upstream else None,
+        health=HealthCheckOptions(
+            path=settings.worker_health_path,
+            interval=settings.worker_health_interval,
+            timeout=settings.worker_health_timeout,
+            eject_after=settings.worker_eject_after,
+            readmit_after=settings.worker_readmit_after,
+        ),
+        kv=kv_options(settings) if mode == "kv" else None,
+    )
+
+
+def kv_options(settings: Settings) -> KvOptions:
+    return KvOptions(
+        overlap_weight=settings.kv_overlap_weight,
+        token_data=settings.kv_token_data,
+        # A proof probe is a one-token stream: it answers within a first output's time.
+        probe_timeout=settings.first_output_timeout,
+    )
+
+
+def bring_up_options(settings: Settings) -> BringUpOptions:
+    return BringUpOptions(
+        health_gate=settings.upstream_health_gate,
+        health_paths=settings.upstream_health_path,
+        health_wait=settings.upstream_health_wait,
+        health_interval=settings.upstream_health_interval,
+        health_timeout=settings.upstream_health_timeout,
+        models=settings.model,
+        discovery_interval=settings.model_discovery_interval,
+        discovery_timeout=settings.model_discovery_timeout,
+    )
+
+
+def tracing_options(settings: Settings) -> TracingOptions:
+    from pylon.otel import TracingOptions  # the `otel` extra: imported only with tracing on
+
+    return TracingOptions(
+        service_name=settings.otel_service_name,
+        traces_url=settings.otel_traces_url,
+        backend=settings.backend,
+    )
+
+
+# --- options -> the shared parts ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Core:
+    """The transport-neutral parts every listener shares."""
+
+    lifecycle: Lifecycle
+    observer: Observer
+    admission: ProxyAdmission
+    proxy: Proxy
+    pool: UpstreamPool
+    limits: IngressLimits
+    ingress: Ingress  # what every client connection shares
+    queue: QueueAdmission  # the live request tables and queue estimates (`queue.table`)
+    tracer: ExchangeTracer | None = None  # None: tracing is off
+    metrics: MetricsObserver | None = None  # None when there is no admin listener to serve them
+    tokenizer: Tokenizer | None = None  # --tokenizer, loaded once (pylon.tokenize)
+
+
+def build_core(
+    settings: Settings,
+    upstream: str,
+    *,
+    observer: Observer | None = None,
+    lifecycle: Lifecycle | None = None,
+    router: Router | None = None,
+    span_exporter: SpanExporter | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> Core:
+    """Assemble the proxy and its parts. Must run inside the event loop (the pool binds it).
+
+    `router`: who picks the engine worker; default, every request to `upstream`.
+    `observer`: who hears the events (default, the log lines); with an admin listener, the
+    metrics hear them too (`Observers`).
+    `span_exporter`: where spans go instead of the OTLP collector (tests); tracing is on when
+    it is given or `settings.otel_endpoint` is set, and nothing of it is built otherwise.
+    `tokenizer`: the `--tokenizer` model dir as `preflight.load_tokenizer` loaded it.
+    """
+    metrics = _metrics(settings)
+    observer = observer or LogObserver()
+    if metrics is not None:
+        observer = Observers(observer, metrics)
+    lifecycle = lifecycle or Lifecycle()
+    path = settings.tunnel_token_file
+    auth = TokenAuth(path) if path is not None else None
+    pool = UpstreamPool(pool_options(settings))
+    adapter = build_adapter(
+        settings.backend, settings.adapter_options, derive=settings.derive_priority
+    )
+    planner = Planner(adapter, consumed=auth.consumed if auth is not None else frozenset())
+    queue = _queue_admission(settings, adapter, lifecycle, metrics)
+    tracer = _tracer(settings, pool.loop, observer, span_exporter)
+    proxy = Proxy(
+        planner=planner,
+        router=router or SingleUpstream(UpstreamTarget.from_url(upstream)),
+        pool=pool,
+        observer=observer,
+        relay=relay_limits(settings),
+        retry=settings.retry_policy,
+        tracer=tracer,
+        queue=queue,
+    )
+    admission = ProxyAdmission(lifecycle, auth)
+    limits = ingress_limits(settings)
+    budget = BodyBudget(settings.max_total_body_bytes)
+    ingress = Ingress(proxy, admission, limits, lifecycle, budget)
+    return Core(
+        lifecycle,
+        observer,
+        admission,
+        proxy,
+        pool,
+        limits,
+        ingress,
+        queue,
+        tracer,
+        metrics,
+        tokenizer,
+    )
+
+
+def _metrics(settings: Settings) -> MetricsObserver | None:
+    """The metrics observer, when an admin listener will serve them (`--admin-listen`)."""
+    if not settings.admin_listen:
+        return None
+    return MetricsObserver(
+        settings.backend,
+        priority_ceiling=settings.priority_ceiling,
+        local_connect_retryable=settings.local_connect_failures_retryable,
+    )
+
+
+def _queue_admission(
+    settings: Settings,
+    adapter: PriorityAdapter,
+    lifecycle: Lifecycle,
+    metrics: MetricsObserver | None,
+) -> QueueAdmission:
+    queue = QueueAdmission(QueueTable(settings.initial_input_tps), settings.queue_policy, adapter)
+    # A re-published model is a new generation: its throughput is measured afresh.
+    lifecycle.models.on_retire(queue.table.retire)
+    if metrics is not None:
+        metrics.queue_snapshot = queue.table.snapshot
+    return queue
+
+
+def _tracer(
+    settings: Settings,
+    loop: asyncio.AbstractEventLoop,
+    observer: Observer,
+    exporter: SpanExporter | None,
+) -> ExchangeTracer | None:
+    """Tracing, when `--otel-endpoint` is set or a test hands in its exporter; else None, and
+    nothing of OpenTelemetry is imported."""
+    if settings.otel_endpoint is None and exporter is None:
+        return None
+    from pylon.otel import OtelTracer
+
+    return OtelTracer.build(tracing_options(settings), loop, observer, exporter)

@@ -1,0 +1,224 @@
+"""The listeners of one pylon, on the parts `pylon.assemble.build_core` built: the admin listener
+(`--admin-listen`), the TCP listener (HTTP/1.1 and HTTP/2 on one port, TLS with `--tls-cert`)
+and the QUIC listener (HTTP/3, `--quic-listen`), with the one hot-reloaded TLS identity they
+share and the TCP listener's open connections (so a drain can wait for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import weakref
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pylon.assemble import Core, quic_options
+from pylon.server.http1 import Http1Connection
+from pylon.server.http2 import Http2Connection, ProtocolSwitch
+from pylon.settings import Settings, split_host_port
+
+if TYPE_CHECKING:
+    from pylon.admin import AdminServer
+    from pylon.observe import Observer
+    from pylon.server.http3 import Http3Server
+    from pylon.tls import TlsIdentity
+
+
+class LiveConnections:
+    """The TCP listener's open connections, so shutdown can wait for them (weakly held)."""
+
+    def __init__(self) -> None:
+        self._connections: weakref.WeakSet[Http1Connection | Http2Connection] = weakref.WeakSet()
+
+    def add(self, connection: Http1Connection | Http2Connection) -> asyncio.Protocol:
+        self._connections.add(connection)
+        return connection
+
+    def close_all(self) -> None:
+        """End every connection now: what still runs is cancelled (outcome `shutdown`)."""
+        for connection in list(self._connections):
+            connection.close_now()
+
+    @property
+    def busy(self) -> int:
+        """Connections with a response in progress."""
+        return sum(1 for connection in list(self._connections) if connection.busy)
+
+    @property
+    def in_progress(self) -> int:
+        """Requests started on TCP connections and not answered yet (heads included)."""
+        return sum(connection.in_progress for connection in list(self._connections))
+
+    def in_progress_by_transport(self) -> dict[str, int]:
+        """`in_progress`, per transport: {"http1": n, "h2": n}."""
+        counts = {"http1": 0, "h2": 0}
+        for connection in list(self._connections):
+            kind = "h2" if isinstance(connection, Http2Connection) else "http1"
+            counts[kind] += connection.in_progress
+        return counts
+
+
+@dataclass
+class Listeners:
+    """Every listener of one pylon, started: where each listens, and what runs on them."""
+
+    address: str  # the TCP listener, host:port
+    url: str  # the TCP listener as a base URL (https:// with --tls-cert)
+    live: LiveConnections
+    tcp_server: asyncio.AbstractServer
+    h3: Http3Server | None = None  # None without --quic-listen
+    quic_address: str | None = None
+    admin: AdminServer | None = None  # None when the admin listener is disabled
+    admin_address: str | None = None  # the admin listener, host:port
+
+    @property
+    def busy(self) -> bool:
+        """A response is still in progress on TCP, or a QUIC connection is still open."""
+        return bool(self.live.busy or (self.h3 is not None and self.h3.connections))
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests still running, per transport: what the drain is waiting for."""
+        counts = self.live.in_progress_by_transport()
+        counts["h3"] = self.h3.in_progress if self.h3 is not None else 0
+        return counts
+
+    def unfinished(self) -> dict[str, int]:
+        """What a drain leaves behind: busy TCP connections, open QUIC connections."""
+        return {
+            "unfinished_tcp": self.live.busy,
+            "unfinished_quic": self.h3.connections if self.h3 is not None else 0,
+        }
+
+    def close_all(self) -> None:
+        """End every connection now; their requests are cancelled (outcome `shutdown`)."""
+        self.live.close_all()
+        if self.h3 is not None:
+            self.h3.close_connections()
+
+
+async def start_listeners(settings: Settings, core: Core, stack: AsyncExitStack) -> Listeners:
+    """Every listener of `settings`, each closed by `stack`. The admin listener first, so that
+    /live and /ready answer (not ready yet) while the rest starts."""
+    admin, admin_address = await start_admin(settings, core, stack)
+    identity = tls_identity(settings, stack, core.observer)
+    live = LiveConnections()
+    server, address, tls = await start_tcp(settings, core, live, identity, stack)
+    listeners = Listeners(address, f"{'https' if tls else 'http'}://{address}", live, server)
+    listeners.admin, listeners.admin_address = admin, admin_address
+    if settings.quic_listen is not None:
+        assert identity is not None
+        listeners.h3, listeners.quic_address = await start_quic(settings, core, stack, identity)
+    return listeners
+
+
+async def start_admin(
+    settings: Settings, core: Core, stack: AsyncExitStack
+) -> tuple[AdminServer | None, str | None]:
+    """The admin listener (`--admin-listen`), unless it is disabled; a bind failure refuses
+    the start (`StartupError`)."""
+    if core.metrics is None:
+        return None, None
+    from pylon.admin import AdminRoutes, AdminServer
+
+    admin = AdminServer(AdminRoutes(core.lifecycle, core.metrics.registry))
+    address = await admin.start(settings.admin_listen)
+    stack.callback(admin.close)
+    return admin, address
+
+
+def tls_identity(
+    settings: Settings, stack: AsyncExitStack, observer: Observer
+) -> TlsIdentity | None:
+    """One hot-reloaded identity for every TLS listener (TCP with a certificate, and QUIC); it
+    reports its loads and reloads to `observer` as process events."""
+    if settings.tls_cert is None and settings.quic_listen is None:
+        return None
+    from pylon.tls import TlsIdentity
+
+    identity = TlsIdentity.from_paths(
+        settings.tls_cert, settings.tls_key, settings.tls_client_ca, observer.process_event
+    )
+    reloader = asyncio.create_task(identity.watch(settings.tls_reload_interval))
+    stack.callback(reloader.cancel)
+    return identity
+
+
+async def start_tcp(
+    settings: Settings,
+    core: Core,
+    live: LiveConnections,
+    identity: TlsIdentity | None,
+    stack: AsyncExitStack,
+) -> tuple[asyncio.AbstractServer, str, bool]:
+    """The TCP listener, TLS with `--tls-cert`: the server, its bound host:port, and whether
+    it speaks TLS."""
+    context = None
+    if settings.tls_cert is not None and identity is not None:
+        context = tcp_ssl_context(identity)
+    host, port = settings.listen_host_port
+    server = await asyncio.get_running_loop().create_server(
+        tcp_protocol_factory(core, live),
+        host,
+        port,
+        reuse_address=True,
+        backlog=2048,
+        ssl=context,
+    )
+    stack.callback(server.close)
+    bound = server.sockets[0].getsockname()
+    return server, host_port(bound[0], bound[1]), context is not None
+
+
+def tcp_protocol_factory(core: Core, live: LiveConnections) -> Callable[[], asyncio.Protocol]:
+    """HTTP/1.1 and HTTP/2 share the TCP port: `ProtocolSwitch` picks one per connection."""
+
+    def http1() -> asyncio.Protocol:
+        return live.add(Http1Connection(core.ingress))
+
+    def http2() -> asyncio.Protocol:
+        return live.add(Http2Connection(core.ingress))
+
+    return lambda: ProtocolSwitch(http1, http2, core.limits.stall_timeout, core.lifecycle)
+
+
+def tcp_ssl_context(identity: TlsIdentity) -> ssl.SSLContext:
+    """The TCP listener's context: ALPN h2 and http/1.1, client certificates per --tls-client-ca.
+
+    asyncio fixes a server's context at creation; to serve a reloaded certificate without a
+    restart, each handshake switches to the identity's current context in the servername
+    callback (OpenSSL runs it for every ClientHello, with or without SNI).
+    """
+    alpn = ("h2", "http/1.1")
+    base = identity.current_ssl_context(alpn)
+
+    def current(ssl_object: ssl.SSLObject, _name: str | None, context: ssl.SSLContext) -> None:
+        latest = identity.current_ssl_context(alpn)
+        if latest is not context:
+            ssl_object.context = latest
+
+    base.sni_callback = current
+    return base
+
+
+async def start_quic(
+    settings: Settings, core: Core, stack: AsyncExitStack, identity: TlsIdentity
+) -> tuple[Http3Server, str]:
+    """The HTTP/3 listener (direct tunnel mode), with its hot-reloaded TLS identity."""
+    from pylon.server.http3 import Http3Server
+
+    assert settings.quic_listen is not None
+    h3 = Http3Server(core.ingress, identity, quic_options(settings))
+    host, port = await h3.start(*split_host_port(settings.quic_listen))
+    stack.callback(h3.close)
+    address = host_port(host, port)
+    core.observer.process_event(
+        "listening_quic", address=address, alpn="h3", retry=settings.quic_retry
+    )
+    return h3, address
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 host in brackets."""
+    return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
