@@ -243,7 +243,7 @@ async def test_a_streamed_response_is_acknowledged_at_once_on_a_kept_alive_conne
         for _ in range(5):  # some kernels enter ping-pong mode only after 3 such exchanges
             ex = await pool.send(plan_for(target))
             await ex.head
-            sock = ex._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            sock = ex.connection.transport.get_extra_info("socket")  # type: ignore[union-attr]
             quick_after_head.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK))
             engine.go.put_nowait(None)
             body = b""
