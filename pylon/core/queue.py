@@ -317,16 +317,8 @@ class QueueEntry(ExchangeHooks):
             assert record.first_output_at is not None
             queue._stop_busy(record.first_output_at, self.tokens if record.ends_prefill else 0)
 
-    def complete(self, record: RequestRecord) -> None:
-        assert record.done_at is not None
-        self.release(record.done_at)
-
-    def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        assert record.done_at is not None
-        self.release(record.done_at)
-
-    def release(self, now: float) -> None:
-        """The exchange is over, however it ended. Idempotent."""
+    def complete(self, record: RequestRecord, error: PylonError | None = None) -> None:
+        """The exchange is over, however it ended: the entry leaves. Idempotent."""
         phase = self.phase
         if phase == GONE:
             return
@@ -341,7 +333,10 @@ class QueueEntry(ExchangeHooks):
         self.phase = GONE
         if self._busy:
             self._busy = False
-            queue._stop_busy(now, 0)
+            assert record.done_at is not None
+            queue._stop_busy(record.done_at, 0)
+
+    rejected = complete  # pylon answered the request itself: the entry leaves the same way
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,16 +1,18 @@
-"""One request's way out, as one object: the `Exchange` owns the request's record (its only
-writer) and emits the request's moments once each, in order, to everything that subscribed.
+"""One request's way out, as one object: the `Exchange` is the request's record (the
+`RequestRecord` every observer reads) and its only writer, and it emits the request's moments
+once each, in order, to everything that subscribed.
 
 Envoy keeps one `StreamInfo` per request and llm-d's request-control plugins hear one hook set
 per request; here the exchange is both. The stream table opens it with the stream and tells it
-what the intake learnt (`admitted`, `identified`); the proxy tells it what happened on the way
-out (`planned`, `booked`, `dispatched`, ...). Every part that lives as long as the request
-subscribes to the one hook set of `pylon.core.record.ExchangeHooks` instead of being told each
-moment by hand: the queue entry (at the queue gate), the booking (once booked), the span (once
-started), and the process's observers (logs, metrics) hear every moment last.
+what the intake learnt (`admitted`, `identified`, `reject`); the proxy tells it what happened on
+the way out (`planned`, `booked`, `dispatched`, ...). Every part that lives as long as the
+request subscribes to the one hook set of `pylon.core.record.ExchangeHooks` instead of being
+told each moment by hand: the queue entry (at the queue gate), the booking (once booked), the
+span (once started); the process's observers (logs, metrics) hear every moment last. Hooks get
+the exchange typed as its `RequestRecord`: they read it, only the exchange writes it.
 
 Moments and their order are in `pylon.core.record`; the attempts on upstream connections are
-`pylon.upstream.Attempt`s (`attempt`, the current one; `record.attempts` counts them).
+`pylon.upstream.Attempt`s (`attempt`, the current one; `attempts` counts them).
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ if TYPE_CHECKING:
     from pylon.routing import Booking
 
 
-class Exchange:
+class Exchange(RequestRecord):
     """One request from its stream's head to its end (see the module docstring).
 
-    `sink`: where the response goes (set when the intake decided); `plan`: what goes to the
-    engine (the routed plan, once booked); `attempt`: the current upstream attempt; `watchdog`:
-    the engine-side clock of the current attempt.
+    Set on the way, each before anything reads it (so none is optional): `sink`, where the
+    response goes (when the intake decided); `plan`, what goes to the engine (the routed plan,
+    once booked); `attempt`, the current upstream attempt; `watchdog`, the engine-side clock.
     """
 
     __slots__ = (
@@ -50,116 +52,121 @@ class Exchange:
         "_output",
         "attempt",
         "plan",
-        "record",
         "sink",
         "watchdog",
     )
+    sink: ResponseSink
+    plan: ForwardPlan
+    attempt: Attempt
+    watchdog: Watchdog
 
     def __init__(
-        self, record: RequestRecord, observer: Observer, loop: asyncio.AbstractEventLoop
+        self,
+        transport: str,
+        stream_id: int,
+        head_at: float,
+        observer: Observer,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
-        self.record = record
+        super().__init__(transport, stream_id, head_at)
         self._observer = observer
         self._loop = loop
-        self._hooks: list[ExchangeHooks] = []  # per-request subscribers, in the order they joined
-        self._output: list[ExchangeHooks] = []  # those of them that count output
+        # Per-request subscribers in the order they joined, and those that count output.
+        # Tuples: most requests have one subscriber or two, and a tuple is built only then.
+        self._hooks: tuple[ExchangeHooks, ...] = ()
+        self._output: tuple[ExchangeHooks, ...] = ()
         self._ended = False
-        self.sink: ResponseSink | None = None
-        self.plan: ForwardPlan | None = None
-        self.attempt: Attempt | None = None
-        self.watchdog: Watchdog | None = None
 
     # --- the way in (the stream table) ---
     def admitted(self, request: AdmittedRequest) -> None:
         """The intake admitted the request's head."""
-        record = self.record
-        record.request_id = request.request_id
-        record.model = getattr(request, "model", None)
-        record.method = request.method
-        record.path = request.target.partition("?")[0]
-        self._observer.admitted(record)
+        self.request_id = request.request_id
+        self.model = getattr(request, "model", None)
+        self.method = request.method
+        self.path = request.target.partition("?")[0]
+        self._observer.admitted(self)
 
     def identified(self, request_id: str | None) -> None:
         """The request's id, read from a head the intake could not admit."""
-        if self.record.request_id is None:
-            self.record.request_id = request_id
+        if self.request_id is None:
+            self.request_id = request_id
 
     def reject(self, sink: ResponseSink, error: PylonError) -> None:
         """Answer with pylon's own problem; the engine never sees the request. Terminal."""
-        record = self.record
         if error.request_id is None:
-            error.request_id = record.request_id
-        elif record.request_id is None:
-            record.request_id = error.request_id
+            error.request_id = self.request_id
+        elif self.request_id is None:
+            self.request_id = error.request_id
         send_problem(sink, error)
-        record.status = error.status
-        record.outcome = error.code.value
-        record.done_at = self._loop.time()
+        self.status = error.status
+        self.outcome = error.code.value
+        self.done_at = self._loop.time()
         if self._ended:
             return
         self._ended = True
         for hook in self._hooks:
-            hook.rejected(record, error)
-        self._observer.rejected(record, error)
+            hook.rejected(self, error)
+        self._observer.rejected(self, error)
 
     # --- the way out (the proxy) ---
     def planned(self, plan: ForwardPlan, gateway_input_tokens: int | None) -> None:
         """The planner's plan: what was stripped, the engine priority pylon writes, and the
         gateway's input-token count."""
-        record = self.record
-        record.stripped = plan.stripped
-        record.engine_priority = plan.priority.value
+        self.stripped = plan.stripped
+        self.engine_priority = plan.priority.value
         if gateway_input_tokens is not None:
-            record.input_tokens = gateway_input_tokens
-            record.input_tokens_source = FROM_GATEWAY
+            self.input_tokens = gateway_input_tokens
+            self.input_tokens_source = FROM_GATEWAY
 
     def subscribe(self, hooks: ExchangeHooks, counts_output: bool = False) -> None:
         """`hooks` hears every moment from now on; `counts_output`: `output` too."""
-        self._hooks.append(hooks)
+        self._hooks += (hooks,)
         if counts_output:
-            self._output.append(hooks)
+            self._output += (hooks,)
 
     def queue_decided(self, decision: QueueDecision) -> None:
         """The queue gate decided on a request that carried the gateway's expectation."""
-        self._observer.queue_gate(self.record, decision)
+        self._observer.queue_gate(self, decision)
 
     def booked(self, booking: Booking) -> None:
         """The router booked a worker for the request (released when the exchange ends)."""
-        self.record.worker = booking.worker
+        self.worker = booking.worker
+        self.outcome = "ok"  # until something else ends it
         if not booking.quiet:  # a booking with nothing to account hears nothing
             self.subscribe(booking, booking.counts_output)
 
     def dispatched(self, attempt: Attempt) -> None:
-        """`attempt` was written to the engine; the first one is the exchange's dispatch."""
+        """The first attempt was written to the engine: the exchange's dispatch."""
         self.attempt = attempt
-        record = self.record
-        record.attempts += 1
-        if record.attempts > 1:
-            return  # a retry of a stale connection: the request was dispatched already
-        record.dispatched_at = self._loop.time()
+        self.attempts = 1
+        self.dispatched_at = self._loop.time()
         for hook in self._hooks:
-            hook.dispatched(record)
-        self._observer.dispatched(record)
+            hook.dispatched(self)
+        self._observer.dispatched(self)
+
+    def retried(self, attempt: Attempt) -> None:
+        """Another attempt was written (the first went into a stale connection): not a second
+        dispatch, the same request once more."""
+        self.attempt = attempt
+        self.attempts += 1
 
     def response_head(self, status: int, mark: RetryMark | None) -> None:
         """The engine's response head arrived; `mark`: its retry marking (an error status)."""
-        record = self.record
-        record.status = status
+        self.status = status
         if mark is not None:
-            self._observer.upstream_status(record, mark)
-        record.first_byte_at = self._loop.time()
+            self._observer.upstream_status(self, mark)
+        self.first_byte_at = self._loop.time()
         for hook in self._hooks:
-            hook.response_head(record)
-        self._observer.response_head(record)
+            hook.response_head(self)
+        self._observer.response_head(self)
 
     def first_output(self, ends_prefill: bool) -> None:
         """Prefill is over; `ends_prefill`: it ended a successful one (a throughput sample)."""
-        record = self.record
-        record.first_output_at = self._loop.time()
-        record.ends_prefill = ends_prefill
+        self.first_output_at = self._loop.time()
+        self.ends_prefill = ends_prefill
         for hook in self._hooks:
-            hook.first_output(record)
-        self._observer.first_output(record)
+            hook.first_output(self)
+        self._observer.first_output(self)
 
     @property
     def counts_output(self) -> bool:
@@ -168,54 +175,50 @@ class Exchange:
 
     def output(self, count: int) -> None:
         """`count` more output events were relayed (from the first output on)."""
-        record = self.record
         for hook in self._output:
-            hook.output(record, count)
+            hook.output(self, count)
 
     def failed(self, error: PylonError, outcome: str, after_head: bool) -> None:
         """The engine could not be reached, timed out or broke the exchange: `outcome` is how
         the record says it; `after_head`: the client already had a head."""
-        record = self.record
-        record.outcome = outcome
+        self.outcome = outcome
         if not after_head:
-            record.status = error.status
-        self._observer.upstream_failed(record, error, after_head)
+            self.status = error.status
+        self._observer.upstream_failed(self, error, after_head)
 
     def ended_by(self, outcome: str) -> None:
-        """How the exchange ended, when it was not an engine failure (`ok`, a client that left
-        or stopped reading, a shutdown)."""
-        self.record.outcome = outcome
+        """How the exchange ended, when it was not an engine failure (a client that left or
+        stopped reading, a shutdown)."""
+        self.outcome = outcome
 
     def count_tokens(self, previous: bytes, last: bytes, events: int | None) -> None:
         """The response's token counts: the engine's usage when its end (`previous` + `last`,
         the last two pieces relayed) carries one, else (a stream) the `events` relayed."""
-        record = self.record
         usage = usage_at_end(previous, last)
         if usage is not None:
             given, made = usage
             if given is not None:
-                record.input_tokens, record.input_tokens_source = given, FROM_USAGE
+                self.input_tokens, self.input_tokens_source = given, FROM_USAGE
             if made is not None:
-                record.output_tokens, record.output_tokens_source = made, FROM_USAGE
+                self.output_tokens, self.output_tokens_source = made, FROM_USAGE
                 return
         if events is not None:
-            record.output_tokens, record.output_tokens_source = events, FROM_ESTIMATE
+            self.output_tokens, self.output_tokens_source = events, FROM_ESTIMATE
 
     def complete(self) -> None:
-        """The exchange is over, however it ended (the record's outcome says how). Terminal;
-        a second call, or one after `reject`, does nothing."""
+        """The exchange is over, however it ended (`outcome` says how). Terminal; a second
+        call, or one after `reject`, does nothing."""
         if self._ended:
             return
         self._ended = True
-        record = self.record
-        record.done_at = self._loop.time()
+        self.done_at = self._loop.time()
         for hook in self._hooks:
-            hook.complete(record)
-        self._observer.complete(record)
+            hook.complete(self)
+        self._observer.complete(self)
 
     def crashed(self, exc: BaseException | None) -> None:
         """A bug: pylon failed to handle the request (the stream is reset or closed)."""
-        self._observer.crashed(self.record, exc)
+        self._observer.crashed(self, exc)
 
 
 class Watchdog(Deadline):

@@ -19,7 +19,6 @@ from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.queue import QueueAdmission
-from pylon.core.record import RequestRecord
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import sanitize_response_headers
 from pylon.observe import Observer
@@ -32,7 +31,7 @@ from pylon.proxy.relay import (
     relay_raw,
     relay_sse,
 )
-from pylon.proxy.sink import ResponseSink, echo_request_id, send_problem
+from pylon.proxy.sink import echo_request_id, send_problem
 from pylon.routing import Booking, NoWorker, Router
 from pylon.tracing import ExchangeTracer
 from pylon.upstream import (
@@ -75,7 +74,7 @@ class Proxy:
 
     def open(self, transport: str, stream_id: int, now: float) -> Exchange:
         """The exchange of a new request stream (its head arrived at `now`)."""
-        return Exchange(RequestRecord(transport, stream_id, now), self._observer, self._loop)
+        return Exchange(transport, stream_id, now, self._observer, self._loop)
 
     async def handle(self, exchange: Exchange, request: AdmittedRequest, body: bytes) -> None:
         """Carry an admitted request to the engine and the answer back."""
@@ -84,10 +83,8 @@ class Proxy:
             booking = await self._router.book(plan)
             await self._forward(exchange, self._route(exchange, request, plan, booking))
         except PylonError as error:  # answered before any engine saw the request
-            assert exchange.sink is not None
             exchange.reject(exchange.sink, error)
         except NoWorker as exc:
-            assert exchange.sink is not None
             exchange.reject(exchange.sink, UpstreamError(str(exc), code=ErrorCode.NO_WORKER))
         except asyncio.CancelledError as cancel:
             # The transport says why (client reset, connection lost, shutdown, send timeout).
@@ -121,7 +118,7 @@ class Proxy:
         trace = None
         if self._tracer is not None and isinstance(request, TunnelRequest):
             # The plan carries the span's trace context to the engine, not the client's.
-            span = self._tracer.start(request, plan, exchange.record)
+            span = self._tracer.start(request, plan, exchange)
             exchange.subscribe(span)
             trace = span.trace
         routed = exchange.plan = plan.routed(booking.target, booking.headers, trace, booking.body)
@@ -136,7 +133,6 @@ class Proxy:
         """
         watchdog = exchange.watchdog = Watchdog(self._loop)
         attempt: Attempt | None = None
-        exchange.ended_by("ok")
         try:
             if plan.stream_requested:
                 watchdog.arm_for(self._relay.first_output_timeout, "no response head in time")
@@ -149,7 +145,10 @@ class Proxy:
                     except UpstreamConnectError as exc:
                         self._answer_connect_failure(exchange, exc)
                         return
-                exchange.dispatched(attempt)
+                if fresh:
+                    exchange.retried(attempt)
+                else:
+                    exchange.dispatched(attempt)
                 watchdog.attach(attempt)
                 try:
                     await attempt.head
@@ -181,7 +180,6 @@ class Proxy:
                 else ErrorCode.UPSTREAM_PROTOCOL_ERROR
             )
             error = UpstreamError(str(exc), code=code, request_id=plan.request_id)
-            assert exchange.sink is not None
             send_problem(exchange.sink, error)
             exchange.failed(error, code.value, after_head=False)
         finally:
@@ -192,10 +190,9 @@ class Proxy:
     def _answer_connect_failure(self, exchange: Exchange, exc: UpstreamConnectError) -> None:
         busy = isinstance(exc, UpstreamBusy)
         code = ErrorCode.UPSTREAM_BUSY if busy else ErrorCode.UPSTREAM_UNAVAILABLE
-        error = UpstreamError(str(exc), code=code, request_id=exchange.record.request_id)
+        error = UpstreamError(str(exc), code=code, request_id=exchange.request_id)
         # Busy: the engine never saw the request, so another node may take it. A refused
         # connection is retryable only where the operator says so.
-        assert exchange.sink is not None
         send_problem(exchange.sink, error, None if busy else local_connect_failure(self._retry))
         exchange.failed(error, code.value, after_head=False)
 
@@ -204,7 +201,7 @@ class Proxy:
         and the retry marking of an error status."""
         status = attempt.status
         headers = sanitize_response_headers(attempt.headers, self._retry_header, attempt.names)
-        headers += echo_request_id(exchange.record.request_id)
+        headers += echo_request_id(exchange.request_id)
         mark = classify_upstream_response(status, attempt.headers, self._retry, time.time())
         if mark is not None:
             headers += mark.headers()
@@ -212,9 +209,7 @@ class Proxy:
         return headers
 
     async def _relay_events(self, exchange: Exchange, headers: list[Header]) -> None:
-        sink: ResponseSink | None = exchange.sink
-        assert sink is not None
-        sink.start(200, headers, None)
+        exchange.sink.start(200, headers, None)
         failure = await relay_sse(exchange, self._relay)
         if failure is not None:
             exchange.failed(failure, failure.code.value, after_head=True)

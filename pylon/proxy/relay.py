@@ -79,7 +79,6 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
     engine's usage when its last events carry one, else the data events relayed.
     """
     attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
-    assert attempt is not None and sink is not None and watchdog is not None
     splitter = SseSplitter(limits.max_sse_event_bytes)
     watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
     counting = exchange.counts_output
@@ -125,7 +124,7 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
     finally:
         exchange.count_tokens(previous, last, events)
     if failure is not None:
-        failure.request_id = exchange.record.request_id
+        failure.request_id = exchange.request_id
         sink.write(error_event(sse_error_payload(failure)))
     sink.end()
     return failure
@@ -140,7 +139,6 @@ async def relay_raw(exchange: Exchange, headers: list[Header], limits: RelayLimi
     the body's end gives the record its token counts.
     """
     attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
-    assert attempt is not None and sink is not None and watchdog is not None
     sink.start(attempt.status, headers, content_length(attempt.headers, attempt.names))
     gap = limits.output_gap_timeout
     previous = last = b""  # the last two pieces of the body: where a usage report is

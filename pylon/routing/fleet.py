@@ -194,14 +194,10 @@ class WorkerBooking(ExchangeHooks):
         worker.active += 1
         count_decision(worker, policy)
 
-    def complete(self, record: RequestRecord) -> None:
-        self.release()
-
-    def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        self.release()
-
-    def release(self) -> None:
+    def complete(self, record: RequestRecord, error: PylonError | None = None) -> None:
         """The exchange is over: the worker carries one request less (idempotent)."""
         if not self._released:
             self._released = True
             self._worker.active -= 1
+
+    rejected = complete

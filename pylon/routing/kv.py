@@ -107,18 +107,15 @@ class KvBooking(ExchangeHooks):
     def output(self, record: RequestRecord, count: int) -> None:
         self._reservation.output_tokens(count)
 
-    def complete(self, record: RequestRecord) -> None:
-        self.release()
-
-    def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """Free the reservation (idempotent; a no-op after the core's shutdown)."""
+    def complete(self, record: RequestRecord, error: PylonError | None = None) -> None:
+        """The exchange is over: free the reservation (idempotent; a no-op after the core's
+        shutdown)."""
         if not self._released:
             self._released = True
             self._worker.active -= 1
             self._reservation.free()
+
+    rejected = complete
 
 
 class KvRouter:

@@ -54,7 +54,7 @@ class Stream:
     def __init__(self, stream_id: int, intake: RequestIntake, exchange: Exchange) -> None:
         self.id = stream_id
         self.intake = intake
-        self.exchange = exchange  # the request's way out, and its record
+        self.exchange = exchange  # the request's record and its way out
         self.task: asyncio.Task[None] | None = None
         self.held = 0  # request-body bytes taken from the budgets for this stream
 
@@ -215,7 +215,7 @@ class StreamTable:
                 "stream_cancelled",
                 self.protocol,
                 stream_id=stream_id,
-                request_id=stream.exchange.record.request_id,
+                request_id=stream.exchange.request_id,
                 reason=reason,
             )
         self._ready = collections.deque(item for item in self._ready if item[0] is not stream)
@@ -248,7 +248,7 @@ class StreamTable:
     def request_id(self, stream_id: int) -> str | None:
         """The id of a stream's request, when known: every log line about a request names it."""
         stream = self._streams.get(stream_id)
-        return stream.exchange.record.request_id if stream is not None else None
+        return stream.exchange.request_id if stream is not None else None
 
     @property
     def queued(self) -> bool:
@@ -268,7 +268,7 @@ class StreamTable:
             "stream_state_error",
             self.protocol,
             stream_id=stream.id,
-            request_id=stream.exchange.record.request_id,
+            request_id=stream.exchange.request_id,
             detail=str(exc),
         )
         self.cancel(stream.id, "protocol_error")
@@ -358,7 +358,7 @@ class StreamTable:
                     self.protocol,
                     timer="body",
                     stream_id=stream.id,
-                    request_id=stream.exchange.record.request_id,
+                    request_id=stream.exchange.request_id,
                 )
                 self._decide(stream, decision)
                 continue

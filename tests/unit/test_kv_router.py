@@ -91,8 +91,8 @@ async def test_a_booking_tells_the_core_what_the_exchange_does(fake: Refusing) -
     booking.first_output(RECORD)
     booking.output(RECORD, 3)
     booking.output(RECORD, 6)  # 9 tokens: two blocks of 4
-    booking.release()
-    booking.release()
+    booking.complete(RECORD)
+    booking.complete(RECORD)
     assert fleet.workers[0].active == 0
     router.core.quiesce()
     assert fake.ops_for(sid) == [
@@ -124,19 +124,19 @@ async def test_dp_rank_pins_and_the_instance_pin(fake: Refusing) -> None:
         (INSTANCE_RANK_HEADER, b"0"),
     )
     for booking in (first, second):
-        booking.release()
+        booking.complete(RECORD)
     await router.aclose()
 
 
 async def test_only_admitted_workers_are_offered(fake: Refusing) -> None:
     router, fleet, _ = await kv_router(fake, f"url=http://a:1,{EV}", f"url=http://b:1,{EV}")
-    (await router.book(plan())).release()
+    (await router.book(plan())).complete(RECORD)
     assert fake.last_request.get("allowed_worker_ids") is None  # everyone: no filter
     fleet.set_admitted(fleet.workers[0], False)
     for _ in range(3):
         booking = await router.book(plan())
         assert booking.worker == "http://b:1"
-        booking.release()
+        booking.complete(RECORD)
     assert list(fake.last_request["allowed_worker_ids"]) == [fleet.workers[1].spec.worker_id]
     fleet.set_admitted(fleet.workers[1], False)
     with pytest.raises(NoWorker, match="health checks"):

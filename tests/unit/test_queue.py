@@ -48,6 +48,12 @@ def head(entry: QueueEntry) -> None:
     entry.response_head(RequestRecord("http1", 1, 0.0))
 
 
+def release(entry: QueueEntry, now: float) -> None:
+    record = RequestRecord("http1", 1, 0.0)
+    record.done_at = now
+    entry.complete(record)
+
+
 def output(entry: QueueEntry, now: float, ends_prefill: bool) -> None:
     record = RequestRecord("http1", 1, 0.0)
     record.first_output_at = now
@@ -202,10 +208,10 @@ def test_a_refused_request_never_enters_the_table() -> None:
     refused = admit(queue, tokens=5, expected=0)
     assert refused.decision is not None and refused.decision.rejected
     assert refused.phase == GONE
-    refused.release(1.0)  # harmless
+    release(refused, 1.0)  # harmless
     (snap,) = queue.table.snapshot()
     assert (snap.pending, snap.pending_tokens) == (1, 1000)
-    first.release(1.0)
+    release(first, 1.0)
     (snap,) = queue.table.snapshot()
     assert (snap.pending, snap.prefill, snap.decode) == (0, 0, 0)
 
@@ -248,9 +254,9 @@ def test_phases_move_and_leave() -> None:
     assert counts() == (0, 0, 1, 40, 0)
     output(entry, 0.5, True)
     assert counts() == (0, 0, 0, 0, 1)
-    entry.release(1.0)
+    release(entry, 1.0)
     assert counts() == (0, 0, 0, 0, 0)
-    entry.release(2.0)  # idempotent
+    release(entry, 2.0)  # idempotent
     output(entry, 2.0, True)  # too late: nothing moves
     assert counts() == (0, 0, 0, 0, 0)
 
@@ -265,7 +271,7 @@ def test_non_stream_head_moves_straight_to_decode_and_every_phase_can_leave() ->
     (snap,) = queue.table.snapshot()
     assert (snap.pending, snap.prefill, snap.decode) == (1, 1, 1)
     for entry in (whole, in_prefill, pending):
-        entry.release(2.0)
+        release(entry, 2.0)
     (snap,) = queue.table.snapshot()
     assert (snap.pending, snap.pending_tokens, snap.prefill, snap.prefill_tokens, snap.decode) == (
         0,
@@ -360,7 +366,7 @@ def run_one(queue: QueueAdmission, tokens: int, start: float, end: float) -> Non
     dispatch(entry, start)
     head(entry)
     output(entry, end, True)
-    entry.release(end)
+    release(entry, end)
 
 
 def test_initial_throughput_holds_until_enough_samples() -> None:
@@ -390,7 +396,7 @@ def test_concurrent_prefills_share_their_time() -> None:
             dispatch(entry, start)
         for i, entry in enumerate(entries):
             output(entry, start + 0.1 + i * 0.0001, True)
-            entry.release(start + 0.2)
+            release(entry, start + 0.2)
     tps = queue.table.input_tps("m")
     assert tps is not None and tps == pytest.approx(4000.0, rel=0.01)
 
@@ -404,7 +410,7 @@ def test_continuous_load_is_cut_into_samples() -> None:
         following = admit(queue, tokens=250)
         dispatch(following, i * 0.25 - 0.01)  # starts before the previous one ends
         output(previous, i * 0.25, True)
-        previous.release(i * 0.25)
+        release(previous, i * 0.25)
         previous = following
     assert queue.table.input_tps("m") == pytest.approx(1000.0, rel=0.01)
 
@@ -423,11 +429,11 @@ def test_failed_and_unsampled_requests_do_not_measure() -> None:
     for i in range(MIN_SAMPLES + 2):
         failed = admit(queue, tokens=100)
         dispatch(failed, float(i))
-        failed.release(i + 5.0)  # timed out, alone: its busy time is dropped
+        release(failed, i + 5.0)  # timed out, alone: its busy time is dropped
         whole = admit(queue, stream=False, tokens=100)  # not an event stream: not sampled
         dispatch(whole, float(i))
         output(whole, i + 0.001, True)
-        whole.release(i + 0.001)
+        release(whole, i + 0.001)
     assert queue.table.input_tps("m") is None
     for i in range(MIN_SAMPLES):
         run_one(queue, 100, 50.0 + i, 50.0 + i + 0.1)
@@ -440,7 +446,7 @@ def test_embeddings_measure_at_their_head() -> None:
         entry = queue.admit(request(tokens=50, target=b"/v1/embeddings"), 0, False)
         dispatch(entry, float(i))
         output(entry, i + 0.05, True)
-        entry.release(i + 0.05)
+        release(entry, i + 0.05)
     assert queue.table.input_tps("m") == pytest.approx(1000.0)
 
 
@@ -478,7 +484,7 @@ def test_entries_always_leave_and_counts_stay_sane(ops: list[Any], backend: str)
         elif kind == "first":
             output(entry, now, flag)
         else:
-            entry.release(now)
+            release(entry, now)
         (snap,) = queue.table.snapshot()
         assert min(snap.pending, snap.pending_tokens, snap.prefill, snap.prefill_tokens) >= 0
         assert snap.decode >= 0
@@ -486,7 +492,7 @@ def test_entries_always_leave_and_counts_stay_sane(ops: list[Any], backend: str)
         tps = queue.table.input_tps("m")
         assert tps is not None and tps > 0 and math.isfinite(tps)
     for entry in entries:
-        entry.release(now + 1)
+        release(entry, now + 1)
     (snap,) = queue.table.snapshot()
     assert (snap.pending, snap.pending_tokens, snap.prefill, snap.prefill_tokens, snap.decode) == (
         0,
@@ -544,7 +550,7 @@ def test_more_work_ahead_never_lowers_an_estimate(
         a is not None and b is not None and a >= b for a, b in zip(after, before, strict=True)
     )
     # ... and a refusal follows the same order: what is refused at a level is refused above it.
-    extra.release(1.0)
+    release(extra, 1.0)
     assert [queue.table.estimate_ms("m", level) for level in levels] == before
 
 

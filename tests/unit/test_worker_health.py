@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pylon.core.plan import ForwardPlan
 from pylon.core.priority import NO_WRITE
+from pylon.core.record import RequestRecord
 from pylon.core.target import UpstreamTarget
 from pylon.routing import NoWorker
 from pylon.routing.fleet import INSTANCE_PIN_HEADER, Fleet, Worker
@@ -23,6 +24,7 @@ from pylon.routing.spec import parse_worker_spec
 from pylon.upstream.probe import Fetched, FetchError
 from tests.observers import EventObserver
 
+RECORD = RequestRecord("http1", 1, 0.0)  # what the exchange hands its booking at its end
 PLAN = ForwardPlan("POST", "/v1/completions", (), b"{}", "r", "m", False, (), NO_WRITE)
 FRONTEND = UpstreamTarget.from_url("http://127.0.0.1:8000")
 
@@ -169,8 +171,8 @@ async def test_round_robin_cycles_the_admitted_and_refuses_when_none_is() -> Non
     fleet.set_admitted(fleet.workers[1], False)
     assert {(await router.book(PLAN)).worker for _ in range(4)} == {"http://a:1", "http://c:1"}
     for booking in bookings:
-        booking.release()
-        booking.release()  # a second release is a no-op
+        booking.complete(RECORD)
+        booking.complete(RECORD)  # a second release is a no-op
     assert fleet.workers[1].active == 0
 
 
@@ -180,10 +182,10 @@ async def test_least_loaded_picks_the_fewest_and_breaks_ties_in_turn() -> None:
     router = LeastLoadedRouter(fleet)
     first = [await router.book(PLAN) for _ in range(3)]  # all idle: in turn
     assert [b.worker for b in first] == ["http://a:1", "http://b:1", "http://c:1"]
-    first[1].release()
+    first[1].complete(RECORD)
     assert (await router.book(PLAN)).worker == "http://b:1"  # the only one with fewer
     for booking in first:
-        booking.release()
+        booking.complete(RECORD)
     # Now a=0, b=1, c=0, the cursor past b: c, then a, then all at 1: from the cursor, b.
     assert [(await router.book(PLAN)).worker for _ in range(3)] == [
         "http://c:1",
