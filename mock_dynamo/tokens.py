@@ -8,7 +8,7 @@ Two tokenizers, one interface (`prompts(endpoint, body) -> [[token id]]`, one li
   `add_generation_prompt=True`) and encodes the rendered chat without adding special tokens;
   a completion prompt gets the special tokens (tokenizer.json's post-processor, e.g. a BOS) in
   the vllm and sglang flavors, and none in the dynamo flavor (the Dynamo 1.6.1 frontend's
-  rule). See pylon/tokenize.py for the dialects.
+  rule). See pylon/tokenize/ (its package docstring) for the dialects.
 - `WordTokenizer`: no model dir. Each whitespace-separated word of the prompt text is one token,
   its id `zlib.crc32` of the word's UTF-8 bytes; chat and responses messages contribute their
   text content in order (roles are not tokens). Deterministic and dependency-free, and it agrees

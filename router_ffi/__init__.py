@@ -6,9 +6,12 @@ Dynamo: the native module is imported when a `SelectionCore` is built, and a mis
 
 - `SelectionCore` (service.py): the shared, thread-safe core. Catalog (`upsert_worker`,
   `remove_worker`, `workers`), `select_and_reserve` (-> `Reservation`), `loads`, `overlap`,
-  `shutdown`. All native calls run on one owner thread behind a `CallGate` (gate.py).
-- `Reservation`: one request's booking and all its per-request state: `prefill_complete()`,
-  `output_tokens(n)` / `output_block()`, `free()` (idempotent; a no-op after shutdown).
+  `shutdown`: the facade.
+- `Reservation` (service.py): one request's booking and all its per-request state:
+  `prefill_complete()`, `output_tokens(n)` / `output_block()`, `free()` (idempotent; a no-op
+  after shutdown).
+- owner.py: `NativeOwner`, the executor: all native calls run on its one owner thread behind a
+  `CallGate` (gate.py), a reservation's calls chained in order.
 - types.py: the frozen request/result values; errors.py: the one exception hierarchy.
 - validation.py: start-up checks (block size, unique u64 worker ids, dp size, KV endpoints).
 - hashing.py: `hash_prompt`, a prompt as a `HashedPrompt`; the hashing itself (Dynamo's block

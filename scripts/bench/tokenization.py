@@ -211,13 +211,13 @@ def main() -> None:
             timed(route_cost(vllm, COMPLETIONS_PATH, completions), n),
         )
 
-        from pylon.tokenize import _CHAT_DECODER  # the strict body read alone
+        from pylon.tokenize.shapes import CHAT_DECODER  # the strict body read alone
 
         body = cold[0]
         messages = [{"role": "user", "content": json.loads(body)["messages"][0]["content"]}]
         rendered = uncached.render_chat(messages)
         summary(
-            "  part: read the body (msgspec, strict)", timed(lambda: _CHAT_DECODER.decode(body), n)
+            "  part: read the body (msgspec, strict)", timed(lambda: CHAT_DECODER.decode(body), n)
         )
         summary(
             "  part: render the chat template", timed(lambda: uncached.render_chat(messages), n)

@@ -32,12 +32,6 @@ def admin_url(stack: Stack) -> str:
     return stack.running.admin_url
 
 
-def admin_address(stack: Stack) -> tuple[str, int]:
-    assert stack.running.listeners.admin_address is not None
-    host, port = stack.running.listeners.admin_address.rsplit(":", 1)
-    return host, int(port)
-
-
 def problem_of(raw: bytes) -> tuple[int, dict[str, str], dict[str, object]]:
     """(status, headers, JSON body) of one raw HTTP/1.1 answer."""
     head, _, body = raw.partition(b"\r\n\r\n")

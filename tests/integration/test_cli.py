@@ -131,40 +131,40 @@ def test_bad_values_exit_nonzero_with_one_line(
 
 def test_serve_with_no_upstream_runs_the_embedded_mock() -> None:
     """The README's run command, end to end: pylon serve, then a request through it."""
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [*PYLON, "serve", "--listen", "127.0.0.1:0"],
         stderr=subprocess.PIPE,
         text=True,
         env=clean_env(),
-    )
-    try:
-        assert proc.stderr is not None
-        lines: list[dict[str, object]] = []
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not any(e["event"] == "ready" for e in lines):
-            line = proc.stderr.readline()
-            assert line, "pylon exited before it was ready"
-            lines.append(json.loads(line))
-        events = {e["event"]: e for e in lines}
-        assert "embedded_mock_started" in events, "the log must say the upstream is a mock"
-        url = str(events["listening"]["url"])
-        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url)
-        reply = httpx.post(
-            f"{url}/v1/chat/completions",
-            timeout=10,
-            headers={"x-request-id": "readme-1", "x-model": "mock-model", "x-priority": "5"},
-            json={
-                "model": "mock-model",
-                "stream": True,
-                "max_tokens": 3,
-                "messages": [{"role": "user", "content": "hello"}],
-            },
-        )
-        assert reply.status_code == 200
-        assert reply.text.rstrip().endswith("data: [DONE]")
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=10) == 0
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            lines: list[dict[str, object]] = []
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not any(e["event"] == "ready" for e in lines):
+                line = proc.stderr.readline()
+                assert line, "pylon exited before it was ready"
+                lines.append(json.loads(line))
+            events = {e["event"]: e for e in lines}
+            assert "embedded_mock_started" in events, "the log must say the upstream is a mock"
+            url = str(events["listening"]["url"])
+            assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url)
+            reply = httpx.post(
+                f"{url}/v1/chat/completions",
+                timeout=10,
+                headers={"x-request-id": "readme-1", "x-model": "mock-model", "x-priority": "5"},
+                json={
+                    "model": "mock-model",
+                    "stream": True,
+                    "max_tokens": 3,
+                    "messages": [{"role": "user", "content": "hello"}],
+                },
+            )
+            assert reply.status_code == 200
+            assert reply.text.rstrip().endswith("data: [DONE]")
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=10) == 0
 
 
 # --- a configuration cannot silently do less than asked ------------------------------------------
@@ -300,7 +300,7 @@ def start_pylon(*args: str, env: dict[str, str] | None = None) -> subprocess.Pop
 def test_warnings_at_start_and_lifecycle_lines_at_warning_level() -> None:
     """Open listeners, a /v1 upstream path, a setting with no effect and a misspelled variable
     are warned about; the start and stop lines survive --log-level warning."""
-    proc = start_pylon(
+    with start_pylon(
         "--listen",
         "0.0.0.0:0",
         "--upstream",
@@ -310,15 +310,15 @@ def test_warnings_at_start_and_lifecycle_lines_at_warning_level() -> None:
         "--log-level",
         "warning",
         env={"PYLON_LISTN": "127.0.0.1:1"},
-    )
-    try:
-        lines = log_lines(proc, "listening")
-        proc.send_signal(signal.SIGTERM)
-        lines += log_lines(proc, "drained")
-        assert proc.wait(timeout=10) == 0
-    finally:
-        proc.kill()
-        proc.wait()
+    ) as proc:
+        try:
+            lines = log_lines(proc, "listening")
+            proc.send_signal(signal.SIGTERM)
+            lines += log_lines(proc, "drained")
+            assert proc.wait(timeout=10) == 0
+        finally:
+            proc.kill()
+            proc.wait()
     events = {line["event"]: line for line in lines}
     assert events["unknown_env_var"]["variable"] == "PYLON_LISTN"
     assert events["unknown_env_var"]["did_you_mean"] == "PYLON_LISTEN"
@@ -345,12 +345,12 @@ def test_a_tokenizer_is_loaded_at_start_and_what_it_cannot_do_is_said(
     (bare / "tokenizer.json").write_bytes(
         (tokenizer_models["chatml"] / "tokenizer.json").read_bytes()
     )
-    proc = start_pylon("--listen", "127.0.0.1:0", *KV_ROUTING, "--tokenizer", str(bare))
-    try:
-        lines = log_lines(proc, "listening")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with start_pylon("--listen", "127.0.0.1:0", *KV_ROUTING, "--tokenizer", str(bare)) as proc:
+        try:
+            lines = log_lines(proc, "listening")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
     events = [(line.get("event"), line.get("setting") or line.get("tokenizer")) for line in lines]
     assert ("tokenizer_without_chat_template", str(bare)) in events
 
@@ -367,12 +367,12 @@ def test_no_insecure_listener_warning_with_a_token_or_on_loopback(files: dict[st
         ],
         ["--listen", "127.0.0.1:0", "--quic-listen", "[::1]:0"],
     ):
-        proc = start_pylon(*(arg.format_map(files) for arg in args))
-        try:
-            lines = log_lines(proc, "listening_quic")
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+        with start_pylon(*(arg.format_map(files) for arg in args)) as proc:
+            try:
+                lines = log_lines(proc, "listening_quic")
+            finally:
+                proc.terminate()
+                proc.wait(timeout=10)
         assert "insecure_listener" not in {line["event"] for line in lines}, lines
 
 
@@ -423,68 +423,68 @@ def test_config_warns_about_misspelled_environment_variables() -> None:
 @pytest.fixture
 def slow_engine() -> Iterator[str]:
     """A mock_dynamo process that streams 2000 tokens, 50 ms apart: a request stays in flight."""
-    engine = subprocess.Popen(
+    with subprocess.Popen(
         [*ENGINE, "--port", "0", "--token-delay-ms", "50", "--num-tokens", "2000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-    )
-    try:
-        assert engine.stdout is not None
-        announced = engine.stdout.readline()
-        match = re.search(r"listening on (http://\S+)", announced)
-        assert match, announced
-        yield match.group(1)
-    finally:
-        engine.terminate()
-        engine.wait(timeout=10)
+    ) as engine:
+        try:
+            assert engine.stdout is not None
+            announced = engine.stdout.readline()
+            match = re.search(r"listening on (http://\S+)", announced)
+            assert match, announced
+            yield match.group(1)
+        finally:
+            engine.terminate()
+            engine.wait(timeout=10)
 
 
 def test_second_signal_during_the_drain_ends_it_at_once(slow_engine: str) -> None:
     """SIGTERM starts the drain (and pylon says what still runs); SIGINT then ends it at once,
     whatever the grace period, with status 128 + SIGINT."""
-    proc = start_pylon(
+    with start_pylon(
         "--listen", "127.0.0.1:0", "--upstream", slow_engine, "--shutdown-grace", "60"
-    )
-    try:
-        lines = log_lines(proc, "ready")  # listening, then ready: the engine passed its gate
-        listening = next(line for line in lines if line["event"] == "listening")
-        host, port = listening["address"].rsplit(":", 1)
-        body = json.dumps(
-            {
-                "model": "mock-model",
-                "stream": True,
-                "max_tokens": 2000,
-                "messages": [{"role": "user", "content": "hi"}],
-            }
-        ).encode()
-        with socket.create_connection((host, int(port)), timeout=10) as client:
-            client.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: long-1\r\n"
-                b"x-model: mock-model\r\ncontent-length: %d\r\n\r\n" % len(body) + body
-            )
-            received = b""
-            while b"data: {" not in received:  # the stream is flowing: in flight
-                chunk = client.recv(65536)
-                assert chunk, received
-                received += chunk
-            proc.send_signal(signal.SIGTERM)
-            draining = log_lines(proc, "draining")[-1]
-            assert (draining["http1"], draining["h2"], draining["h3"]) == (1, 0, 0)
-            assert 0 < draining["remaining_s"] <= 60
-            started = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            lines = log_lines(proc, "forced_stop")
-            assert proc.wait(timeout=10) == 128 + signal.SIGINT
-            assert time.monotonic() - started < 10  # not the 60 s grace, nor the 100 s stream
-            forced = lines[-1]
-            assert forced["level"] == "warning" and forced["signal"] == "SIGINT"
-            assert forced["http1"] == 1
-            while client.recv(65536):  # the request was ended: the connection closes
-                pass
-    finally:
-        proc.kill()
-        proc.wait()
+    ) as proc:
+        try:
+            lines = log_lines(proc, "ready")  # listening, then ready: the engine passed its gate
+            listening = next(line for line in lines if line["event"] == "listening")
+            host, port = listening["address"].rsplit(":", 1)
+            body = json.dumps(
+                {
+                    "model": "mock-model",
+                    "stream": True,
+                    "max_tokens": 2000,
+                    "messages": [{"role": "user", "content": "hi"}],
+                }
+            ).encode()
+            with socket.create_connection((host, int(port)), timeout=10) as client:
+                client.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: long-1\r\n"
+                    b"x-model: mock-model\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+                )
+                received = b""
+                while b"data: {" not in received:  # the stream is flowing: in flight
+                    chunk = client.recv(65536)
+                    assert chunk, received
+                    received += chunk
+                proc.send_signal(signal.SIGTERM)
+                draining = log_lines(proc, "draining")[-1]
+                assert (draining["http1"], draining["h2"], draining["h3"]) == (1, 0, 0)
+                assert 0 < draining["remaining_s"] <= 60
+                started = time.monotonic()
+                proc.send_signal(signal.SIGINT)
+                lines = log_lines(proc, "forced_stop")
+                assert proc.wait(timeout=10) == 128 + signal.SIGINT
+                assert time.monotonic() - started < 10  # not the 60 s grace, nor the 100 s stream
+                forced = lines[-1]
+                assert forced["level"] == "warning" and forced["signal"] == "SIGINT"
+                assert forced["http1"] == 1
+                while client.recv(65536):  # the request was ended: the connection closes
+                    pass
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_port_in_use_is_one_line() -> None:

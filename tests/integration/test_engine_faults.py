@@ -5,13 +5,15 @@ traceback, a hang, or bytes the engine was not asked for reaching the client."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
+from aioquic.h3.connection import ErrorCode
 
+from tests.h3client import request_headers
 from tests.integration.conftest import read_request
 from tests.stack import MODEL, NO_BRINGUP, PROTOCOLS, Stack, StackFactory
 
@@ -133,18 +135,34 @@ async def test_a_body_that_stalls_after_the_head_is_cut_on_the_gap_timeout(
     stalled = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"
     gap = 0.3
     stack, scripted = await stack_before(make_stack, engine, [stalled], output_gap_timeout=gap)
-    client = asyncio.create_task(stack.send(protocol, CHAT, headers("gap-1"), BODY))
+    client = asyncio.create_task(send_expecting_a_cut(stack, protocol, "gap-1"))
     try:
         # The client keeps waiting; pylon, not the client, gives up on the stalled engine, within
         # a few gap timeouts (and far before the client's own 10 s timeout).
         async with asyncio.timeout(10 * gap):
             while scripted.closed == 0:
                 await asyncio.sleep(0.01)
-        with contextlib.suppress(Exception):
-            reply = await asyncio.wait_for(client, 5)
-            assert len(reply.body) < 100, "a cut body was passed off as complete"
+        await asyncio.wait_for(client, 5)
     finally:
         client.cancel()
+
+
+async def send_expecting_a_cut(stack: Stack, protocol: str, request_id: str) -> None:
+    """One request whose response pylon cuts after the head: the client must be able to tell
+    (an HTTP/1.1 message short of its content-length, an HTTP/2 or HTTP/3 stream reset), so a
+    cut body is never passed off as complete."""
+    if protocol == "h3":
+        async with stack.connect() as client:
+            wire = request_headers("POST", CHAT, headers(request_id), BODY)
+            response = await client.send(wire, BODY).wait(10)
+        assert response.status == 200
+        assert len(response.body) < 100
+        assert response.reset_code == ErrorCode.H3_INTERNAL_ERROR, "the cut stream was not reset"
+        return
+    # httpx raises RemoteProtocolError for both an HTTP/1.1 body short of its content-length
+    # and an HTTP/2 RST_STREAM; a complete-looking reply would return instead.
+    with pytest.raises(httpx.RemoteProtocolError):
+        await stack.send(protocol, CHAT, headers(request_id), BODY)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

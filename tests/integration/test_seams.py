@@ -209,14 +209,17 @@ async def test_a_request_arriving_during_the_drain_gets_a_retryable_503(
         f"POST {CHAT} HTTP/1.1\r\nhost: x\r\nx-request-id: late-1\r\nx-model: {MODEL}\r\n"
         f"content-length: {len(body)}\r\n\r\n"
     ).encode()
-    writer.write(head[:20])  # the head has started when the drain begins
-    await writer.drain()
-    async with asyncio.timeout(5):
-        while stack.running.listeners.live.in_progress == 0:
-            await asyncio.sleep(0)  # pylon runs in this loop: let it read the bytes
-    stack.drain()
-    writer.write(head[20:] + body)
-    reply = await asyncio.wait_for(reader.read(), 5)
+    try:
+        writer.write(head[:20])  # the head has started when the drain begins
+        await writer.drain()
+        async with asyncio.timeout(5):
+            while stack.running.listeners.live.in_progress == 0:
+                await asyncio.sleep(0)  # pylon runs in this loop: let it read the bytes
+        stack.drain()
+        writer.write(head[20:] + body)
+        reply = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
     status_line, _, rest = reply.partition(b"\r\n")
     assert status_line == b"HTTP/1.1 503 Service Unavailable"
     assert b"x-stargate-retryable: true" in rest and b"connection: close" in rest

@@ -124,7 +124,17 @@ def test_the_canonical_text_round_trips(spec: WorkerSpec) -> None:
     assert 0 <= spec.worker_id <= U64_MAX
 
 
-@given(st.text(max_size=80))
+@st.composite
+def spliced_specs(draw: st.DrawFn) -> str:
+    """A valid spec's text with a few characters cut out or put in: near misses, and now and
+    then still a valid spec (random text alone never is one)."""
+    text = draw(specs()).text()
+    start = draw(st.integers(min_value=0, max_value=len(text)))
+    end = draw(st.integers(min_value=start, max_value=min(len(text), start + 3)))
+    return text[:start] + draw(st.text(max_size=3)) + text[end:]
+
+
+@given(st.text(max_size=80) | spliced_specs())
 def test_any_text_parses_or_is_one_clear_error(text: str) -> None:
     try:
         spec = parse_worker_spec(text)
