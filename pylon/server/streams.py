@@ -31,6 +31,7 @@ from pylon.core.intake import (
     IntakeError,
     Reject,
     RequestIntake,
+    admit,
 )
 from pylon.server.budget import BodyBudget
 from pylon.timers import Deadline
@@ -124,14 +125,15 @@ class StreamTable:
     def open(self, stream_id: int) -> Stream:
         """A new request stream; its head follows (`head` or `malformed`)."""
         now = self._loop.time()
-        intake = RequestIntake(self._admission, self._limits, now)
+        intake = RequestIntake(self._limits, now)
         stream = Stream(stream_id, intake, self._proxy.open(self.protocol, stream_id, now))
         self._streams[stream_id] = stream
         return stream
 
     def head(self, stream: Stream, head: RequestHead, ended: bool) -> None:
         try:
-            decision = stream.intake.receive_head(head, ended, self._loop.time())
+            admitted = admit(self._admission, head)
+            decision = stream.intake.receive_head(head, admitted, ended, self._loop.time())
         except IntakeError as exc:
             self._broken(stream, exc)
             return
