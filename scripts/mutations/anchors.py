@@ -29,8 +29,8 @@ from typing import ClassVar, TypeVar
 Splice = tuple[int, int, str]
 Found = TypeVar("Found")
 
+Table = ast.Dict | ast.Set | ast.Tuple | ast.List  # a table literal (see `DropEntry`)
 _EMPTY_LITERAL = {ast.Dict: "{}", ast.Set: "set()", ast.Tuple: "()", ast.List: "[]"}
-_Container = ast.Dict | ast.Set | ast.Tuple | ast.List
 
 
 class AnchorError(Exception):
@@ -312,31 +312,31 @@ class ReturnAtOnce(Edit):
         return start, start, f"return {self.value}".rstrip() + "\n" + indent
 
 
-def _table(source: Source, scope: ast.AST, edit: Edit) -> _Container:
-    """The literal a table assignment holds, directly or as the argument of `frozenset(...)`."""
-    value = scope.value if isinstance(scope, ast.Assign | ast.AnnAssign) else None
+def table_of(statement: ast.AST) -> Table | None:
+    """The literal an assignment binds, directly or as the one argument of a call
+    (`frozenset({...})`); None for any other statement."""
+    value = statement.value if isinstance(statement, ast.Assign | ast.AnnAssign) else None
     if isinstance(value, ast.Call) and len(value.args) == 1 and not value.keywords:
         value = value.args[0]
-    if not isinstance(value, _Container):
+    return value if isinstance(value, Table) else None
+
+
+def _table(source: Source, scope: ast.AST, edit: Edit) -> Table:
+    table = table_of(scope)
+    if table is None:
         raise AnchorError(
             f"{source.path}: `{edit.scope}` is not a table (a dict, set, tuple or list literal, "
             "or a call on one)"
         )
-    return value
+    return table
 
 
-def table_keys(table: _Container) -> list[ast.expr]:
+def table_keys(table: Table) -> list[ast.expr]:
     """What names each entry of a table: a dict's keys, or the elements of a set, tuple or
     list (of an element that is itself a tuple, its first item: `(prefix, reason)`)."""
     if isinstance(table, ast.Dict):
         return [k if k is not None else v for k, v in zip(table.keys, table.values, strict=True)]
     return [e.elts[0] if isinstance(e, ast.Tuple) and e.elts else e for e in table.elts]
-
-
-def table_literal(source: Source, scope: str) -> _Container:
-    """The literal of the module-level table `scope` in `source` (see `DropEntry`)."""
-    node = source.scope(scope)
-    return _table(source, node, EmptyTable(source.path, scope))
 
 
 @dataclass(frozen=True)
@@ -365,7 +365,7 @@ class DropEntry(Edit):
         return spans[index - 1][1], spans[index][1], ""  # the last: from the previous one's end
 
 
-def _entry_span(source: Source, table: _Container, index: int) -> tuple[int, int]:
+def _entry_span(source: Source, table: Table, index: int) -> tuple[int, int]:
     if isinstance(table, ast.Dict):
         key, value = table.keys[index], table.values[index]
         if key is None:  # `**other`

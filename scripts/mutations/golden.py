@@ -14,7 +14,9 @@ from mutations.anchors import (
     ReplaceExpr,
     ReplaceStatements,
     Source,
+    Table,
     table_keys,
+    table_of,
 )
 from mutations.spec import BODY, HEAD, PLAN, SANITIZE, Mutation
 
@@ -128,22 +130,19 @@ def table_entries() -> list[Mutation]:
     return out
 
 
-def _table(statement: ast.stmt) -> tuple[str, ast.Dict | ast.Set | ast.Tuple | ast.List] | None:
+def _table(statement: ast.stmt) -> tuple[str, Table] | None:
     """(name, literal) of a module-level table of constants, or None for any other statement."""
+    table = table_of(statement)
     if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
-        target, value = statement.targets[0], statement.value
-    elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
-        target, value = statement.target, statement.value
+        target = statement.targets[0]
+    elif isinstance(statement, ast.AnnAssign):
+        target = statement.target
     else:
         return None
-    if not isinstance(target, ast.Name) or not _TABLE_NAME.fullmatch(target.id):
-        return None
-    if isinstance(value, ast.Call) and len(value.args) == 1 and not value.keywords:
-        value = value.args[0]
-    if not isinstance(value, ast.Dict | ast.Set | ast.Tuple | ast.List):
+    if table is None or not isinstance(target, ast.Name) or not _TABLE_NAME.fullmatch(target.id):
         return None
     try:
-        ast.literal_eval(value)
+        ast.literal_eval(table)
     except ValueError:
         return None  # an entry is computed (`*sorted(...)`): not a table of names
-    return target.id, value
+    return target.id, table
