@@ -29,8 +29,11 @@ TEST_TIMEOUT_S = 900  # one pytest run of a mutant; a hung mutant counts as not 
 def build(mutation: Mutation) -> dict[str, str]:
     """The mutated text of each file the mutation edits (nothing is written); `AnchorError`
     when an edit no longer applies."""
-    paths = {edit.path for edit in mutation.all_edits}
-    originals = {path: Path(path).read_text(encoding="utf-8") for path in paths}
+    originals = {}
+    for edit in mutation.all_edits:
+        if not Path(edit.path).is_file():
+            raise AnchorError(f"{edit.path}: no such file (the edit of `{edit.scope}` is there)")
+        originals[edit.path] = Path(edit.path).read_text(encoding="utf-8")
     return apply_all(mutation.all_edits, originals)
 
 

@@ -356,11 +356,15 @@ def test_the_runner_reports_a_mutation_that_no_longer_applies(
     gone = Mutation("guard", "size check off", Never(PATH, "Guard.check", "size > 99"))
     broken = Mutation("guard", "unbalanced", ReplaceExpr(PATH, "build", "limit * 2", "limit *"))
     works = Mutation("guard", "flood check off", DropOperand(PATH, "Guard.check", "size > 10"))
-    found = runner.problems([gone, works, broken])
+    moved = Mutation("guard", "moved", Never("gone.py", "Guard.check", "size > 10"))
+    found = runner.problems([gone, works, broken, moved])
     assert found[0] == (
         "guard: size check off: does not apply: sample.py: in `Guard.check`: `if size > 99:` "
         "not found"
     )
     assert found[1].startswith("guard: unbalanced: the mutant does not compile")
-    assert len(found) == 2
+    assert found[2] == (
+        "guard: moved: does not apply: gone.py: no such file (the edit of `Guard.check` is there)"
+    )
+    assert len(found) == 3
     assert (tmp_path / PATH).read_text(encoding="utf-8") == SAMPLE  # nothing was written
