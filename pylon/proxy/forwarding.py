@@ -20,14 +20,13 @@ from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.queue import QueueAdmission
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
-from pylon.core.sanitize import sanitize_response_headers
+from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.observe import Observer
 from pylon.proxy.exchange import Exchange, Watchdog
 from pylon.proxy.relay import (
     AlreadyAnswered,
     ClientStalled,
     RelayLimits,
-    is_event_stream,
     relay_raw,
     relay_sse,
 )
@@ -159,14 +158,14 @@ class Proxy:
                     self._pool.finish(attempt)
                     attempt = None
                     fresh = True
-            headers = self._response_head(exchange, attempt)
-            if attempt.status == 200 and is_event_stream(attempt.headers, attempt.names):
-                await self._relay_events(exchange, headers)
+            head = self._response_head(exchange, attempt)
+            if head.event_stream and head.status == 200:
+                await self._relay_events(exchange, head.fields)
             else:
                 # The head of a whole response: prefill (and generation) is over. It measures the
                 # input throughput only where it ends a prefill: a successful non-stream request.
-                exchange.first_output(attempt.status == 200 and not plan.stream_requested)
-                await relay_raw(exchange, headers, self._relay)
+                exchange.first_output(head.status == 200 and not plan.stream_requested)
+                await relay_raw(exchange, head, self._relay)
         except AlreadyAnswered as cut:
             cut.error.request_id = plan.request_id
             exchange.failed(cut.error, cut.outcome, after_head=True)
@@ -196,17 +195,17 @@ class Proxy:
         send_problem(exchange.sink, error, None if busy else local_connect_failure(self._retry))
         exchange.failed(error, code.value, after_head=False)
 
-    def _response_head(self, exchange: Exchange, attempt: Attempt) -> list[Header]:
+    def _response_head(self, exchange: Exchange, attempt: Attempt) -> ResponseHead:
         """The engine's response head as the client gets it: stripped, the request's id echoed,
         and the retry marking of an error status."""
         status = attempt.status
-        headers = sanitize_response_headers(attempt.headers, self._retry_header, attempt.names)
-        headers += echo_request_id(exchange.request_id)
+        head = sanitize_response_head(status, attempt.headers, self._retry_header)
+        head.fields += echo_request_id(exchange.request_id)
         mark = classify_upstream_response(status, attempt.headers, self._retry, time.time())
         if mark is not None:
-            headers += mark.headers()
+            head.fields += mark.headers()
         exchange.response_head(status, mark)
-        return headers
+        return head
 
     async def _relay_events(self, exchange: Exchange, headers: list[Header]) -> None:
         exchange.sink.start(200, headers, None)

@@ -8,14 +8,13 @@ problem response before the head, a terminal SSE error event after it, or a cut 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
 
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError, openai_error
-from pylon.core.http import Header, field_names
+from pylon.core.sanitize import ResponseHead
 from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event, iter_events
 from pylon.core.usage import data_events
 from pylon.proxy.sink import ResponseSink
@@ -130,7 +129,7 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
     return failure
 
 
-async def relay_raw(exchange: Exchange, headers: list[Header], limits: RelayLimits) -> None:
+async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits) -> None:
     """Relay any other response of the exchange's attempt as it comes; a break after the head
     cuts the stream.
 
@@ -139,7 +138,7 @@ async def relay_raw(exchange: Exchange, headers: list[Header], limits: RelayLimi
     the body's end gives the record its token counts.
     """
     attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
-    sink.start(attempt.status, headers, content_length(attempt.headers, attempt.names))
+    sink.start(head.status, head.fields, head.content_length)
     gap = limits.output_gap_timeout
     previous = last = b""  # the last two pieces of the body: where a usage report is
     try:
@@ -177,24 +176,3 @@ def sse_error_payload(error: PylonError) -> bytes:
     """The terminal `event: error` data: the same OpenAI-style `error` member as a problem
     body's (`pylon.core.errors.openai_error`), so a client reads both the same way."""
     return orjson.dumps({"error": openai_error(error, error.request_id)})
-
-
-def is_event_stream(headers: Sequence[Header], names: Sequence[bytes] | None = None) -> bool:
-    """`names`: the names of `headers`, stripped and lower-cased (`Exchange.names`)."""
-    if names is None:
-        names = field_names(headers)
-    for index, name in enumerate(names):
-        if name == b"content-type":
-            return headers[index][1].lower().startswith(b"text/event-stream")
-    return False
-
-
-def content_length(headers: Sequence[Header], names: Sequence[bytes] | None = None) -> int | None:
-    """`names`: the names of `headers`, stripped and lower-cased (`Exchange.names`)."""
-    if names is None:
-        names = field_names(headers)
-    for index, name in enumerate(names):
-        if name == b"content-length":
-            value = headers[index][1]
-            return int(value) if value.strip().isdigit() else None
-    return None

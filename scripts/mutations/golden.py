@@ -93,13 +93,25 @@ NAMED = [
         Never(SANITIZE, "header_denied_reason", "name in HOP_BY_HOP"),
     ),
     *(
-        Mutation(_STRIP, label, DropOperand(SANITIZE, "sanitize_response_headers", operand))
+        Mutation(_STRIP, label, DropOperand(SANITIZE, "sanitize_response_head", operand))
         for label, operand in [
-            ("response: content-length", 'name == b"content-length"'),
             ("response: x-stargate-* prefix", "name.startswith(DENIED_RESPONSE_HEADER_PREFIXES)"),
             ("response: configured retry header", "name in extra_denied"),
             ("response: hop-by-hop", "name in HOP_BY_HOP"),
         ]
+    ),
+    Mutation(
+        _STRIP,
+        "response: content-length",
+        ReplaceStatements(
+            SANITIZE,
+            "sanitize_response_head",
+            """
+            length = int(value) if value.isdigit() else None
+            continue
+            """,
+            "length = int(value) if value.isdigit() else None",
+        ),
     ),
     Mutation(
         _STRIP,

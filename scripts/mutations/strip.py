@@ -3,7 +3,13 @@ covers every entry), pylon-owned request headers, and the engine's response head
 
 from __future__ import annotations
 
-from mutations.anchors import DropEntry, DropOperand, EmptyTable, Never, ReplaceExpr
+from mutations.anchors import (
+    DropEntry,
+    DropOperand,
+    EmptyTable,
+    Never,
+    ReplaceStatements,
+)
 from mutations.spec import (
     CONTRACT_EP_T,
     FORWARDING,
@@ -53,17 +59,20 @@ REQUEST_STRIP = [
     ),
 ]
 
-_RESPONSE_HEADERS = "sanitize_response_headers"
+_RESPONSE_HEADERS = "sanitize_response_head"
 
 RESPONSE_STRIP = [
     Mutation(
         "response headers",
         "engine headers relayed unsanitized",
-        ReplaceExpr(
+        ReplaceStatements(
             FORWARDING,
             "Proxy._response_head",
-            "sanitize_response_headers(attempt.headers, self._retry_header, attempt.names)",
-            "list(attempt.headers)",
+            "head = sanitize_response_head(status, attempt.headers, self._retry_header)",
+            """
+            head = sanitize_response_head(status, attempt.headers, self._retry_header)
+            head.fields = list(attempt.headers)
+            """,
         ),
         _RESPONSE,
     ),
