@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pylon.core.contract import TunnelRequest
+from pylon.core.contract import TraceContext, TunnelRequest
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
@@ -22,7 +22,7 @@ from pylon.core.queue import QueueAdmission
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.observe import Observer
-from pylon.proxy.exchange import Exchange, Watchdog
+from pylon.proxy.exchange import Exchange
 from pylon.proxy.relay import (
     AlreadyAnswered,
     ClientStalled,
@@ -31,7 +31,7 @@ from pylon.proxy.relay import (
     relay_sse,
 )
 from pylon.proxy.sink import echo_request_id, send_problem
-from pylon.routing import Booking, NoWorker, Router
+from pylon.routing import NoWorker, Router
 from pylon.tracing import ExchangeTracer
 from pylon.upstream import (
     Attempt,
@@ -80,7 +80,11 @@ class Proxy:
         try:
             plan = self._plan(exchange, request, body)
             booking = await self._router.book(plan)
-            await self._forward(exchange, self._route(exchange, request, plan, booking))
+            exchange.booked(booking)
+            # The span (when tracing) carries its own trace context to the engine.
+            trace = None if self._tracer is None else self._trace(exchange, request, plan)
+            plan = exchange.plan = plan.routed(booking.target, booking.headers, trace, booking.body)
+            await self._forward(exchange, plan)
         except PylonError as error:  # answered before any engine saw the request
             exchange.reject(exchange.sink, error)
         except NoWorker as exc:
@@ -99,9 +103,8 @@ class Proxy:
             exchange.planned(plan, None)
             return plan
         plan = self._planner.plan(request, body)
-        exchange.planned(plan, request.input_tokens)
         entry = self._queue.admit(request, len(plan.body), plan.stream_requested)
-        exchange.subscribe(entry)
+        exchange.planned(plan, request.input_tokens, entry)
         decision = entry.decision
         if decision is not None:
             exchange.queue_decided(decision)
@@ -109,19 +112,16 @@ class Proxy:
                 raise self._queue.refusal(decision, request.request_id)
         return plan
 
-    def _route(
-        self, exchange: Exchange, request: AdmittedRequest, plan: ForwardPlan, booking: Booking
-    ) -> ForwardPlan:
-        """`plan` bound for the booked worker, with the span's trace context when tracing."""
-        exchange.booked(booking)
-        trace = None
-        if self._tracer is not None and isinstance(request, TunnelRequest):
-            # The plan carries the span's trace context to the engine, not the client's.
-            span = self._tracer.start(request, plan, exchange)
-            exchange.subscribe(span)
-            trace = span.trace
-        routed = exchange.plan = plan.routed(booking.target, booking.headers, trace, booking.body)
-        return routed
+    def _trace(
+        self, exchange: Exchange, request: AdmittedRequest, plan: ForwardPlan
+    ) -> TraceContext | None:
+        """Start the exchange's span; the trace context the engine continues (None: the
+        client's own, for a health request)."""
+        if self._tracer is None or not isinstance(request, TunnelRequest):
+            return None
+        span = self._tracer.start(request, plan, exchange)
+        exchange.subscribe(span)
+        return span.trace
 
     async def _forward(self, exchange: Exchange, plan: ForwardPlan) -> None:
         """Attempt the plan, wait for the response head, relay the response.
@@ -130,11 +130,11 @@ class Proxy:
         response byte at all) gets a second attempt on a new connection: the engine never read
         the first. (One coroutine, not one per step: this runs for every request.)
         """
-        watchdog = exchange.watchdog = Watchdog(self._loop)
         attempt: Attempt | None = None
         try:
             if plan.stream_requested:
-                watchdog.arm_for(self._relay.first_output_timeout, "no response head in time")
+                timeout = self._relay.first_output_timeout
+                exchange.clock().arm_for(timeout, "no response head in time")
             fresh = False
             while True:
                 attempt = None if fresh else self._pool.send_idle(plan)
@@ -148,7 +148,6 @@ class Proxy:
                     exchange.retried(attempt)
                 else:
                     exchange.dispatched(attempt)
-                watchdog.attach(attempt)
                 try:
                     await attempt.head
                     break
@@ -182,7 +181,6 @@ class Proxy:
             send_problem(exchange.sink, error)
             exchange.failed(error, code.value, after_head=False)
         finally:
-            watchdog.cancel()
             if attempt is not None:
                 self._pool.finish(attempt)
 

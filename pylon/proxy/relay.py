@@ -77,7 +77,7 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
     decode accounting); counts the output on the way (also when the stream is cut short): the
     engine's usage when its last events carry one, else the data events relayed.
     """
-    attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
+    attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.clock()
     splitter = SseSplitter(limits.max_sse_event_bytes)
     watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
     counting = exchange.counts_output
@@ -137,7 +137,7 @@ async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits)
     stalls after its head cannot hold the request (and the client) forever. A usage report at
     the body's end gives the record its token counts.
     """
-    attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
+    attempt, sink = exchange.attempt, exchange.sink
     sink.start(head.status, head.fields, head.content_length)
     gap = limits.output_gap_timeout
     previous = last = b""  # the last two pieces of the body: where a usage report is
@@ -147,14 +147,15 @@ async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits)
                 # A small body that came with its head (the common case): no clock, no wait.
                 chunk = attempt.take()
             else:
-                watchdog.arm_for(gap, "the response body stopped arriving")
+                exchange.clock().arm_for(gap, "the response body stopped arriving")
                 chunk = await attempt.next_chunk()
             if chunk is None:
                 break
             sink.write(chunk)
             previous, last = last, chunk
             if sink.paused:
-                await drain_within(sink, watchdog, limits, "the response body stopped arriving")
+                reason = "the response body stopped arriving"
+                await drain_within(sink, exchange.clock(), limits, reason)
             if attempt.complete:
                 break  # the whole body is relayed (no need to ask for its end)
     except UpstreamTimeout as exc:
@@ -166,8 +167,7 @@ async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits)
         sink.abort()
         error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
         raise AlreadyAnswered("upstream_broken_mid_body", error) from None
-    watchdog.cancel()
-    sink.end()
+    sink.end()  # (the exchange's end stops its clock)
     if last:
         exchange.count_tokens(previous, last, None)
 

@@ -31,7 +31,6 @@ from pylon.core.intake import (
     IntakeError,
     Reject,
     RequestIntake,
-    admit,
 )
 from pylon.server.budget import BodyBudget
 from pylon.timers import Deadline
@@ -132,7 +131,10 @@ class StreamTable:
 
     def head(self, stream: Stream, head: RequestHead, ended: bool) -> None:
         try:
-            admitted = admit(self._admission, head)
+            try:  # (`pylon.core.intake.admit`, inlined: once per request)
+                admitted: AdmittedRequest | PylonError = self._admission.admit(head)
+            except PylonError as error:
+                admitted = error
             decision = stream.intake.receive_head(head, admitted, ended, self._loop.time())
         except IntakeError as exc:
             self._broken(stream, exc)

@@ -225,7 +225,15 @@ class UpstreamConnection(asyncio.Protocol):
         attempt, self.attempt = self.attempt, None
         if self._paused:
             self.resume_reading()
-        return attempt is not None and attempt.complete and self.keep_alive and not self.closed
+        # `attempt.complete`, inlined: once per request.
+        return (
+            attempt is not None
+            and attempt._done
+            and attempt._error is None
+            and not attempt._chunks
+            and self.keep_alive
+            and not self.closed
+        )
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
