@@ -50,10 +50,11 @@ class Exchange(RequestRecord):
         "_loop",
         "_observer",
         "_output",
-        "_watchdog",
         "attempt",
+        "counts_output",
         "plan",
         "sink",
+        "watchdog",
     )
     sink: ResponseSink
     plan: ForwardPlan
@@ -67,15 +68,29 @@ class Exchange(RequestRecord):
         observer: Observer,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        RequestRecord.__init__(self, transport, stream_id, head_at)  # (a super() call costs more)
+        # `RequestRecord.__init__`, inlined (once per request; a test holds the two equal).
+        self.transport = transport
+        self.stream_id = stream_id
+        self.head_at = head_at
+        self.dispatched_at = self.first_byte_at = self.first_output_at = self.done_at = None
+        self.attempts = 0
+        self.ends_prefill = False
+        self.request_id = self.model = self.worker = self.engine_priority = None
+        self.method = self.path = self.outcome = ""
+        self.status = 0
+        self.stripped = ()
+        self.input_tokens = self.output_tokens = None
+        self.input_tokens_source = self.output_tokens_source = ""
         self._observer = observer
         self._loop = loop
         # Per-request subscribers in the order they joined, and those that count output.
         # Tuples: most requests have one subscriber or two, and a tuple is built only then.
         self._hooks: tuple[ExchangeHooks, ...] = ()
         self._output: tuple[ExchangeHooks, ...] = ()
+        # Whether any subscriber hears `output` (else the relay does not count per block).
+        self.counts_output = False
         self._ended = False
-        self._watchdog: Watchdog | None = None
+        self.watchdog: Watchdog | None = None  # the engine-side clock, once made (`clock`)
 
     # --- the way in (the stream table) ---
     def admitted(self, request: AdmittedRequest) -> None:
@@ -127,6 +142,7 @@ class Exchange(RequestRecord):
         self._hooks += (hooks,)
         if counts_output:
             self._output += (hooks,)
+            self.counts_output = True
 
     def queue_decided(self, decision: QueueDecision) -> None:
         """The queue gate decided on a request that carried the gateway's expectation."""
@@ -172,11 +188,6 @@ class Exchange(RequestRecord):
             hook.first_output(self)
         self._observer.first_output(self)
 
-    @property
-    def counts_output(self) -> bool:
-        """Whether any subscriber wants `output` (else the relay does not count per block)."""
-        return bool(self._output)
-
     def output(self, count: int) -> None:
         """`count` more output events were relayed (from the first output on)."""
         for hook in self._output:
@@ -212,16 +223,18 @@ class Exchange(RequestRecord):
     def clock(self) -> Watchdog:
         """The engine-side clock (the first-output, gap and head timeouts), made when first
         needed: a small whole response that comes with its head never needs one."""
-        watchdog = self._watchdog
+        watchdog = self.watchdog
         if watchdog is None:
-            watchdog = self._watchdog = Watchdog(self)
+            watchdog = self.watchdog = Watchdog(self)
         return watchdog
 
     def complete(self) -> None:
         """The exchange is over, however it ended (`outcome` says how): its clock stops.
         Terminal; a second call, or one after `reject`, does nothing."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.cancel()
+            self.watchdog = None  # it refers back to the exchange: no cycle left for the GC
         if self._ended:
             return
         self._ended = True

@@ -18,7 +18,7 @@ from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import ForwardPlan, Planner
-from pylon.core.queue import QueueAdmission
+from pylon.core.queue import QueueAdmission, QueueDecision
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.observe import Observer
@@ -71,14 +71,18 @@ class Proxy:
     def observer(self) -> Observer:
         return self._observer
 
-    def open(self, transport: str, stream_id: int, now: float) -> Exchange:
-        """The exchange of a new request stream (its head arrived at `now`)."""
-        return Exchange(transport, stream_id, now, self._observer, self._loop)
-
     async def handle(self, exchange: Exchange, request: AdmittedRequest, body: bytes) -> None:
         """Carry an admitted request to the engine and the answer back."""
         try:
-            plan = self._plan(exchange, request, body)
+            if isinstance(request, TunnelRequest):
+                plan = self._planner.plan(request, body)
+                entry = self._queue.admit(request, len(plan.body), plan.stream_requested)
+                exchange.planned(plan, request.input_tokens, entry)
+                if entry.decision is not None:
+                    self._queue_gate(exchange, entry.decision, request)  # raises a refusal
+            else:
+                plan = self._planner.plan_health(request)
+                exchange.planned(plan, None)
             booking = await self._router.book(plan)
             exchange.booked(booking)
             # The span (when tracing) carries its own trace context to the engine.
@@ -96,21 +100,14 @@ class Proxy:
         finally:
             exchange.complete()  # a no-op after a rejection
 
-    def _plan(self, exchange: Exchange, request: AdmittedRequest, body: bytes) -> ForwardPlan:
-        """The plan, and for a tunnel request its queue entry (raises the queue gate's 429)."""
-        if not isinstance(request, TunnelRequest):
-            plan = self._planner.plan_health(request)
-            exchange.planned(plan, None)
-            return plan
-        plan = self._planner.plan(request, body)
-        entry = self._queue.admit(request, len(plan.body), plan.stream_requested)
-        exchange.planned(plan, request.input_tokens, entry)
-        decision = entry.decision
-        if decision is not None:
-            exchange.queue_decided(decision)
-            if decision.rejected:
-                raise self._queue.refusal(decision, request.request_id)
-        return plan
+    def _queue_gate(
+        self, exchange: Exchange, decision: QueueDecision, request: TunnelRequest
+    ) -> None:
+        """Tell the gate's decision on a request that carried the gateway's expectation; a
+        rejection raises its 429 (the queue entry never joined the table)."""
+        exchange.queue_decided(decision)
+        if decision.rejected:
+            raise self._queue.refusal(decision, request.request_id)
 
     def _trace(
         self, exchange: Exchange, request: AdmittedRequest, plan: ForwardPlan

@@ -77,7 +77,8 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
     decode accounting); counts the output on the way (also when the stream is cut short): the
     engine's usage when its last events carry one, else the data events relayed.
     """
-    attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.clock()
+    attempt, sink = exchange.attempt, exchange.sink
+    watchdog = exchange.watchdog or exchange.clock()  # made already when a stream was asked
     splitter = SseSplitter(limits.max_sse_event_bytes)
     watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
     counting = exchange.counts_output

@@ -342,8 +342,12 @@ class UpstreamConnection(asyncio.Protocol):
         if attempt._buffered > _HIGH_WATER:
             self.pause_reading()
         waiter = attempt._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            # Woken once: the other chunks of this read need not ask the future again (the
+            # consumer takes them all together when it runs).
+            attempt._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         attempt = self.attempt
