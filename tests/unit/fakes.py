@@ -223,6 +223,9 @@ class FakePool:
         self._clock = clock
         self._loop = loop
         self.idle: list[ScriptedEngine] = []  # what `send_idle` hands out, newest last
+        # Kept-alive connections another request hands over to `send` while it waits at the
+        # connection cap (as `UpstreamPool` does), `fresh` or not; first in, first out.
+        self.handed: list[ScriptedEngine] = []
         self.refusals: list[UpstreamConnectError] = []  # what `send` raises first, in order
         self.sends: list[bool] = []  # `fresh` of every `send`
         self.finished: list[tuple[Attempt, bool]] = []  # (attempt, its connection kept)
@@ -243,6 +246,10 @@ class FakePool:
         self.sends.append(fresh)
         if self.refusals:
             raise self.refusals.pop(0)
+        if self.handed:
+            engine = self.handed.pop(0)
+            engine.connection.reused = True
+            return self._begin(engine, plan)
         assert plan.upstream is not None, "a plan is routed before it is sent"
         return self._begin(ScriptedEngine(self._loop, plan.upstream), plan)
 

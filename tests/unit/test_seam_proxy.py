@@ -15,12 +15,13 @@ import json
 
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pylon.adapters import AdapterOptions, build_adapter
-from pylon.core.contract import TunnelRequest
+from pylon.core.contract import HEALTH_PATH, HealthRequest, parse_request
 from pylon.core.errors import ErrorCode
+from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import Planner
 from pylon.core.queue import GONE, QueueAdmission, QueuePolicy, QueueTable
 from pylon.core.retry import RETRY_AFTER_MS, RETRY_REASON, RETRYABLE, RetryPolicy
@@ -57,6 +58,9 @@ WHOLE = b'{"model":"m"}'
 # The exchange's own subscribers in the order they join (the queue gate, the booking, the
 # span), then the process's observer, which hears every moment last.
 EVERYONE = ("queue", "booking", "span", "observer")
+
+
+MOMENTS = ("dispatched", "response_head:200", "first_output", "complete:ok")
 
 
 def told(*moments: str) -> list[str]:
@@ -106,7 +110,7 @@ class Harness:
         self.sink = RecordingSink()
 
     def start(
-        self, body: bytes = STREAM, request: TunnelRequest | None = None
+        self, body: bytes = STREAM, request: AdmittedRequest | None = None
     ) -> tuple[Exchange, asyncio.Task[None]]:
         """What the stream table does with a dispatched request."""
         request = request or tunnel()
@@ -214,7 +218,26 @@ async def test_an_engine_error_status_is_relayed_with_its_retry_marking() -> Non
     assert h.sink.header(b"x-stargate-upstream-retryable") is None  # the engine's own: dropped
 
 
+async def test_a_health_request_has_no_queue_entry_and_no_span() -> None:
+    h = Harness()
+    health = parse_request(b"GET", HEALTH_PATH, [(b"host", b"gw")])
+    assert isinstance(health, HealthRequest)
+    exchange, task = h.start(b"", request=health)
+    engine = await h.pool.written()
+    engine.send(whole_response(200, b"ok"))
+    await task
+
+    assert engine.request.startswith(b"GET " + HEALTH_PATH + b" HTTP/1.1\r\n")
+    assert h.log.lines == [
+        "observer.admitted",
+        *[f"{who}.{moment}" for moment in MOMENTS for who in ("booking", "observer")],
+    ]
+    assert h.queue.entries == [] and h.tracer.started == [] and h.sink.body == b"ok"
+    assert (exchange.path, exchange.model, exchange.outcome) == ("/health", None, "ok")
+
+
 @settings(max_examples=40, deadline=None)
+@example(texts=["ab", "c"], cuts=set(range(1, 400)))  # a byte at a time
 @given(
     texts=st.lists(st.text(max_size=12), min_size=1, max_size=5),
     cuts=st.sets(st.integers(min_value=1, max_value=2000), max_size=30),
@@ -320,6 +343,9 @@ async def test_a_stale_connection_gets_a_second_attempt_of_the_same_dispatch() -
 async def test_a_second_stale_break_is_not_retried_again() -> None:
     h = Harness()
     h.pool.idle.append(ScriptedEngine(h.loop))
+    # At the connection cap the retry may get a kept-alive connection handed over: stale or
+    # not, a second break ends the exchange.
+    h.pool.handed.append(ScriptedEngine(h.loop))
     exchange, task = h.start()
     (await h.pool.written()).close()
     (await h.pool.written()).close()
