@@ -341,6 +341,13 @@ class RecordingSink:
         problem: dict[str, Any] = json.loads(self.body)
         return problem
 
+    def sse_error(self) -> dict[str, Any]:
+        """The `error` member of the terminal `event: error` a stream was ended with."""
+        last = self.writes[-1]
+        assert last.startswith(b"event: error\ndata: ") and last.endswith(b"\n\n"), last
+        error: dict[str, Any] = json.loads(last[len(b"event: error\ndata: ") : -2])["error"]
+        return error
+
 
 _sink: type[ResponseSink] = RecordingSink
 

@@ -11,7 +11,6 @@ limit; the first-output and gap timeouts; back-pressure both ways; and the raw r
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 
 import orjson
@@ -90,7 +89,7 @@ class Relay:
         self.exchange.response_head(status, None)
 
     async def sse(self) -> asyncio.Task[PylonError | None]:
-        """The event-stream relay, running (the head must have arrived)."""
+        """The engine's event-stream head arrives, and the relay runs."""
         await self.head()
         self.sink.start(200, [], None)  # as the proxy does before relaying events
         task = self.loop.create_task(relay_sse(self.exchange, self.limits))
@@ -104,17 +103,11 @@ class Relay:
     @property
     def outputs(self) -> list[int]:
         """The counts the output-counting subscriber was told, one per block."""
-        return [int(line[len("output(") : -1]) for line in self.log.of("counter")[3:]]
+        heard = self.log.of("counter")
+        return [int(line[len("output(") : -1]) for line in heard if line.startswith("output(")]
 
     def heard(self, moment: str) -> int:
         return self.log.of("counter").count(moment)
-
-
-def sse_error(sink: RecordingSink) -> dict[str, object]:
-    last = sink.writes[-1]
-    assert last.startswith(b"event: error\ndata: ") and last.endswith(b"\n\n"), last
-    error: dict[str, object] = json.loads(last[len(b"event: error\ndata: ") : -2])["error"]
-    return error
 
 
 def data_events_in(block: bytes) -> int:
@@ -266,7 +259,7 @@ async def test_an_event_over_the_limit_fails_the_stream_and_the_attempt(pieces: 
     failure = await task
 
     assert failure is not None and failure.code.value == "upstream_protocol_error"
-    error = sse_error(relay.sink)
+    error = relay.sink.sse_error()
     assert (
         error["message"]
         == f"an SSE event exceeded {LIMITS.max_sse_event_bytes} bytes without ending"
@@ -298,7 +291,7 @@ async def test_the_gap_timeout_moves_with_every_output_and_fires_once_it_is_over
     failure = await task
 
     assert failure is not None and failure.code.value == "upstream_timeout"
-    assert sse_error(relay.sink)["message"] == "gap between events too long"
+    assert relay.sink.sse_error()["message"] == "gap between events too long"
     assert relay.sink.body.startswith(delta("a") + delta("b") + delta("c"))
     assert relay.exchange.output_tokens == 3
 
@@ -312,7 +305,7 @@ async def test_comments_do_not_hold_off_the_first_output_timeout() -> None:
     relay.clock.advance(1)
     failure = await task
     assert failure is not None and failure.code.value == "upstream_timeout"
-    assert sse_error(relay.sink)["message"] == "no output before the first-output timeout"
+    assert relay.sink.sse_error()["message"] == "no output before the first-output timeout"
     assert relay.heard("first_output") == 0
 
 
@@ -332,7 +325,7 @@ async def test_a_stream_that_ends_wrong_ends_with_an_error_event(tail: bytes, me
     relay.engine.end()
     failure = await task
     assert failure is not None and failure.code.value == "upstream_protocol_error"
-    error = sse_error(relay.sink)
+    error = relay.sink.sse_error()
     assert (error["message"], error["request_id"]) == (message, "req-1")
 
 
@@ -344,7 +337,7 @@ async def test_an_engine_that_breaks_mid_stream_ends_it_with_an_error_event() ->
     relay.engine.close()
     failure = await task
     assert failure is not None and failure.code.value == "upstream_protocol_error"
-    assert sse_error(relay.sink)["message"] == "engine closed the connection mid-response"
+    assert relay.sink.sse_error()["message"] == "engine closed the connection mid-response"
     assert relay.sink.events[-1] == "end" and relay.exchange.output_tokens == 1
 
 

@@ -12,6 +12,7 @@ are taken as bytes arrive and given back on every path; the stall watcher answer
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -88,9 +89,11 @@ class Connection:
         self.proxy = FakeProxy(self.observer, self.clock)
         self.framing = FakeFraming()
         self.budget = budget or BodyBudget(10_000)
-        ingress = Ingress(self.proxy, ScriptedAdmission(), LIMITS, Lifecycle(), self.budget)  # type: ignore[arg-type]
+        proxy: Any = self.proxy  # what the table uses of a `Proxy`
+        ingress = Ingress(proxy, ScriptedAdmission(), LIMITS, Lifecycle(), self.budget)
+        loop_for_its_clock: Any = self.clock
         protocol = "http1" if serial else "h2"
-        self.table = StreamTable(protocol, self.framing, ingress, self.clock, serial=serial)  # type: ignore[arg-type]
+        self.table = StreamTable(protocol, self.framing, ingress, loop_for_its_clock, serial=serial)
 
     def head(
         self, stream_id: int, *extra: Header, length: int | None = None, ended: bool = False
@@ -112,7 +115,10 @@ async def test_head_data_and_end_feed_one_dispatch_into_one_proxy_task(ending: s
         c.table.data(1, b"cde", True)
     else:
         c.table.data(1, b"cde", False)
-        c.table.end(1) if ending == "end" else c.table.trailers(1, [(b"x-checksum", b"1")])
+        if ending == "end":
+            c.table.end(1)
+        else:
+            c.table.trailers(1, [(b"x-checksum", b"1")])
     handling = await c.proxy.handled()
 
     assert (handling.body, handling.request.request_id) == (b"abcde", "r-1")
@@ -285,7 +291,7 @@ async def test_a_framing_that_breaks_the_intakes_rules_cancels_the_stream() -> N
     c.table.data(1, b"more", False)  # data after the end: impossible from a sane framing
     await settle()
     assert handling.cancelled_with == "protocol_error"
-    assert [kind for kind in c.observer.kinds()] == ["stream_state_error", "stream_cancelled"]
+    assert c.observer.kinds() == ["stream_state_error", "stream_cancelled"]
 
 
 async def test_a_crashed_task_is_reported_and_its_stream_done() -> None:
