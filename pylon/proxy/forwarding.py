@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol
 
 from pylon.core.contract import TraceContext, TunnelRequest
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
@@ -43,13 +44,28 @@ from pylon.upstream import (
 )
 
 
+class AttemptPool(Protocol):
+    """What the proxy uses of the upstream pool (`pylon.upstream.UpstreamPool`): the loop its
+    attempts run on, and attempts written (on an idle connection, or on one it opens or waits
+    for) and finished. A seam, so the proxy can be driven without sockets."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def send_idle(self, plan: ForwardPlan) -> Attempt | None: ...
+
+    async def send(self, plan: ForwardPlan, *, fresh: bool = False) -> Attempt: ...
+
+    def finish(self, attempt: Attempt) -> None: ...
+
+
 class Proxy:
     def __init__(
         self,
         *,
         planner: Planner,
         router: Router,
-        pool: UpstreamPool,
+        pool: AttemptPool,
         observer: Observer,
         relay: RelayLimits,
         retry: RetryPolicy,
@@ -207,3 +223,6 @@ class Proxy:
         failure = await relay_sse(exchange, self._relay)
         if failure is not None:
             exchange.failed(failure, failure.code.value, after_head=True)
+
+
+_: type[AttemptPool] = UpstreamPool
