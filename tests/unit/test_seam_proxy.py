@@ -113,7 +113,7 @@ class Harness:
     ) -> tuple[Exchange, asyncio.Task[None]]:
         """What the stream table does with a dispatched request."""
         request = request or tunnel()
-        exchange = self.proxy.open("h2", 1, self.clock.time())
+        exchange = Exchange("h2", 1, self.clock.time(), self.observer, self.clock)  # type: ignore[arg-type]
         exchange.admitted(request)
         exchange.sink = self.sink
         return exchange, self.loop.create_task(self.proxy.handle(exchange, request, body))

@@ -22,7 +22,8 @@ from pylon.adapters import AdapterOptions, build_adapter
 from pylon.core.errors import PylonError
 from pylon.core.http import Header
 from pylon.core.plan import Planner
-from pylon.proxy.exchange import Exchange, Watchdog
+from pylon.core.sanitize import ResponseHead, sanitize_response_head
+from pylon.proxy.exchange import Exchange
 from pylon.proxy.relay import AlreadyAnswered, ClientStalled, RelayLimits, relay_raw, relay_sse
 from pylon.upstream import UpstreamBroken
 
@@ -79,9 +80,13 @@ class Relay:
         plan = Planner(ADAPTER).plan(request, b'{"model":"m","stream":true}').routed(TARGET)
         self.engine = ScriptedEngine(loop)
         attempt = self.engine.begin(plan)
-        exchange.watchdog = Watchdog(self.clock)  # type: ignore[arg-type]
-        exchange.watchdog.attach(attempt)
         exchange.dispatched(attempt)
+        exchange.clock()  # the engine-side clock, on the test's loop (the exchange's)
+
+    def response_head(self) -> ResponseHead:
+        """The engine's head as the proxy reads it (what `relay_raw` frames)."""
+        attempt = self.exchange.attempt
+        return sanitize_response_head(attempt.status, attempt.headers)
 
     async def head(self, status: int = 200, headers: Sequence[Header] = SSE_HEAD) -> None:
         self.engine.respond(status, headers)
@@ -386,7 +391,7 @@ async def test_a_whole_body_with_its_head_is_relayed_without_a_timer() -> None:
     relay.engine.send(whole_response(200, body))
     await relay.exchange.attempt.head
     relay.exchange.response_head(200, None)
-    await relay_raw(relay.exchange, [], LIMITS)
+    await relay_raw(relay.exchange, relay.response_head(), LIMITS)
 
     assert relay.sink.events == ["start", "write", "end"] and relay.sink.body == body
     assert relay.sink.content_length == len(body)
@@ -397,7 +402,7 @@ async def test_a_whole_body_with_its_head_is_relayed_without_a_timer() -> None:
 async def test_a_body_in_pieces_is_relayed_as_it_comes() -> None:
     relay = Relay()
     await relay.head(200, ((b"transfer-encoding", b"chunked"),))
-    task = relay.loop.create_task(relay_raw(relay.exchange, [], LIMITS))
+    task = relay.loop.create_task(relay_raw(relay.exchange, relay.response_head(), LIMITS))
     await settle()
     for piece in (b"[1,", b"2,", b"3]"):
         relay.clock.advance(LIMITS.output_gap_timeout - 0.1)  # each piece just in time
@@ -412,7 +417,7 @@ async def test_a_body_in_pieces_is_relayed_as_it_comes() -> None:
 async def test_a_body_that_stops_arriving_is_cut_as_an_upstream_timeout() -> None:
     relay = Relay()
     await relay.head(200, ((b"content-length", b"10"),))
-    task = relay.loop.create_task(relay_raw(relay.exchange, [], LIMITS))
+    task = relay.loop.create_task(relay_raw(relay.exchange, relay.response_head(), LIMITS))
     relay.engine.send(b"12345")
     await settle()
     relay.clock.advance(LIMITS.output_gap_timeout)
@@ -426,7 +431,7 @@ async def test_a_body_that_stops_arriving_is_cut_as_an_upstream_timeout() -> Non
 async def test_a_body_that_breaks_is_cut_as_broken_mid_body() -> None:
     relay = Relay()
     await relay.head(200, ((b"content-length", b"10"),))
-    task = relay.loop.create_task(relay_raw(relay.exchange, [], LIMITS))
+    task = relay.loop.create_task(relay_raw(relay.exchange, relay.response_head(), LIMITS))
     relay.engine.send(b"12345")
     await settle()
     relay.engine.close()
