@@ -44,10 +44,8 @@ from h2.exceptions import InvalidBodyLengthError, ProtocolError, StreamClosedErr
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
-from pylon.core.contract import check_header_block
-from pylon.core.errors import PylonError
 from pylon.core.flood import RateGuard
-from pylon.core.head import malformed, pseudo_head
+from pylon.core.head import malformed
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
 from pylon.lifecycle import Lifecycle
@@ -322,18 +320,9 @@ class Http2Connection(asyncio.Protocol):
             return
         self._timer.disarm()
         response = self._streams[sid] = H2Stream(self, sid)
-        stream = self._table.open(sid)
         ended = event.stream_ended is not None
         response.remote_ended = ended
-        fields = event.headers
-        try:
-            check_header_block(fields, self._limits.max_headers, self._limits.max_header_bytes)
-            head = pseudo_head(fields)
-        except PylonError as error:
-            self._table.malformed(sid, error, fields)
-            return
-        response.is_head = head.method == b"HEAD"
-        self._table.head(stream, head, ended)
+        self._table.header_block(sid, event.headers, ended)
 
     def _on_data(self, event: DataReceived) -> None:
         sid = event.stream_id
@@ -399,12 +388,17 @@ class Http2Connection(asyncio.Protocol):
 
     # --- Framing (used by the table) ---
     def response_sink(self, stream: Stream, request: AdmittedRequest) -> ResponseSink:
-        return self._streams.get(stream.id) or _closed_sink(self, stream.id)
+        return self._sink(stream)
 
     def reject_sink(self, stream: Stream) -> ResponseSink:
         # The response ends the stream; `_finish` then resets it with NO_ERROR if the client is
         # still sending (RFC 9113 8.1), so the rest of the body is never read.
-        return self._streams.get(stream.id) or _closed_sink(self, stream.id)
+        return self._sink(stream)
+
+    def _sink(self, stream: Stream) -> H2Stream:
+        response = self._streams.get(stream.id) or _closed_sink(self, stream.id)
+        response.is_head = stream.is_head
+        return response
 
     def stream_done(self, stream: Stream, crashed: bool) -> None:
         response = self._streams.get(stream.id)

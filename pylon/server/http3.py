@@ -30,10 +30,8 @@ from aioquic.quic.events import (
     QuicEvent,
 )
 
-from pylon.core.contract import check_header_block
 from pylon.core.errors import ContractError, LimitError, PylonError
 from pylon.core.errors import ErrorCode as PylonCode
-from pylon.core.head import pseudo_head
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
 from pylon.proxy import ResponseSink
@@ -170,16 +168,7 @@ class Http3Protocol(QuicConnectionProtocol):
         self._highest_stream = max(self._highest_stream, sid)
         if not event.stream_ended:
             self._receiving.add(sid)
-        stream = self._table.open(sid)
-        try:
-            check_header_block(
-                event.headers, self._limits.max_headers, self._limits.max_header_bytes
-            )
-            head = pseudo_head(event.headers)
-        except PylonError as error:
-            self._table.malformed(sid, error, event.headers)
-            return
-        self._table.head(stream, head, event.stream_ended)
+        self._table.header_block(sid, event.headers, event.stream_ended)
 
     def _on_rejected(self, event: MessageRejected) -> None:
         sid = event.stream_id
@@ -226,7 +215,7 @@ class Http3Protocol(QuicConnectionProtocol):
 
     # --- Framing (used by the table) ---
     def response_sink(self, stream: Stream, request: AdmittedRequest) -> ResponseSink:
-        responder = self._responders[stream.id] = H3Responder(self, stream.id)
+        responder = self._responders[stream.id] = H3Responder(self, stream.id, stream.is_head)
         return responder
 
     def reject_sink(self, stream: Stream) -> ResponseSink:
@@ -235,7 +224,7 @@ class Http3Protocol(QuicConnectionProtocol):
             # RFC 9114 4.1.1: answer without reading the rest; ask the client to stop sending.
             self._receiving.discard(sid)
             self._http.stop_receiving(sid, H3ErrorCode.H3_NO_ERROR)
-        return H3Responder(self, sid)
+        return H3Responder(self, sid, stream.is_head)
 
     def stream_done(self, stream: Stream, crashed: bool) -> None:
         responder = self._responders.pop(stream.id, None)
@@ -357,13 +346,15 @@ class H3Responder:
         "_queued",
         "_unsure",
         "closed",
+        "is_head",
         "sid",
         "waiter",
     )
 
-    def __init__(self, conn: Http3Protocol, sid: int) -> None:
+    def __init__(self, conn: Http3Protocol, sid: int, is_head: bool = False) -> None:
         self._conn = conn
         self.sid = sid
+        self.is_head = is_head  # the answer to a HEAD request: a head without content
         self._head: list[Header] | None = None
         self._parts: list[bytes] = []
         self._ended = False
@@ -390,7 +381,7 @@ class H3Responder:
         self._queue()
 
     def write(self, data: bytes) -> None:
-        if data and not self.closed:
+        if data and not self.closed and not self.is_head:
             self._parts.append(data)
             self._unsure += len(data)
             self._queue()

@@ -1,11 +1,12 @@
 """A connection's request streams, the same for every transport: intake, task, cancel, crash,
 stall watcher and the rapid-reset guard.
 
-A transport's framing reports what its protocol delivered (`head`, `data`, `trailers`, `end`,
-`malformed`, `cancel`), and says how to answer (`Framing`). The table runs each request's
-`RequestIntake`, starts one proxy task per dispatched request (HTTP/1.1 one at a time, in order),
-answers rejections with pylon's problem response, cancels tasks with a reason the proxy logs,
-reports crashes, and times out bodies that stop arriving. It holds no protocol state itself.
+A transport's framing reports what its protocol delivered (`header_block` for an HTTP/2 or
+HTTP/3 header block, `head` for a head it read itself, `data`, `trailers`, `end`, `malformed`,
+`cancel`), and says how to answer (`Framing`). The table runs each request's `RequestIntake`,
+starts one proxy task per dispatched request (HTTP/1.1 one at a time, in order), answers
+rejections with pylon's problem response, cancels tasks with a reason the proxy logs, reports
+crashes, and times out bodies that stop arriving. It holds no protocol state itself.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from pylon.core.contract import request_id_of
+from pylon.core.contract import check_header_block, request_id_of
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.flood import RateGuard
-from pylon.core.head import RequestHead
+from pylon.core.head import RequestHead, pseudo_head
 from pylon.core.http import Header
 from pylon.core.intake import (
     RECEIVING,
@@ -49,12 +50,13 @@ SHUTDOWN = "shutdown"
 class Stream:
     """One request on a connection, from its head to the end of its task."""
 
-    __slots__ = ("exchange", "held", "id", "intake", "task")
+    __slots__ = ("exchange", "held", "id", "intake", "is_head", "task")
 
     def __init__(self, stream_id: int, intake: RequestIntake, exchange: Exchange) -> None:
         self.id = stream_id
         self.intake = intake
         self.exchange = exchange  # the request's record and its way out
+        self.is_head = False  # a HEAD request: its response, pylon's own included, has no body
         self.task: asyncio.Task[None] | None = None
         self.held = 0  # request-body bytes taken from the budgets for this stream
 
@@ -130,7 +132,23 @@ class StreamTable:
         self._streams[stream_id] = stream
         return stream
 
+    def header_block(self, stream_id: int, fields: Sequence[Header], ended: bool) -> Stream:
+        """A new request's header block (HTTP/2, HTTP/3): open its stream, check the block
+        against the header limits, read its head from the pseudo-header fields and hand it on
+        (`head`); a block that breaks a rule makes the request `malformed`."""
+        stream = self.open(stream_id)
+        limits = self._limits
+        try:
+            check_header_block(fields, limits.max_headers, limits.max_header_bytes)
+            head = pseudo_head(fields)
+        except PylonError as error:
+            self.malformed(stream_id, error, fields)
+            return stream
+        self.head(stream, head, ended)
+        return stream
+
     def head(self, stream: Stream, head: RequestHead, ended: bool) -> None:
+        stream.is_head = head.method == b"HEAD"
         try:
             try:  # (`pylon.core.intake.admit`, inlined: once per request)
                 admitted: AdmittedRequest | PylonError = self._admission.admit(head)

@@ -52,35 +52,22 @@ HEADER_LIMITS = [
     ),
     Mutation(
         "header limits",
-        "HTTP/2 check_header_block call removed",
+        "HTTP/2 and HTTP/3 header block not checked (StreamTable.header_block)",
         ReplaceStatements(
-            HTTP2,
-            "Http2Connection._on_request",
-            "check_header_block(fields, self._limits.max_headers, self._limits.max_header_bytes)",
+            STREAMS,
+            "StreamTable.header_block",
+            "check_header_block(fields, limits.max_headers, limits.max_header_bytes)",
             "",
         ),
         {
             "h2": (
                 f"{SAME}::test_too_many_header_fields_is_431[h2]",
                 f"{H2L_T}::test_header_bytes_over_limit_is_431",
-            )
-        },
-    ),
-    Mutation(
-        "header limits",
-        "HTTP/3 check_header_block call removed",
-        ReplaceStatements(
-            HTTP3,
-            "Http3Protocol._on_head",
-            "check_header_block(event.headers, self._limits.max_headers,"
-            " self._limits.max_header_bytes)",
-            "",
-        ),
-        {
+            ),
             "h3": (
                 f"{SAME}::test_too_many_header_fields_is_431[h3]",
                 f"{H3ISO_T}::test_header_bytes_over_the_limit_is_431",
-            )
+            ),
         },
     ),
     Mutation(
