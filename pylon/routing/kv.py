@@ -6,7 +6,8 @@ KV-event endpoints (the core follows each engine's cache through them). Per requ
 
 1. the prompt's token ids: the injected `Tokenizer` renders `/v1/completions` prompts and
    `/v1/chat/completions` messages exactly as the engine does (`prompt_tokens(path, body)` on
-   the body pylon forwards: client steering fields already stripped);
+   the body pylon forwards: client steering fields already stripped), on the event loop for a
+   body of up to `INLINE_TOKENIZE_BYTES`, else in the router's tokenizer thread;
 2. `select_and_reserve` with a pylon-minted selection id, the admitted workers only
    (`allowed_worker_ids`, rebuilt when health changes the admitted set) and the cache salt from
    what pylon trusts (never the client: pylon strips every client `cache_salt`, `nvext.cache_salt`
@@ -63,9 +64,10 @@ INSTANCE_RANK_HEADER = b"x-dynamo-dp-rank"
 URL_RANK_HEADER = b"x-data-parallel-rank"
 POLICY = "kv"
 # Bodies up to this size are tokenized on the event loop; larger ones in the tokenizer thread
-# (see `KvRouter._prompt_tokens`). 4 KiB: about 1 ms of tokenizing for new text at most (cold
-# multilingual chat, ~0.25 ms per KiB), 0.1 ms for turns seen before, where the hop's own
-# 0.05-0.1 ms of loop time would save nothing (docs/benchmarks.md, "Loop hold with large prompts").
+# (see `KvRouter._prompt_tokens`). 4 KiB: there a prompt seen before (segment cache hits) costs
+# the loop about what the hop itself does (~0.08 ms), and a new one at most ~1 ms (~0.25 ms per
+# KiB of multilingual chat); at 16 KiB a new one held it ~4 ms (docs/benchmarks.md, "Loop hold
+# with large prompts").
 INLINE_TOKENIZE_BYTES = 4 * 1024
 # Select-and-reserve latency (seconds), as the event loop waits for it: ~0.12 ms typical.
 SELECT_SECONDS_BUCKETS = (
