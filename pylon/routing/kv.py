@@ -6,7 +6,8 @@ KV-event endpoints (the core follows each engine's cache through them). Per requ
 
 1. the prompt's token ids: the injected `Tokenizer` renders `/v1/completions` prompts and
    `/v1/chat/completions` messages exactly as the engine does (`prompt_tokens(path, body)` on
-   the body pylon forwards: client steering fields already stripped);
+   the body pylon forwards: client steering fields already stripped), on the event loop for a
+   body of up to `INLINE_TOKENIZE_BYTES`, else in the router's tokenizer thread;
 2. `select_and_reserve` with a pylon-minted selection id, the admitted workers only
    (`allowed_worker_ids`, rebuilt when health changes the admitted set) and the cache salt from
    what pylon trusts (never the client: pylon strips every client `cache_salt`, `nvext.cache_salt`
@@ -63,8 +64,11 @@ INSTANCE_RANK_HEADER = b"x-dynamo-dp-rank"
 URL_RANK_HEADER = b"x-data-parallel-rank"
 POLICY = "kv"
 # Bodies up to this size are tokenized on the event loop; larger ones in the tokenizer thread
-# (see `KvRouter._prompt_tokens`).
-INLINE_TOKENIZE_BYTES = 16 * 1024
+# (see `KvRouter._prompt_tokens`). 4 KiB: there a prompt seen before (segment cache hits) costs
+# the loop about what the hop itself does (~0.08 ms), and a new one at most ~1 ms (~0.25 ms per
+# KiB of multilingual chat); at 16 KiB a new one held it ~4 ms (docs/benchmarks.md, "Loop hold
+# with large prompts").
+INLINE_TOKENIZE_BYTES = 4 * 1024
 # Select-and-reserve latency (seconds), as the event loop waits for it: ~0.12 ms typical.
 SELECT_SECONDS_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0
@@ -181,9 +185,12 @@ class KvRouter:
     async def book(self, plan: ForwardPlan) -> Booking:
         if not self._fleet.admitted:
             raise no_worker(self._fleet)
-        tokens = await self._prompt_tokens(plan)
-        if tokens is None:
+        token_data = self.token_data
+        carry = token_data is not None and plan.model in token_data.proven
+        prompt = await self._prompt_tokens(plan, carry)
+        if prompt is None:
             return self._fallback.choose()
+        tokens, body = prompt
         core = self._core
         salt = self._salt(plan) if self._salt is not None else None
         request = self._select_request(
@@ -213,38 +220,50 @@ class KvRouter:
         ranks = self._rank_headers[wid]
         if ranks:
             headers = headers + ranks[reservation.selection.dp_rank]
-        body = None
-        token_data = self.token_data
-        if token_data is not None:
-            if plan.model in token_data.proven:
-                body = with_token_data(plan.body, tokens)
-            else:
-                token_data.want(plan.model)
+        if token_data is not None and not carry:
+            token_data.want(plan.model)
         return KvBooking(worker, reservation, headers, body)
 
-    async def _prompt_tokens(self, plan: ForwardPlan) -> list[int] | None:
-        """The prompt's token ids, or None to book least-loaded (nothing to route by).
+    async def _prompt_tokens(
+        self, plan: ForwardPlan, carry: bool
+    ) -> tuple[list[int], bytes | None] | None:
+        """The prompt's token ids and, with `carry` (`--kv-token-data`, a proven model), the
+        body carrying them; None to book least-loaded (nothing to route by).
 
-        A body of `INLINE_TOKENIZE_BYTES` or less is tokenized on the event loop (tens of
-        microseconds: a thread hop would cost more); a larger one in the router's tokenizer
-        thread, so that a 1 MiB prompt (milliseconds of rendering and encoding) never holds
-        the loop; the encode releases the GIL (see `pylon.tokenize`).
+        A body of `INLINE_TOKENIZE_BYTES` or less is tokenized on the event loop (at most about
+        a millisecond: a thread hop would cost a good part of it); a larger one in the router's
+        tokenizer thread, so that a 1 MiB prompt (a quarter of a second of rendering and
+        encoding) never holds the loop; the encode releases the GIL (see `pylon.tokenize`). The
+        token-data body is built in the same call: re-encoding a quarter of a million ids and
+        copying the body costs milliseconds too.
         """
         path = plan.target.partition("?")[0]
-        try:
-            if len(plan.body) <= INLINE_TOKENIZE_BYTES:
-                tokens = self._tokenizer.prompt_tokens(path, plan.body)
-            else:
-                tokens = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_thread, self._tokenizer.prompt_tokens, path, plan.body
-                )
-        except Exception as exc:  # the tokenizer's bug must not fail the request
-            self._failed("tokenize", f"{type(exc).__name__}")
+        if len(plan.body) <= INLINE_TOKENIZE_BYTES:
+            tokens, body = self._tokenize(path, plan.body, carry)
+        else:
+            tokens, body = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_thread, self._tokenize, path, plan.body, carry
+            )
+        if isinstance(tokens, Exception):  # the tokenizer's bug must not fail the request
+            self._failed("tokenize", f"{type(tokens).__name__}")
             return None
         if not tokens:
             self.fallbacks += 1
             return None
-        return tokens
+        return tokens, body
+
+    def _tokenize(
+        self, path: str, body: bytes, carry: bool
+    ) -> tuple[list[int] | Exception | None, bytes | None]:
+        """`_prompt_tokens`' work, on the loop or in the tokenizer thread: the ids (or the
+        tokenizer's exception) and, with `carry`, the body carrying them."""
+        try:
+            tokens = self._tokenizer.prompt_tokens(path, body)
+        except Exception as exc:
+            return exc, None
+        if carry and tokens:
+            return tokens, with_token_data(body, tokens)
+        return tokens, None
 
     def start(self) -> None:
         """Follow every worker's KV-event streams (in the running loop) until `aclose`."""

@@ -4,6 +4,9 @@ Default suite: a stand-in for Dynamo's native selection service (tests/router_ff
 behind router_ffi's real `SelectionCore`: the booking's calls follow the real exchange, and a
 mixed load leaves no reservation, booking or engine connection behind.
 
+A client that leaves while its large prompt is tokenized (in the router's tokenizer thread)
+leaves nothing booked and nothing released twice.
+
 `dynamo` marker: the real SelectionService, fed by the mocks' own KV events over ZMQ (the mocks
 bind 127.0.0.1 only): a prompt whose prefix one worker holds goes to that worker.
 """
@@ -11,6 +14,8 @@ bind 127.0.0.1 only): a prompt whose prefix one worker holds goes to that worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +23,8 @@ import pytest
 
 from mock_dynamo.tokens import WordTokenizer
 from pylon.routing.fleet import Fleet
-from tests.fleet import FleetFactory, mixed_load
+from pylon.routing.kv import INLINE_TOKENIZE_BYTES
+from tests.fleet import FleetFactory, WordPrompts, mixed_load
 from tests.router_ffi.fake_native import FakeNative
 from tests.stack import MODEL
 
@@ -87,6 +93,56 @@ async def test_no_reservation_leaks_under_a_mixed_load(
     selected = [op for op, _ in fake.calls if op == "select_and_reserve"]
     freed = [op for op, _ in fake.calls if op == "free_reservation"]
     assert len(selected) == len(freed) == sent
+
+
+class HeldWordPrompts(WordPrompts):
+    """`WordPrompts` that, for a body over the inline threshold (tokenized in the router's
+    thread), waits until the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def prompt_tokens(self, path: str, body: bytes) -> list[int] | None:
+        if len(body) > INLINE_TOKENIZE_BYTES:
+            self.started.set()
+            self.release.wait(5)
+        return super().prompt_tokens(path, body)
+
+
+async def test_a_client_that_leaves_while_its_large_prompt_is_tokenized_leaves_nothing_booked(
+    make_fleet: FleetFactory, fake: FakeNative
+) -> None:
+    tokenizer = HeldWordPrompts()
+    fleet = await make_fleet(workers=2, routing="kv", native=lambda: fake, tokenizer=tokenizer)
+    large = chat("word " * INLINE_TOKENIZE_BYTES)
+    left = asyncio.create_task(fleet.post(CHAT, large, {"x-request-id": "left"}))
+    assert await asyncio.to_thread(tokenizer.started.wait, 5)
+    left.cancel()  # the client closes its connection while the thread tokenizes
+    with contextlib.suppress(asyncio.CancelledError):
+        await left
+    await fleet.observer.wait_done(1)
+    assert fleet.observer.finished["left"].outcome == "client_disconnected"
+    tokenizer.release.set()  # the abandoned prompt's tokenization ends, unused
+    reply = await fleet.post(CHAT, large, {"x-request-id": "stayed"})
+    assert reply.status_code == 200
+    await fleet.observer.wait_done(2)
+    assert fleet.routing.kv is not None and fleet.routing.kv.core.quiesce()
+    (selected,) = {str(arg) for op, arg in fake.calls if op == "select_and_reserve"}
+    assert fake.ops_for(selected).count("free_reservation") == 1
+    assert [op for op, _ in fake.calls if op == "free_reservation"] == ["free_reservation"]
+    assert fake.reservations == {} and fleet.routing.fleet.active == 0
+    assert tokenizer.calls == 2
+    seen = [await fleet.inference_records(index) for index in range(2)]
+    ids = [
+        v
+        for records in seen
+        for r in records
+        for k, v in r["headers"]
+        if k.lower() == "x-request-id"
+    ]
+    assert ids == ["stayed"]  # no engine saw the request that left
 
 
 # --- KV-event streams: gaps and restarts ----------------------------------------------------

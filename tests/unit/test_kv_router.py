@@ -1,10 +1,13 @@
 """The `kv` router over router_ffi's `SelectionCore` and a stand-in native service (no Dynamo,
-no sockets): what a booking tells the core, the DP-rank pins, the admitted-worker filter, and
-every way a request is routed without KV or refused."""
+no sockets): what a booking tells the core, the DP-rank pins, the admitted-worker filter, every
+way a request is routed without KV or refused, and which prompts are tokenized off the loop."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -13,11 +16,18 @@ from pylon.core.plan import ForwardPlan
 from pylon.core.priority import NO_WRITE
 from pylon.core.record import RequestRecord
 from pylon.core.target import UpstreamTarget
-from pylon.routing import NoWorker
+from pylon.routing import NoWorker, kv
 from pylon.routing.build import KvOptions, build_kv_router
 from pylon.routing.fleet import INSTANCE_PIN_HEADER, Fleet
-from pylon.routing.kv import INSTANCE_RANK_HEADER, URL_RANK_HEADER, KvBooking, KvRouter
+from pylon.routing.kv import (
+    INLINE_TOKENIZE_BYTES,
+    INSTANCE_RANK_HEADER,
+    URL_RANK_HEADER,
+    KvBooking,
+    KvRouter,
+)
 from pylon.routing.spec import parse_worker_spec
+from pylon.routing.token_data import TokenDataProver
 from tests.observers import EventObserver
 from tests.router_ffi.fake_native import FakeNative, FakeSelectionError
 
@@ -180,4 +190,105 @@ async def test_what_the_core_refuses(
         booking = await router.book(plan())  # the core failed: least-loaded, and reported
         assert booking.worker == "http://a:1" and router.errors == 1
         assert events.of("kv_routing_failed")[0]["op"] == "select_and_reserve"
+    await router.aclose()
+
+
+# --- large prompts: off the loop -------------------------------------------------------------
+
+SMALL = b"s" * INLINE_TOKENIZE_BYTES  # the largest body tokenized on the loop
+LARGE = b"L" * (INLINE_TOKENIZE_BYTES + 1)
+
+
+class HeldPrompts(Prompts):
+    """`Prompts` that records the thread each prompt was tokenized on and, once `hold()` was
+    called, waits in the tokenizer until the test releases it (from the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+        self.started = threading.Event()
+        self.release: threading.Event | None = None
+        self.released_in_time: list[bool] = []
+
+    def hold(self) -> threading.Event:
+        self.started.clear()
+        self.release = threading.Event()
+        return self.release
+
+    def prompt_tokens(self, path: str, body: bytes) -> list[int] | None:
+        self.threads.append(threading.get_ident())
+        self.started.set()
+        if self.release is not None:
+            # On the loop, the test could never release it: the wait would run out.
+            self.released_in_time.append(self.release.wait(5))
+        return super().prompt_tokens(path, body)
+
+
+async def test_only_a_body_over_the_threshold_is_tokenized_off_the_loop(fake: Refusing) -> None:
+    tokenizer = HeldPrompts()
+    router, fleet, _ = await kv_router(fake, f"url=http://a:1,{EV}", tokenizer=tokenizer)
+    loop_thread = threading.get_ident()
+    for body in (SMALL, LARGE):
+        (await router.book(plan(body))).complete(RECORD)
+        assert fake.last_request["token_ids"] == list(body)
+    assert tokenizer.threads[0] == loop_thread
+    assert tokenizer.threads[1] != loop_thread
+    # And the loop runs while the large one is tokenized: only the loop can release it.
+    release = tokenizer.hold()
+    booking = asyncio.create_task(router.book(plan(LARGE)))
+    assert await asyncio.to_thread(tokenizer.started.wait, 5)
+    release.set()
+    (await booking).complete(RECORD)
+    assert tokenizer.released_in_time == [True]
+    assert fleet.active == 0 and router.errors == 0
+    await router.aclose()
+
+
+async def test_a_request_cancelled_while_its_prompt_is_tokenized_books_nothing(
+    fake: Refusing,
+) -> None:
+    tokenizer = HeldPrompts()
+    router, fleet, _ = await kv_router(fake, f"url=http://a:1,{EV}", tokenizer=tokenizer)
+    release = tokenizer.hold()
+    cancelled = asyncio.create_task(router.book(plan(LARGE)))
+    assert await asyncio.to_thread(tokenizer.started.wait, 5)
+    cancelled.cancel()  # the client left; the tokenizer thread is still at it
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    release.set()
+    # The next large prompt waits for the abandoned one on the one tokenizer thread.
+    booking = await router.book(plan(LARGE))
+    assert len(tokenizer.threads) == 2 and tokenizer.released_in_time == [True, True]
+    booking.complete(RECORD)
+    booking.complete(RECORD)
+    router.core.quiesce()
+    ops = [op for op, _ in fake.calls if op in ("select_and_reserve", "free_reservation")]
+    assert ops == ["select_and_reserve", "free_reservation"]  # the second request's alone
+    assert fake.reservations == {} and fleet.active == 0
+    assert fleet.workers[0].decisions == {"kv": 1}
+    await router.aclose()
+
+
+async def test_a_large_body_gets_its_token_data_off_the_loop(
+    fake: Refusing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router, fleet, events = await kv_router(fake, f"url=http://a:1,{EV}")
+    prover = TokenDataProver(Prompts(), fleet, events, timeout=1.0)
+    prover.proven.add("m")  # --kv-token-data, the plan's model proven
+    router.token_data = prover
+    threads: list[int] = []
+    original = kv.with_token_data
+
+    def recorded(body: bytes, token_ids: Sequence[int]) -> bytes | None:
+        threads.append(threading.get_ident())
+        return original(body, token_ids)
+
+    monkeypatch.setattr(kv, "with_token_data", recorded)
+    for size in (INLINE_TOKENIZE_BYTES, INLINE_TOKENIZE_BYTES + 1):
+        body = b'{"prompt":"' + b"x" * (size - 13) + b'"}'
+        booking = await router.book(plan(body))
+        assert isinstance(booking, KvBooking) and booking.body is not None
+        assert json.loads(booking.body)["nvext"]["token_data"] == list(body)
+        booking.complete(RECORD)
+    assert threads[0] == threading.get_ident() and threads[1] != threads[0]
     await router.aclose()
