@@ -144,18 +144,42 @@ _DEBUG_EVENTS = frozenset(
 )
 
 
-class LogObserver:
-    """The structlog implementation: one JSON line per event, the request id on every line."""
+class QuietMoments:
+    """The moments of an exchange an observer does not hear, each a no-op marked `quiet` (the
+    fan-out never calls them): an observer subclasses it and overrides what it hears."""
+
+    __slots__ = ()
+
+    @quiet
+    def admitted(self, record: RequestRecord) -> None:
+        return None
+
+    @quiet
+    def dispatched(self, record: RequestRecord) -> None:
+        return None
+
+    @quiet
+    def response_head(self, record: RequestRecord) -> None:
+        return None
+
+    @quiet
+    def first_output(self, record: RequestRecord) -> None:
+        return None
+
+    @quiet
+    def output(self, record: RequestRecord, count: int) -> None:
+        return None
+
+
+class LogObserver(QuietMoments):
+    """The structlog implementation: one JSON line per event, the request id on every line
+    (the moments before the end have none: the `request_done` line says it all)."""
 
     __slots__ = ("_lifecycle_log", "_log")
 
     def __init__(self) -> None:
         self._log = get_logger()
         self._lifecycle_log = get_lifecycle_logger()
-
-    @quiet
-    def admitted(self, record: RequestRecord) -> None:
-        return None  # the `request_done` line says it all; no line per admission
 
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         self._log.warning(
@@ -182,22 +206,6 @@ class LogObserver:
             estimate_ms=decision.estimate_ms,
             threshold_ms=decision.threshold_ms,
         )
-
-    @quiet
-    def dispatched(self, record: RequestRecord) -> None:
-        return None
-
-    @quiet
-    def response_head(self, record: RequestRecord) -> None:
-        return None
-
-    @quiet
-    def first_output(self, record: RequestRecord) -> None:
-        return None
-
-    @quiet
-    def output(self, record: RequestRecord, count: int) -> None:
-        return None
 
     def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
         if mark.retryable or record.status >= 500:

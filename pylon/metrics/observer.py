@@ -31,7 +31,7 @@ from pylon.metrics.catalogue import (
 )
 from pylon.metrics.counts import Counts, Histogram, ModelStats, new_histogram
 from pylon.metrics.exposition import metrics_registry
-from pylon.observe import Observer, quiet
+from pylon.observe import Observer, QuietMoments
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
@@ -44,7 +44,7 @@ _STRIPPED_CACHE_LIMIT = 1024  # stripped names whose label is remembered
 BATCH = 64  # requests counted together (see `MetricsObserver.flush`)
 
 
-class MetricsObserver:
+class MetricsObserver(QuietMoments):
     """The metrics `Observer`: counts every event, exposes them on `registry`.
 
     `backend`: the engine dialect (`--backend`), a label of the request metrics.
@@ -126,10 +126,6 @@ class MetricsObserver:
         self._markings[key] = self._markings.get(key, 0) + 1
 
     # --- the Observer events ---
-    @quiet
-    def admitted(self, record: RequestRecord) -> None:
-        return None
-
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         self._stats(record.model).count(error.status, record.transport)
         self._mark(error.code.value, error.code.retryable)
@@ -144,18 +140,6 @@ class MetricsObserver:
             self._priorities.append(value)
         if len(started) >= BATCH:
             self.flush()
-
-    @quiet
-    def response_head(self, record: RequestRecord) -> None:
-        return None
-
-    @quiet
-    def first_output(self, record: RequestRecord) -> None:
-        return None
-
-    @quiet
-    def output(self, record: RequestRecord, count: int) -> None:
-        return None
 
     def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
         self._mark(mark.reason, mark.retryable)
