@@ -52,6 +52,7 @@ from pylon.core.contract import TunnelRequest
 from pylon.core.errors import PylonError, QueueMismatchError
 from pylon.core.priority import PriorityAdapter
 from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.values import static_frozen
 
 BYTES_PER_TOKEN = 4  # body bytes per input token, when the gateway sent no x-input-tokens
 MIN_SAMPLES = 5  # samples before the measured throughput replaces the initial one
@@ -98,9 +99,9 @@ class QueuePolicy:
         return max(expected_ms + self.min_delta_ms, math.ceil(expected_ms * self.factor))
 
 
-# Slotted but not frozen: one is built per request that carries the header, and a frozen
-# dataclass's __init__ pays an object.__setattr__ per field. Nothing mutates a decision.
-@dataclass(slots=True)
+# One per request that carries the header: frozen for mypy, no run-time freeze (see
+# `pylon.core.values`).
+@static_frozen
 class QueueDecision:
     """One decision on a request that carried `x-stargate-expected-queue-ms`."""
 

@@ -8,10 +8,10 @@ rendered in docs/api-contract.md; `tests/unit/test_docs.py` keeps the two in ste
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pylon.core.http import Header, field_names
+from pylon.core.values import static_frozen
 
 _OWS = b" \t"
 
@@ -184,7 +184,7 @@ def _connection_tokens(headers: Sequence[Header]) -> frozenset[bytes]:
     return frozenset(tokens)
 
 
-@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
+@static_frozen  # one per request: no run-time freeze (see `pylon.core.values`)
 class SanitizedHeaders:
     headers: tuple[Header, ...]
     stripped: tuple[str, ...]  # client controls removed (pylon-owned and hop-by-hop excluded)
@@ -261,7 +261,7 @@ def sanitize_response_headers(
     return kept
 
 
-@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
+@static_frozen  # one per request: no run-time freeze (see `pylon.core.values`)
 class SanitizedBody:
     body: dict[str, Any]
     stripped: tuple[str, ...]  # dotted paths removed, e.g. "nvext.backend_instance_id"
