@@ -153,13 +153,13 @@ def _parse_tunnel(
     input_tokens, priority, routing_key, expected_queue_ms, trace = _parse_optional(
         headers, names, values
     )
-    # Positional, in field order: on Python 3.11 keywords to a class call build a dict.
+    # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
     return TunnelRequest(
         method.decode("ascii"),
         text,  # target
-        path,
-        request_id,
-        model,
+        path,  # path (the route)
+        request_id,  # request_id
+        model,  # model
         input_tokens,
         priority,
         routing_key,

@@ -140,8 +140,15 @@ def _finish(method: bytes, target: bytes, headers: list[Header], names: list[byt
             declared = value.lower()
             if declared and declared != b"identity":
                 coding = declared
+    # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
     return RequestHead(
-        method, target, headers, None if length is None else int(length), expects, coding, names
+        method,
+        target,
+        headers,
+        None if length is None else int(length),  # content_length
+        expects,  # expects_continue
+        coding,  # content_coding
+        names,
     )
 
 

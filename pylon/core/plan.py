@@ -66,11 +66,12 @@ class ForwardPlan:
         `body`: the router's own version of the body (with `nvext.token_data`); None keeps it.
         """
         own = self.headers if trace is None else with_trace(self.headers, trace)
+        # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
         return ForwardPlan(
             self.method,
             self.target,
-            own + headers if headers else own,
-            self.body if body is None else body,
+            own + headers if headers else own,  # headers
+            self.body if body is None else body,  # body
             self.request_id,
             self.model,
             self.stream_requested,
@@ -118,7 +119,7 @@ class Planner:
             headers.extend(trace_headers(request.trace))
         headers.extend(sanitized.headers)
         headers.extend(write.headers)
-        # Positional, in field order: on Python 3.11 keywords to a class call build a dict.
+        # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
         return ForwardPlan(
             request.method,
             request.target,

@@ -459,7 +459,7 @@ class QueueAdmission:
         expected = request.expected_queue_ms
         decision = None if expected is None else self._decide(request.model, queue, level, expected)
         sampled = stream or request.path in PREFILL_ONLY_PATHS
-        return QueueEntry(queue, level, tokens, sampled, decision)
+        return QueueEntry(queue, level, tokens, sampled, decision)  # level, tokens: both int
 
     def refusal(self, decision: QueueDecision, request_id: str | None) -> QueueMismatchError:
         """The answer to a rejected request (with the configured retry-after hint)."""
@@ -477,4 +477,6 @@ class QueueAdmission:
             result = Result.REJECTED
         else:
             result = Result.ACCEPTED
+        # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
+        # result, model, level, expected_ms, estimate_ms, threshold_ms
         return QueueDecision(result, model, level, expected, estimate, threshold)
