@@ -90,6 +90,13 @@ def _ignore(*_args: Any, **_fields: Any) -> None:
     return None
 
 
+# What an event of one argument (the record) that nobody hears is bound to: a C function, so
+# such an event costs a few instructions, not a Python frame. (The exchange emits five of them
+# per request; `id` only reads its argument and its result is dropped.)
+_ignore_record: Callable[[RequestRecord], object] = id
+_RECORD_EVENTS = frozenset({"admitted", "dispatched", "response_head", "first_output", "complete"})
+
+
 # Log levels of the connection- and process-level events; anything unlisted logs at info.
 _WARNING_EVENTS = frozenset(
     {
@@ -271,8 +278,8 @@ class Observers:
     first, then metrics, traces, ...). Each must be cheap and never raise, as for `Observer`.
 
     Built for the hot path: an event none of them handles (methods marked `quiet`) costs one
-    call to nothing, and an event only one of them handles goes straight to it (the instance
-    attribute shadows the fan-out method below).
+    call to nothing (a C one for the record events), and an event only one of them handles goes
+    straight to it (the instance attribute shadows the fan-out method below).
     """
 
     def __init__(self, *observers: Observer) -> None:
@@ -284,8 +291,11 @@ class Observers:
                 if not getattr(handler := getattr(observer, event), "quiet", False)
             )
             setattr(self, "_" + event, handlers)
-            if len(handlers) <= 1:
-                setattr(self, event, handlers[0] if handlers else _ignore)
+            if handlers:
+                if len(handlers) == 1:
+                    setattr(self, event, handlers[0])
+            else:
+                setattr(self, event, _ignore_record if event in _RECORD_EVENTS else _ignore)
 
     _admitted: tuple[Callable[[RequestRecord], None], ...]
     _queue_gate: tuple[Callable[[RequestRecord, QueueDecision], None], ...]

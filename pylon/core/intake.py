@@ -2,10 +2,12 @@
 
 A transport's framing turns bytes into a few inputs (a head, body pieces, trailers, the end, a
 reset, the clock) and feeds them to one `RequestIntake` per request. The intake applies the
-ingress limits, admission (contract, auth, lifecycle) and the stall clock, and answers each input
-with at most one decision: `Dispatch` (the whole request, ready for the proxy) or `Reject` (pylon
-answers with its own problem; the engine never sees the request). It does no I/O and never reads
-a clock: `now` is passed in, as in aioquic's and h2's cores.
+ingress limits and the stall clock to what admission decided about the head, and answers each
+input with at most one decision: `Dispatch` (the whole request, ready for the proxy) or `Reject`
+(pylon answers with its own problem; the engine never sees the request). It does no I/O and
+never reads a clock: `now` is passed in, as in aioquic's and h2's cores; admission (contract,
+tunnel auth, lifecycle, published models: it reads the lifecycle and the token file) is the
+caller's, which hands its outcome in with the head (`receive_head`).
 
 The state machine is a table, as in h11 and h2: a (state, input) pair that is not in
 `_TRANSITIONS` is a framing bug or a peer breaking its protocol, raises `IntakeError`, and leaves
@@ -52,9 +54,18 @@ class IngressLimits:
 
 
 class Admission(Protocol):
-    """Contract, authentication and lifecycle for a head; raises `PylonError` to refuse."""
+    """What the intake's caller runs on a head before handing it in: contract, tunnel auth,
+    lifecycle and published models; raises `PylonError` to refuse."""
 
     def admit(self, head: RequestHead) -> AdmittedRequest: ...
+
+
+def admit(admission: Admission, head: RequestHead) -> AdmittedRequest | PylonError:
+    """`admission`'s outcome for `head`, a refusal as a value (what `receive_head` takes)."""
+    try:
+        return admission.admit(head)
+    except PylonError as error:
+        return error
 
 
 # Decisions: one per request, frozen for mypy, no run-time freeze (see `pylon.core.values`).
@@ -140,10 +151,9 @@ def body_too_large(limit: int, request_id: str | None) -> LimitError:
 class RequestIntake:
     """One request from its head to a decision. See the module docstring for the states."""
 
-    __slots__ = ("_admission", "_body", "_limits", "_size", "progress", "request", "state")
+    __slots__ = ("_body", "_limits", "_size", "progress", "request", "state")
 
-    def __init__(self, admission: Admission, limits: IngressLimits, now: float) -> None:
-        self._admission = admission
+    def __init__(self, limits: IngressLimits, now: float) -> None:
         self._limits = limits
         self.state = AWAITING_HEAD
         self.request: AdmittedRequest | None = None
@@ -158,13 +168,15 @@ class RequestIntake:
         return self.request.request_id if self.request is not None else None
 
     # --- inputs ---
-    def receive_head(self, head: RequestHead, ended: bool, now: float) -> Decision:
+    def receive_head(
+        self, head: RequestHead, admitted: AdmittedRequest | PylonError, ended: bool, now: float
+    ) -> Decision:
+        """The head, and what admission made of it (the request, or its refusal)."""
         self._expect(_HEAD)
         self.progress = now
-        try:
-            self.request = self._admission.admit(head)
-        except PylonError as error:
-            return self._reject(error)
+        if isinstance(admitted, PylonError):
+            return self._reject(admitted)
+        self.request = admitted
         declared = head.content_length
         if declared is not None and declared > self._limits.max_body_bytes:
             return self._reject(body_too_large(self._limits.max_body_bytes, self.request_id))

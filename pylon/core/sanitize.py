@@ -8,6 +8,7 @@ rendered in docs/api-contract.md; `tests/unit/test_docs.py` keeps the two in ste
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pylon.core.http import Header, field_names
@@ -228,37 +229,74 @@ def _without_listed(headers: list[Header], listed: frozenset[bytes]) -> list[Hea
     return [(name, value) for name, value in headers if name.strip(_OWS).lower() not in listed]
 
 
-def sanitize_response_headers(
-    headers: Sequence[Header],
-    extra_denied: frozenset[bytes] = frozenset(),
-    names: Sequence[bytes] | None = None,
-) -> list[Header]:
+# Not `static_frozen` yet: `Proxy._response_head` (pylon/proxy/forwarding.py) appends to
+# `fields` with `head.fields += ...`, an assignment; with `.extend` it can be (issue 16).
+@dataclass(slots=True)  # not frozen: one per response (see `pylon.core.values`)
+class ResponseHead:
+    """The engine's response head as the client gets it, read in one pass (the one response
+    head normaliser: every transport's sink frames `fields` as they are)."""
+
+    status: int
+    # Kept fields: names lower case, values without surrounding whitespace, no hop-by-hop,
+    # framing, pylon-owned or engine-made retry field (pylon writes its own).
+    fields: list[Header]
+    content_length: int | None  # the engine's declared body length; None: none or invalid
+    event_stream: bool  # content-type text/event-stream
+
+
+def sanitize_response_head(
+    status: int, fields: Sequence[Header], extra_denied: frozenset[bytes] = frozenset()
+) -> ResponseHead:
     """Engine -> gateway: drop hop-by-hop, framing, any retry metadata the engine made up and
-    the headers pylon writes itself. `names`: the names of `headers` already stripped and
-    lower-cased (`pylon.core.http.field_names`)."""
+    the headers pylon writes itself, and read the length and the content type on the way.
+
+    `fields`: the engine's fields with names lower case and values trimmed, as the upstream
+    connection reads them (`pylon.upstream.connection`; `normalised_fields` for any other).
+    """
     kept: list[Header] = []
-    has_connection = False
-    if names is None:
-        names = field_names(headers)
-    for index, name in enumerate(names):
+    has_connection = typed = event_stream = False
+    length: int | None = None
+    for field in fields:
+        name = field[0]
         if name.find(b"_") >= 0:
             # Underscore twins (`x_stargate_retryable`): the gateway's stack may read `_` as `-`.
             name = name.replace(b"_", b"-")
-        if name == b"connection":
+        if name == b"content-length":
+            value = field[1]
+            length = int(value) if value.isdigit() else None
+            continue
+        if name == b"content-type":
+            if not typed:  # the first one says (a second is the engine's mistake)
+                typed = True
+                event_stream = field[1].lower().startswith(b"text/event-stream")
+        elif name == b"connection":
             has_connection = True
             continue
-        if (
+        elif (
             name in HOP_BY_HOP
-            or name == b"content-length"
             or name in extra_denied
             or name in PYLON_OWNED_RESPONSE_HEADERS
             or name.startswith(DENIED_RESPONSE_HEADER_PREFIXES)
         ):
             continue
-        kept.append(headers[index])
+        kept.append(field)
     if has_connection:
-        kept = _without_listed(kept, _connection_tokens(headers))
-    return kept
+        kept = _without_listed(kept, _connection_tokens(fields))
+    # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
+    return ResponseHead(status, kept, length, event_stream)
+
+
+def normalised_fields(headers: Sequence[Header]) -> list[Header]:
+    """`headers` as the upstream connection reads an engine's: names without surrounding
+    whitespace and lower case, values without surrounding whitespace."""
+    return [(name.strip(_OWS).lower(), value.strip(_OWS)) for name, value in headers]
+
+
+def sanitize_response_headers(
+    headers: Sequence[Header], extra_denied: frozenset[bytes] = frozenset()
+) -> list[Header]:
+    """`sanitize_response_head`'s kept fields, for fields of any spelling."""
+    return sanitize_response_head(0, normalised_fields(headers), extra_denied).fields
 
 
 @static_frozen  # one per request: no run-time freeze (see `pylon.core.values`)

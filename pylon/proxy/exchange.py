@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pylon.core.errors import PylonError
     from pylon.core.intake import AdmittedRequest
     from pylon.core.plan import ForwardPlan
-    from pylon.core.queue import QueueDecision
+    from pylon.core.queue import QueueDecision, QueueEntry
     from pylon.core.retry import RetryMark
     from pylon.observe import Observer
     from pylon.routing import Booking
@@ -41,7 +41,7 @@ class Exchange(RequestRecord):
 
     Set on the way, each before anything reads it (so none is optional): `sink`, where the
     response goes (when the intake decided); `plan`, what goes to the engine (the routed plan,
-    once booked); `attempt`, the current upstream attempt; `watchdog`, the engine-side clock.
+    once booked); `attempt`, the current upstream attempt. `clock()`: the engine-side clock.
     """
 
     __slots__ = (
@@ -51,6 +51,7 @@ class Exchange(RequestRecord):
         "_observer",
         "_output",
         "attempt",
+        "counts_output",
         "plan",
         "sink",
         "watchdog",
@@ -58,7 +59,6 @@ class Exchange(RequestRecord):
     sink: ResponseSink
     plan: ForwardPlan
     attempt: Attempt
-    watchdog: Watchdog
 
     def __init__(
         self,
@@ -68,14 +68,29 @@ class Exchange(RequestRecord):
         observer: Observer,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        super().__init__(transport, stream_id, head_at)
+        # `RequestRecord.__init__`, inlined (once per request; a test holds the two equal).
+        self.transport = transport
+        self.stream_id = stream_id
+        self.head_at = head_at
+        self.dispatched_at = self.first_byte_at = self.first_output_at = self.done_at = None
+        self.attempts = 0
+        self.ends_prefill = False
+        self.request_id = self.model = self.worker = self.engine_priority = None
+        self.method = self.path = self.outcome = ""
+        self.status = 0
+        self.stripped = ()
+        self.input_tokens = self.output_tokens = None
+        self.input_tokens_source = self.output_tokens_source = ""
         self._observer = observer
         self._loop = loop
         # Per-request subscribers in the order they joined, and those that count output.
         # Tuples: most requests have one subscriber or two, and a tuple is built only then.
         self._hooks: tuple[ExchangeHooks, ...] = ()
         self._output: tuple[ExchangeHooks, ...] = ()
+        # Whether any subscriber hears `output` (else the relay does not count per block).
+        self.counts_output = False
         self._ended = False
+        self.watchdog: Watchdog | None = None  # the engine-side clock, once made (`clock`)
 
     # --- the way in (the stream table) ---
     def admitted(self, request: AdmittedRequest) -> None:
@@ -109,20 +124,25 @@ class Exchange(RequestRecord):
         self._observer.rejected(self, error)
 
     # --- the way out (the proxy) ---
-    def planned(self, plan: ForwardPlan, gateway_input_tokens: int | None) -> None:
-        """The planner's plan: what was stripped, the engine priority pylon writes, and the
-        gateway's input-token count."""
+    def planned(
+        self, plan: ForwardPlan, gateway_input_tokens: int | None, entry: QueueEntry | None = None
+    ) -> None:
+        """The planner's plan: what was stripped, the engine priority pylon writes, the
+        gateway's input-token count; and the request's queue entry, which subscribes."""
         self.stripped = plan.stripped
         self.engine_priority = plan.priority.value
         if gateway_input_tokens is not None:
             self.input_tokens = gateway_input_tokens
             self.input_tokens_source = FROM_GATEWAY
+        if entry is not None:
+            self._hooks += (entry,)
 
     def subscribe(self, hooks: ExchangeHooks, counts_output: bool = False) -> None:
         """`hooks` hears every moment from now on; `counts_output`: `output` too."""
         self._hooks += (hooks,)
         if counts_output:
             self._output += (hooks,)
+            self.counts_output = True
 
     def queue_decided(self, decision: QueueDecision) -> None:
         """The queue gate decided on a request that carried the gateway's expectation."""
@@ -168,11 +188,6 @@ class Exchange(RequestRecord):
             hook.first_output(self)
         self._observer.first_output(self)
 
-    @property
-    def counts_output(self) -> bool:
-        """Whether any subscriber wants `output` (else the relay does not count per block)."""
-        return bool(self._output)
-
     def output(self, count: int) -> None:
         """`count` more output events were relayed (from the first output on)."""
         for hook in self._output:
@@ -205,9 +220,21 @@ class Exchange(RequestRecord):
         if events is not None:
             self.output_tokens, self.output_tokens_source = events, FROM_ESTIMATE
 
+    def clock(self) -> Watchdog:
+        """The engine-side clock (the first-output, gap and head timeouts), made when first
+        needed: a small whole response that comes with its head never needs one."""
+        watchdog = self.watchdog
+        if watchdog is None:
+            watchdog = self.watchdog = Watchdog(self)
+        return watchdog
+
     def complete(self) -> None:
-        """The exchange is over, however it ended (`outcome` says how). Terminal; a second
-        call, or one after `reject`, does nothing."""
+        """The exchange is over, however it ended (`outcome` says how): its clock stops.
+        Terminal; a second call, or one after `reject`, does nothing."""
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.cancel()
+            self.watchdog = None  # it refers back to the exchange: no cycle left for the GC
         if self._ended:
             return
         self._ended = True
@@ -222,25 +249,23 @@ class Exchange(RequestRecord):
 
 
 class Watchdog(Deadline):
-    """The engine-side clock of an exchange: when it expires, the attempt it watches fails with
-    the armed reason.
+    """The engine-side clock of an exchange: when it expires, the exchange's current attempt
+    fails with the armed reason (before any attempt, there is nothing to fail).
 
     Re-arming per event only stores a float (see `Deadline`), so the gap timeout is nearly free.
     """
 
-    __slots__ = ("_attempt", "_reason")
+    __slots__ = ("_exchange", "_reason")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop)
-        self._attempt: Attempt | None = None
+    def __init__(self, exchange: Exchange) -> None:
+        super().__init__(exchange._loop)
+        self._exchange = exchange
         self._reason = ""
 
-    def attach(self, attempt: Attempt) -> None:
-        self._attempt = attempt
-
     def expired(self) -> None:
-        if self._attempt is not None:
-            self._attempt.fail(UpstreamTimeout(self._reason))
+        attempt: Attempt | None = getattr(self._exchange, "attempt", None)  # unset: none yet
+        if attempt is not None:
+            attempt.fail(UpstreamTimeout(self._reason))
 
     def arm_for(self, seconds: float, reason: str) -> None:
         self._reason = reason

@@ -12,27 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol
 
-from pylon.core.contract import TunnelRequest
+from pylon.core.contract import TraceContext, TunnelRequest
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import ForwardPlan, Planner
-from pylon.core.queue import QueueAdmission
+from pylon.core.queue import QueueAdmission, QueueDecision
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
-from pylon.core.sanitize import sanitize_response_headers
+from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.observe import Observer
-from pylon.proxy.exchange import Exchange, Watchdog
+from pylon.proxy.exchange import Exchange
 from pylon.proxy.relay import (
     AlreadyAnswered,
     ClientStalled,
     RelayLimits,
-    is_event_stream,
     relay_raw,
     relay_sse,
 )
 from pylon.proxy.sink import echo_request_id, send_problem
-from pylon.routing import Booking, NoWorker, Router
+from pylon.routing import NoWorker, Router
 from pylon.tracing import ExchangeTracer
 from pylon.upstream import (
     Attempt,
@@ -44,13 +44,28 @@ from pylon.upstream import (
 )
 
 
+class AttemptPool(Protocol):
+    """What the proxy uses of the upstream pool (`pylon.upstream.UpstreamPool`): the loop its
+    attempts run on, and attempts written (on an idle connection, or on one it opens or waits
+    for) and finished. A seam, so the proxy can be driven without sockets."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def send_idle(self, plan: ForwardPlan) -> Attempt | None: ...
+
+    async def send(self, plan: ForwardPlan, *, fresh: bool = False) -> Attempt: ...
+
+    def finish(self, attempt: Attempt) -> None: ...
+
+
 class Proxy:
     def __init__(
         self,
         *,
         planner: Planner,
         router: Router,
-        pool: UpstreamPool,
+        pool: AttemptPool,
         observer: Observer,
         relay: RelayLimits,
         retry: RetryPolicy,
@@ -72,16 +87,24 @@ class Proxy:
     def observer(self) -> Observer:
         return self._observer
 
-    def open(self, transport: str, stream_id: int, now: float) -> Exchange:
-        """The exchange of a new request stream (its head arrived at `now`)."""
-        return Exchange(transport, stream_id, now, self._observer, self._loop)
-
     async def handle(self, exchange: Exchange, request: AdmittedRequest, body: bytes) -> None:
         """Carry an admitted request to the engine and the answer back."""
         try:
-            plan = self._plan(exchange, request, body)
+            if isinstance(request, TunnelRequest):
+                plan = self._planner.plan(request, body)
+                entry = self._queue.admit(request, len(plan.body), plan.stream_requested)
+                exchange.planned(plan, request.input_tokens, entry)
+                if entry.decision is not None:
+                    self._queue_gate(exchange, entry.decision, request)  # raises a refusal
+            else:
+                plan = self._planner.plan_health(request)
+                exchange.planned(plan, None)
             booking = await self._router.book(plan)
-            await self._forward(exchange, self._route(exchange, request, plan, booking))
+            exchange.booked(booking)
+            # The span (when tracing) carries its own trace context to the engine.
+            trace = None if self._tracer is None else self._trace(exchange, request, plan)
+            plan = exchange.plan = plan.routed(booking.target, booking.headers, trace, booking.body)
+            await self._forward(exchange, plan)
         except PylonError as error:  # answered before any engine saw the request
             exchange.reject(exchange.sink, error)
         except NoWorker as exc:
@@ -93,36 +116,25 @@ class Proxy:
         finally:
             exchange.complete()  # a no-op after a rejection
 
-    def _plan(self, exchange: Exchange, request: AdmittedRequest, body: bytes) -> ForwardPlan:
-        """The plan, and for a tunnel request its queue entry (raises the queue gate's 429)."""
-        if not isinstance(request, TunnelRequest):
-            plan = self._planner.plan_health(request)
-            exchange.planned(plan, None)
-            return plan
-        plan = self._planner.plan(request, body)
-        exchange.planned(plan, request.input_tokens)
-        entry = self._queue.admit(request, len(plan.body), plan.stream_requested)
-        exchange.subscribe(entry)
-        decision = entry.decision
-        if decision is not None:
-            exchange.queue_decided(decision)
-            if decision.rejected:
-                raise self._queue.refusal(decision, request.request_id)
-        return plan
+    def _queue_gate(
+        self, exchange: Exchange, decision: QueueDecision, request: TunnelRequest
+    ) -> None:
+        """Tell the gate's decision on a request that carried the gateway's expectation; a
+        rejection raises its 429 (the queue entry never joined the table)."""
+        exchange.queue_decided(decision)
+        if decision.rejected:
+            raise self._queue.refusal(decision, request.request_id)
 
-    def _route(
-        self, exchange: Exchange, request: AdmittedRequest, plan: ForwardPlan, booking: Booking
-    ) -> ForwardPlan:
-        """`plan` bound for the booked worker, with the span's trace context when tracing."""
-        exchange.booked(booking)
-        trace = None
-        if self._tracer is not None and isinstance(request, TunnelRequest):
-            # The plan carries the span's trace context to the engine, not the client's.
-            span = self._tracer.start(request, plan, exchange)
-            exchange.subscribe(span)
-            trace = span.trace
-        routed = exchange.plan = plan.routed(booking.target, booking.headers, trace, booking.body)
-        return routed
+    def _trace(
+        self, exchange: Exchange, request: AdmittedRequest, plan: ForwardPlan
+    ) -> TraceContext | None:
+        """Start the exchange's span; the trace context the engine continues (None: the
+        client's own, for a health request)."""
+        if self._tracer is None or not isinstance(request, TunnelRequest):
+            return None
+        span = self._tracer.start(request, plan, exchange)
+        exchange.subscribe(span)
+        return span.trace
 
     async def _forward(self, exchange: Exchange, plan: ForwardPlan) -> None:
         """Attempt the plan, wait for the response head, relay the response.
@@ -131,11 +143,11 @@ class Proxy:
         response byte at all) gets a second attempt on a new connection: the engine never read
         the first. (One coroutine, not one per step: this runs for every request.)
         """
-        watchdog = exchange.watchdog = Watchdog(self._loop)
         attempt: Attempt | None = None
         try:
             if plan.stream_requested:
-                watchdog.arm_for(self._relay.first_output_timeout, "no response head in time")
+                timeout = self._relay.first_output_timeout
+                exchange.clock().arm_for(timeout, "no response head in time")
             fresh = False
             while True:
                 attempt = None if fresh else self._pool.send_idle(plan)
@@ -149,7 +161,6 @@ class Proxy:
                     exchange.retried(attempt)
                 else:
                     exchange.dispatched(attempt)
-                watchdog.attach(attempt)
                 try:
                     await attempt.head
                     break
@@ -159,14 +170,14 @@ class Proxy:
                     self._pool.finish(attempt)
                     attempt = None
                     fresh = True
-            headers = self._response_head(exchange, attempt)
-            if attempt.status == 200 and is_event_stream(attempt.headers, attempt.names):
-                await self._relay_events(exchange, headers)
+            head = self._response_head(exchange, attempt)
+            if head.event_stream and head.status == 200:
+                await self._relay_events(exchange, head.fields)
             else:
                 # The head of a whole response: prefill (and generation) is over. It measures the
                 # input throughput only where it ends a prefill: a successful non-stream request.
-                exchange.first_output(attempt.status == 200 and not plan.stream_requested)
-                await relay_raw(exchange, headers, self._relay)
+                exchange.first_output(head.status == 200 and not plan.stream_requested)
+                await relay_raw(exchange, head, self._relay)
         except AlreadyAnswered as cut:
             cut.error.request_id = plan.request_id
             exchange.failed(cut.error, cut.outcome, after_head=True)
@@ -183,7 +194,6 @@ class Proxy:
             send_problem(exchange.sink, error)
             exchange.failed(error, code.value, after_head=False)
         finally:
-            watchdog.cancel()
             if attempt is not None:
                 self._pool.finish(attempt)
 
@@ -196,20 +206,23 @@ class Proxy:
         send_problem(exchange.sink, error, None if busy else local_connect_failure(self._retry))
         exchange.failed(error, code.value, after_head=False)
 
-    def _response_head(self, exchange: Exchange, attempt: Attempt) -> list[Header]:
+    def _response_head(self, exchange: Exchange, attempt: Attempt) -> ResponseHead:
         """The engine's response head as the client gets it: stripped, the request's id echoed,
         and the retry marking of an error status."""
         status = attempt.status
-        headers = sanitize_response_headers(attempt.headers, self._retry_header, attempt.names)
-        headers += echo_request_id(exchange.request_id)
+        head = sanitize_response_head(status, attempt.headers, self._retry_header)
+        head.fields += echo_request_id(exchange.request_id)
         mark = classify_upstream_response(status, attempt.headers, self._retry, time.time())
         if mark is not None:
-            headers += mark.headers()
+            head.fields += mark.headers()
         exchange.response_head(status, mark)
-        return headers
+        return head
 
     async def _relay_events(self, exchange: Exchange, headers: list[Header]) -> None:
         exchange.sink.start(200, headers, None)
         failure = await relay_sse(exchange, self._relay)
         if failure is not None:
             exchange.failed(failure, failure.code.value, after_head=True)
+
+
+_: type[AttemptPool] = UpstreamPool

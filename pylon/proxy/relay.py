@@ -8,14 +8,13 @@ problem response before the head, a terminal SSE error event after it, or a cut 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
 
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError, openai_error
-from pylon.core.http import Header, field_names
+from pylon.core.sanitize import ResponseHead
 from pylon.core.sse import SseEventTooLarge, SseSplitter, error_event, is_output_event, iter_events
 from pylon.core.usage import data_events
 from pylon.proxy.sink import ResponseSink
@@ -78,7 +77,8 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
     decode accounting); counts the output on the way (also when the stream is cut short): the
     engine's usage when its last events carry one, else the data events relayed.
     """
-    attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
+    attempt, sink = exchange.attempt, exchange.sink
+    watchdog = exchange.watchdog or exchange.clock()  # made already when a stream was asked
     splitter = SseSplitter(limits.max_sse_event_bytes)
     watchdog.arm_for(limits.first_output_timeout, "no output before the first-output timeout")
     counting = exchange.counts_output
@@ -130,7 +130,7 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
     return failure
 
 
-async def relay_raw(exchange: Exchange, headers: list[Header], limits: RelayLimits) -> None:
+async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits) -> None:
     """Relay any other response of the exchange's attempt as it comes; a break after the head
     cuts the stream.
 
@@ -138,8 +138,8 @@ async def relay_raw(exchange: Exchange, headers: list[Header], limits: RelayLimi
     stalls after its head cannot hold the request (and the client) forever. A usage report at
     the body's end gives the record its token counts.
     """
-    attempt, sink, watchdog = exchange.attempt, exchange.sink, exchange.watchdog
-    sink.start(attempt.status, headers, content_length(attempt.headers, attempt.names))
+    attempt, sink = exchange.attempt, exchange.sink
+    sink.start(head.status, head.fields, head.content_length)
     gap = limits.output_gap_timeout
     previous = last = b""  # the last two pieces of the body: where a usage report is
     try:
@@ -148,14 +148,15 @@ async def relay_raw(exchange: Exchange, headers: list[Header], limits: RelayLimi
                 # A small body that came with its head (the common case): no clock, no wait.
                 chunk = attempt.take()
             else:
-                watchdog.arm_for(gap, "the response body stopped arriving")
+                exchange.clock().arm_for(gap, "the response body stopped arriving")
                 chunk = await attempt.next_chunk()
             if chunk is None:
                 break
             sink.write(chunk)
             previous, last = last, chunk
             if sink.paused:
-                await drain_within(sink, watchdog, limits, "the response body stopped arriving")
+                reason = "the response body stopped arriving"
+                await drain_within(sink, exchange.clock(), limits, reason)
             if attempt.complete:
                 break  # the whole body is relayed (no need to ask for its end)
     except UpstreamTimeout as exc:
@@ -167,8 +168,7 @@ async def relay_raw(exchange: Exchange, headers: list[Header], limits: RelayLimi
         sink.abort()
         error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
         raise AlreadyAnswered("upstream_broken_mid_body", error) from None
-    watchdog.cancel()
-    sink.end()
+    sink.end()  # (the exchange's end stops its clock)
     if last:
         exchange.count_tokens(previous, last, None)
 
@@ -177,24 +177,3 @@ def sse_error_payload(error: PylonError) -> bytes:
     """The terminal `event: error` data: the same OpenAI-style `error` member as a problem
     body's (`pylon.core.errors.openai_error`), so a client reads both the same way."""
     return orjson.dumps({"error": openai_error(error, error.request_id)})
-
-
-def is_event_stream(headers: Sequence[Header], names: Sequence[bytes] | None = None) -> bool:
-    """`names`: the names of `headers`, stripped and lower-cased (`Exchange.names`)."""
-    if names is None:
-        names = field_names(headers)
-    for index, name in enumerate(names):
-        if name == b"content-type":
-            return headers[index][1].lower().startswith(b"text/event-stream")
-    return False
-
-
-def content_length(headers: Sequence[Header], names: Sequence[bytes] | None = None) -> int | None:
-    """`names`: the names of `headers`, stripped and lower-cased (`Exchange.names`)."""
-    if names is None:
-        names = field_names(headers)
-    for index, name in enumerate(names):
-        if name == b"content-length":
-            value = headers[index][1]
-            return int(value) if value.strip().isdigit() else None
-    return None

@@ -29,7 +29,13 @@ class ResponseSink(Protocol):
         ...
 
     def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
-        """Send the response head; `content_length` None means a streamed body."""
+        """Send the response head; `content_length` None means a streamed body.
+
+        `headers` are normalised by the sender, and framed as they are on every transport:
+        names lower case (HTTP/2 and HTTP/3 require it), values without surrounding
+        whitespace, no connection-specific or framing field (RFC 9113 8.2.2, RFC 9114 4.2).
+        The engine's head gets so in `pylon.core.sanitize.sanitize_response_head`; pylon's
+        own answers are built so."""
         ...
 
     def write(self, data: bytes) -> None: ...

@@ -418,7 +418,7 @@ class Http2Connection(asyncio.Protocol):
         self, stream: H2Stream, status: int, headers: Sequence[Header], length: int | None
     ) -> None:
         fields = [(b":status", str(status).encode("ascii"))]
-        fields += [(name.lower(), value) for name, value in headers]
+        fields += headers  # normalised by the sender (`pylon.proxy.sink.ResponseSink.start`)
         if length is not None:
             fields.append((b"content-length", str(length).encode("ascii")))
         try:

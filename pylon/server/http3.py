@@ -383,10 +383,7 @@ class H3Responder:
 
     def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
         head: list[Header] = [(b":status", str(status).encode("ascii"))]
-        for name, value in headers:
-            lowered = name.lower()  # HTTP/3 field names are lowercase, or the message is malformed
-            if lowered not in _CONNECTION_SPECIFIC:
-                head.append((lowered, value.strip(b" \t")))
+        head += headers  # normalised by the sender (`pylon.proxy.sink.ResponseSink.start`)
         if content_length is not None:
             head.append((b"content-length", str(content_length).encode("ascii")))
         self._head = head
@@ -453,12 +450,6 @@ class H3Responder:
         if ended:
             self.closed = True
             http.forget(self.sid)
-
-
-# RFC 9114 4.2: connection-specific fields must not appear in an HTTP/3 message.
-_CONNECTION_SPECIFIC = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
-)
 
 
 class Http3Server:

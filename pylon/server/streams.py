@@ -32,13 +32,13 @@ from pylon.core.intake import (
     Reject,
     RequestIntake,
 )
+from pylon.proxy.exchange import Exchange
 from pylon.server.budget import BodyBudget
 from pylon.timers import Deadline
 
 if TYPE_CHECKING:
     from pylon.lifecycle import Lifecycle
     from pylon.proxy import Proxy, ResponseSink
-    from pylon.proxy.exchange import Exchange
 
 # Why a request's task was cancelled; the proxy logs it as the request's outcome.
 CLIENT_RESET = "client_reset"
@@ -124,14 +124,19 @@ class StreamTable:
     def open(self, stream_id: int) -> Stream:
         """A new request stream; its head follows (`head` or `malformed`)."""
         now = self._loop.time()
-        intake = RequestIntake(self._admission, self._limits, now)
-        stream = Stream(stream_id, intake, self._proxy.open(self.protocol, stream_id, now))
+        intake = RequestIntake(self._limits, now)
+        exchange = Exchange(self.protocol, stream_id, now, self._observer, self._loop)
+        stream = Stream(stream_id, intake, exchange)
         self._streams[stream_id] = stream
         return stream
 
     def head(self, stream: Stream, head: RequestHead, ended: bool) -> None:
         try:
-            decision = stream.intake.receive_head(head, ended, self._loop.time())
+            try:  # (`pylon.core.intake.admit`, inlined: once per request)
+                admitted: AdmittedRequest | PylonError = self._admission.admit(head)
+            except PylonError as error:
+                admitted = error
+            decision = stream.intake.receive_head(head, admitted, ended, self._loop.time())
         except IntakeError as exc:
             self._broken(stream, exc)
             return

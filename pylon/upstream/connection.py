@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from pylon.core.http import Header, field_names
+from pylon.core.http import Header
 
 if TYPE_CHECKING:
     from pylon.core.plan import ForwardPlan
     from pylon.core.target import UpstreamTarget
 
+_OWS = b" \t"
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _HIGH_WATER = 256 * 1024  # buffered, unconsumed response bytes before we stop reading
 # The engine's response head (status line and fields), as Envoy bounds it (60 KiB): a larger one
@@ -73,7 +74,6 @@ class Attempt:
         "connection",
         "headers",
         "is_head",
-        "names",
         "status",
     )
 
@@ -81,9 +81,9 @@ class Attempt:
         self.connection = conn  # the connection it runs on
         self.is_head = is_head
         self.status = 0
+        # The response's fields as every reader compares them: names lower case, values without
+        # surrounding whitespace (`pylon.core.sanitize.sanitize_response_head` reads them so).
         self.headers: list[Header] = []
-        # The names of `headers`, lower-cased once (as they arrive) for every reader of them.
-        self.names: list[bytes] = []
         self._head_waiter: asyncio.Future[None] = conn.loop.create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -225,7 +225,15 @@ class UpstreamConnection(asyncio.Protocol):
         attempt, self.attempt = self.attempt, None
         if self._paused:
             self.resume_reading()
-        return attempt is not None and attempt.complete and self.keep_alive and not self.closed
+        # `attempt.complete`, inlined: once per request.
+        return (
+            attempt is not None
+            and attempt._done
+            and attempt._error is None
+            and not attempt._chunks
+            and self.keep_alive
+            and not self.closed
+        )
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -293,7 +301,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_bytes = 0
         if self.attempt is not None:
             self.attempt.headers = []
-            self.attempt.names = []
 
     def on_status(self, status: bytes) -> None:
         self._count_head(len(status))
@@ -305,9 +312,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._count_head(0)
         attempt = self.attempt
         if attempt is not None:
-            attempt.headers.append((name, value))
-            # llhttp refuses whitespace in a field name: lower-casing is the whole normalisation.
-            attempt.names.append(name.lower())
+            # llhttp refuses whitespace in a field name and drops a value's leading whitespace,
+            # not its trailing: lower-casing and `rstrip` are the whole normalisation.
+            attempt.headers.append((name.lower(), value.rstrip(_OWS)))
 
     def on_headers_complete(self) -> None:
         attempt = self.attempt
@@ -318,7 +325,7 @@ class UpstreamConnection(asyncio.Protocol):
             return  # an interim response; the real one follows
         attempt.status = status
         self.keep_alive = self._parser.should_keep_alive()
-        self._until_close = delimited_by_close(status, attempt.headers, attempt.names)
+        self._until_close = delimited_by_close(status, attempt.headers)
         attempt._head_complete()
         if attempt.is_head:
             # llhttp cannot be told the request was HEAD; the body it expects never comes.
@@ -335,8 +342,12 @@ class UpstreamConnection(asyncio.Protocol):
         if attempt._buffered > _HIGH_WATER:
             self.pause_reading()
         waiter = attempt._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            # Woken once: the other chunks of this read need not ask the future again (the
+            # consumer takes them all together when it runs).
+            attempt._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         attempt = self.attempt
@@ -373,18 +384,14 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.abort()
 
 
-def delimited_by_close(
-    status: int, headers: list[Header], names: Sequence[bytes] | None = None
-) -> bool:
+def delimited_by_close(status: int, fields: Sequence[Header]) -> bool:
     """RFC 9112 6.3: without Content-Length or chunked coding, the body runs to the close.
-    `names`: the names of `headers`, stripped and lower-cased (`field_names`)."""
+    `fields`: names lower case (as `Attempt.headers`)."""
     if status in (204, 304):
         return False
-    if names is None:
-        names = field_names(headers)
-    for index, name in enumerate(names):
+    for name, value in fields:
         if name == b"content-length" or (
-            name == b"transfer-encoding" and headers[index][1].lower().find(b"chunked") >= 0
+            name == b"transfer-encoding" and value.lower().find(b"chunked") >= 0
         ):
             return False
     return True

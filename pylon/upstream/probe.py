@@ -102,7 +102,7 @@ class _OneResponse(asyncio.Protocol):
         if self._head_bytes > MAX_RESPONSE_HEAD:
             self._fail("too_large", f"response head over {MAX_RESPONSE_HEAD} bytes")
             raise _Stop
-        self._headers.append((name, value))
+        self._headers.append((name.lower(), value))  # names as `delimited_by_close` reads them
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()

@@ -19,6 +19,8 @@ from pylon.core.contract import TunnelRequest, parse_request
 from pylon.core.errors import ClientError, ContractError, ErrorCode, PylonError
 from pylon.core.head import RequestHead
 from pylon.core.intake import (
+    Admission,
+    Decision,
     Dispatch,
     IngressLimits,
     Input,
@@ -26,6 +28,7 @@ from pylon.core.intake import (
     Reject,
     RequestIntake,
     State,
+    admit,
     allowed_transitions,
 )
 
@@ -60,13 +63,25 @@ class Admit:
         return request
 
 
+def receive_head(
+    intake: RequestIntake,
+    head: RequestHead,
+    *,
+    ended: bool,
+    now: float,
+    admission: Admission | None = None,
+) -> Decision:
+    """What the stream table does: admit the head, then hand the outcome to the intake."""
+    return intake.receive_head(head, admit(admission or Admit(), head), ended, now)
+
+
 def head(content_length: int | None = None) -> RequestHead:
     return RequestHead(b"POST", b"/v1/chat/completions", list(GOOD), content_length)
 
 
 def intake_in(state: State, now: float = 0.0) -> RequestIntake:
     """An intake driven into `state` through its public inputs only."""
-    intake = RequestIntake(Admit(), LIMITS, now)
+    intake = RequestIntake(LIMITS, now)
     if state is State.AWAITING_HEAD:
         return intake
     if state is State.REJECTED:
@@ -74,14 +89,14 @@ def intake_in(state: State, now: float = 0.0) -> RequestIntake:
     elif state is State.CLOSED:
         intake.reset()
     else:
-        intake.receive_head(head(), ended=state is State.DISPATCHED, now=now)
+        receive_head(intake, head(), ended=state is State.DISPATCHED, now=now)
     assert intake.state is state
     return intake
 
 
 def feed(intake: RequestIntake, event: Input, now: float = 1.0) -> object:
     if event is Input.HEAD:
-        return intake.receive_head(head(), ended=False, now=now)
+        return receive_head(intake, head(), ended=False, now=now)
     if event is Input.MALFORMED:
         return intake.receive_malformed(ContractError("bad"))
     if event is Input.DATA:
@@ -158,8 +173,8 @@ def test_every_state_and_input_ends_in_a_valid_state_or_a_typed_error(
 
 
 def test_a_whole_request_is_dispatched_with_its_body_in_order() -> None:
-    intake = RequestIntake(Admit(), LIMITS, 0.0)
-    assert intake.receive_head(head(), ended=False, now=0.0) is None
+    intake = RequestIntake(LIMITS, 0.0)
+    assert receive_head(intake, head(), ended=False, now=0.0) is None
     for piece in (b'{"a"', b":", b"1}"):
         assert intake.receive_data(piece, ended=False, now=1.0) is None
     decision = intake.receive_end(2.0)
@@ -169,28 +184,28 @@ def test_a_whole_request_is_dispatched_with_its_body_in_order() -> None:
 
 
 def test_a_head_that_ends_the_request_dispatches_at_once() -> None:
-    decision = RequestIntake(Admit(), LIMITS, 0.0).receive_head(head(), ended=True, now=0.0)
+    decision = receive_head(RequestIntake(LIMITS, 0.0), head(), ended=True, now=0.0)
     assert isinstance(decision, Dispatch) and decision.body == b""
 
 
 def test_admission_refusal_is_a_rejection_with_the_request_id() -> None:
     refusal = ClientError("no", code=ErrorCode.UNAUTHORIZED)
-    intake = RequestIntake(Admit(refuse=refusal), LIMITS, 0.0)
-    decision = intake.receive_head(head(), ended=False, now=0.0)
+    intake = RequestIntake(LIMITS, 0.0)
+    decision = receive_head(intake, head(), ended=False, now=0.0, admission=Admit(refusal))
     assert isinstance(decision, Reject) and decision.error.code is ErrorCode.UNAUTHORIZED
     assert intake.state is State.REJECTED
 
 
 def test_contract_errors_are_rejections() -> None:
     bad = RequestHead(b"POST", b"/v1/chat/completions", [(b"x-model", b"m")], None)
-    decision = RequestIntake(Admit(), LIMITS, 0.0).receive_head(bad, ended=True, now=0.0)
+    decision = receive_head(RequestIntake(LIMITS, 0.0), bad, ended=True, now=0.0)
     assert isinstance(decision, Reject)
     assert decision.error.code is ErrorCode.MISSING_REQUEST_ID
 
 
 def test_declared_length_over_the_limit_is_413_before_any_body() -> None:
-    intake = RequestIntake(Admit(), LIMITS, 0.0)
-    decision = intake.receive_head(head(content_length=101), ended=False, now=0.0)
+    intake = RequestIntake(LIMITS, 0.0)
+    decision = receive_head(intake, head(content_length=101), ended=False, now=0.0)
     assert isinstance(decision, Reject)
     assert decision.error.code is ErrorCode.BODY_TOO_LARGE
     assert decision.error.request_id == "r-1"
@@ -225,8 +240,8 @@ def test_trailers_over_the_limits_or_with_pseudo_headers_are_rejected() -> None:
 
 def test_cost_follows_bytes_not_pieces() -> None:
     """A body cut into one-byte pieces is held as one buffer, not a list of tiny objects."""
-    intake = RequestIntake(Admit(), LIMITS, 0.0)
-    intake.receive_head(head(), ended=False, now=0.0)
+    intake = RequestIntake(LIMITS, 0.0)
+    receive_head(intake, head(), ended=False, now=0.0)
     for _ in range(100):
         intake.receive_data(b"x", ended=False, now=0.0)
     decision = intake.receive_end(0.0)
@@ -237,8 +252,8 @@ def test_a_body_in_two_byte_pieces_costs_its_bytes_not_its_pieces() -> None:
     """Memory follows bytes: 131,072 separate 2-byte pieces are held in one growing buffer. (A
     list of the pieces would cost over 5x the body in references alone, ~70x in bytes objects.)"""
     limits = dataclasses.replace(LIMITS, max_body_bytes=1 << 20, max_connection_body_bytes=1 << 20)
-    intake = RequestIntake(Admit(), limits, 0.0)
-    intake.receive_head(head(), ended=False, now=0.0)
+    intake = RequestIntake(limits, 0.0)
+    receive_head(intake, head(), ended=False, now=0.0)
     pieces = [bytes([120, 120]) for _ in range(131_072)]  # distinct objects, made beforehand
     tracemalloc.start()
     try:
@@ -258,7 +273,7 @@ class IntakeMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.intake = RequestIntake(Admit(), LIMITS, 0.0)
+        self.intake = RequestIntake(LIMITS, 0.0)
         self.now = 0.0
         self.dispatched = 0
         self.body = b""
@@ -278,7 +293,7 @@ class IntakeMachine(RuleBasedStateMachine):
 
     @rule(ended=st.booleans(), declared=st.one_of(st.none(), st.integers(0, 200)))
     def receive_head(self, ended: bool, declared: int | None) -> None:
-        self._apply(lambda: self.intake.receive_head(head(declared), ended, self.now))
+        self._apply(lambda: receive_head(self.intake, head(declared), ended=ended, now=self.now))
 
     @rule(data=st.binary(max_size=40), ended=st.booleans())
     def receive_data(self, data: bytes, ended: bool) -> None:

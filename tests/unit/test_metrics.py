@@ -3,12 +3,17 @@ hand, read back through prometheus-client's own parser."""
 
 from __future__ import annotations
 
+import platform
+from importlib import metadata
+from pathlib import Path
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pylon.core.errors import ClientError, ErrorCode, UpstreamError
+from pylon.core.queue import QueueDecision, QueueSnapshot, Result
 from pylon.core.record import RequestRecord
 from pylon.core.retry import RetryMark
 from pylon.core.sanitize import (
@@ -20,6 +25,8 @@ from pylon.core.sanitize import (
     stripped_control_labels,
 )
 from pylon.metrics import MetricsObserver
+from pylon.routing.build import RoutingSnapshot
+from pylon.routing.fleet import WorkerView
 
 # --- stripped-control labels ---------------------------------------------------------------
 
@@ -188,3 +195,110 @@ def test_each_pylon_has_its_own_registry() -> None:
     forward(one, record("m"))
     assert "pylon_requests_total" in scrape(one)
     assert "pylon_requests_total" not in scrape(two)
+
+
+# --- the exposition, byte for byte ---------------------------------------------------------
+
+GOLDEN_EXPOSITION = Path(__file__).with_name("metrics_exposition.golden.txt")
+
+
+def answered(metrics: MetricsObserver, entry: RequestRecord, status: int, priority: int) -> None:
+    """An engine's answer: dispatched at +0.125 s, head and first output at +0.25 s, done at
+    +0.5 s (binary fractions, so the sums print exactly)."""
+    entry.dispatched_at, entry.engine_priority = entry.head_at + 0.125, priority
+    metrics.dispatched(entry)
+    entry.first_byte_at = entry.first_output_at = entry.head_at + 0.25
+    entry.status = status
+    metrics.response_head(entry)
+    metrics.first_output(entry)
+    entry.done_at = entry.head_at + 0.5
+    metrics.complete(entry)
+
+
+def feed_fixed_events(metrics: MetricsObserver) -> None:
+    """Every event the metrics count, in an order the proxy could send them, and a queue and a
+    routing snapshot: every family of `METRICS` gets a value."""
+    streamed = record("m", "h2")  # a stream: tokens, priority, stripped controls
+    streamed.stripped = ("x-dynamo-request-priority", "nvext.backend_instance_id")
+    streamed.input_tokens, streamed.input_tokens_source = 100, "usage"
+    streamed.output_tokens, streamed.output_tokens_source = 20, "estimate"
+    metrics.admitted(streamed)
+    streamed.dispatched_at, streamed.engine_priority = streamed.head_at + 0.125, 7
+    metrics.dispatched(streamed)
+    streamed.first_byte_at, streamed.status = streamed.head_at + 0.25, 200
+    metrics.response_head(streamed)
+    streamed.first_output_at = streamed.head_at + 1.5
+    metrics.first_output(streamed)
+    metrics.output(streamed, 19)
+    streamed.done_at = streamed.head_at + 3.0
+    metrics.complete(streamed)
+    unreachable = record("m")  # dispatched, never answered
+    unreachable.dispatched_at = unreachable.head_at + 0.25
+    metrics.dispatched(unreachable)
+    refused = UpstreamError("refused", code=ErrorCode.UPSTREAM_UNAVAILABLE)
+    metrics.upstream_failed(unreachable, refused, after_head=False)
+    unreachable.status, unreachable.done_at = 503, unreachable.head_at + 0.75
+    metrics.complete(unreachable)
+    cut = record("m", "h3")  # the engine broke off after its head
+    cut.input_tokens, cut.input_tokens_source = 3000, "gateway"
+    answered(metrics, cut, 200, 7)
+    broken = UpstreamError("cut", code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+    metrics.upstream_failed(cut, broken, after_head=True)
+    answered(metrics, record("beyond-the-limit", "h3"), 404, 7)
+    metrics.upstream_status(record("m"), RetryMark(False, "missing_upstream_retry_header"))
+    waiting = record("m", "h2")  # still at the engine at the scrape
+    waiting.dispatched_at, waiting.engine_priority = waiting.head_at + 0.125, 3600
+    metrics.dispatched(waiting)
+    nameless = record(None)
+    nameless.stripped = ("x_dynamo_anything",)
+    metrics.rejected(nameless, ClientError("no model", code=ErrorCode.MISSING_MODEL))
+    accepted = QueueDecision(Result.ACCEPTED, "m", 7, 100, 80, 125)
+    metrics.queue_gate(record("m"), accepted)
+    metrics.queue_gate(record("m"), accepted)
+    metrics.queue_gate(record("m"), QueueDecision(Result.UNKNOWN_ESTIMATE, "m", 7, 100, None, 0))
+    metrics.crashed(None, None)
+    metrics.transport_event("flood_guard", "h2", frames=1000)
+    metrics.transport_event("client_timeout", "http1")
+    metrics.transport_event("flood_guard", "h2")
+    metrics.process_event("tls_identity_loaded", not_after="2030-01-01T00:00:00+00:00")
+    metrics.process_event("tls_reloaded", not_after="2031-01-01T00:00:00+00:00")
+    metrics.process_event("tls_reload_rejected", reason="key mismatch")
+    metrics.process_event("model_discovery_poll", outcome="ok", reason=None)
+    metrics.process_event("model_discovery_poll", outcome="failed", reason="timeout")
+    metrics.process_event("model_published", model="m")
+    metrics.process_event("model_published", model="n")
+    metrics.process_event("model_retired", model="n")
+    metrics.queue_snapshot = lambda: (
+        QueueSnapshot("m", 2000.0, 1, 50, 1, 100, 0, ((0, 75), (7, 125)), 50),
+        QueueSnapshot("beyond-the-limit", 10.0, 0, 0, 0, 0, 0, (), 0),  # no label of its own
+        QueueSnapshot("unseen", None, 0, 0, 0, 0, 0, (), None),  # never counted: no label
+    )
+    workers = (
+        WorkerView("w0", admitted=True, active=2, decisions={"kv": 5}, kv_faults={"gap": 1}),
+        WorkerView("w1", admitted=False, active=0, decisions={}, kv_faults={}),
+    )
+    select = (4, 1, 0, 0.0125)  # counts per bound, +Inf, sum
+    metrics.routing_snapshot = lambda: RoutingSnapshot("kv", workers, (0.001, 0.01), select)
+
+
+def exposition(metrics: MetricsObserver) -> str:
+    """The /metrics text, the process collector's families left out (their values move)."""
+    lines = generate_latest(metrics.registry).decode().splitlines(keepends=True)
+    process = [line for line in lines if _family_of(line).startswith("pylon_process_")]
+    assert process, "the process collector is registered"
+    return "".join(line for line in lines if line not in process)
+
+
+def _family_of(line: str) -> str:
+    return line.removeprefix("# HELP ").removeprefix("# TYPE ")
+
+
+def test_the_exposition_is_pinned_byte_for_byte() -> None:
+    """Every family's name, help, type, label order, sample order and number formatting, as
+    scraped: a change here is a change for every dashboard, alert and recording rule. Do not
+    regenerate the golden file to make this pass: find out what changed the text."""
+    metrics = MetricsObserver("dynamo", model_limit=1)
+    feed_fixed_events(metrics)
+    build = f'python="{platform.python_version()}",version="{metadata.version("pylon")}"'
+    golden = GOLDEN_EXPOSITION.read_text(encoding="utf-8")
+    assert exposition(metrics) == golden.replace('python="PYTHON",version="VERSION"', build)

@@ -53,5 +53,6 @@ def test_one_handler_is_called_directly_and_quiet_ones_not_at_all() -> None:
     alone = Noting("alone", heard)
     both = Observers(LogObserver(), alone)
     assert both.admitted == alone.admitted  # LogObserver.admitted is quiet
-    assert both.first_output.__name__ == "_ignore"  # quiet everywhere: nothing to call
+    assert both.first_output is id  # quiet everywhere: a C call to nothing (see _ignore_record)
+    assert both.output.__name__ == "_ignore"
     assert both.members[1] is alone

@@ -42,8 +42,9 @@ STATIC_FROZEN = {
     ForwardPlan: ("upstream", "None"),
     QueueDecision: ("level", "0"),
 }
-# Dataclasses in pylon/core that are state, written by their own methods: not values.
-MUTABLE_STATE = {"SseSplitter", "RateGuard"}
+# Dataclasses in pylon/core that are state, written by their own methods: not values. And
+# `ResponseHead`, whose `fields` pylon/proxy/forwarding.py still assigns (`head.fields += ...`).
+MUTABLE_STATE = {"SseSplitter", "RateGuard", "ResponseHead"}
 MYPY = [sys.executable, "-m", "mypy", "--strict", "--python-version", "3.11", "--no-error-summary"]
 
 
