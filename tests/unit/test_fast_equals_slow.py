@@ -501,7 +501,11 @@ async def _read(
     except UpstreamBroken:
         ended = "broken"
     await feeder
-    return read, ended, transport.paused
+    paused = transport.paused
+    # `end_attempt` inlines `attempt.complete`: its answer must be the property's.
+    reusable = attempt.complete and conn.keep_alive and not conn.closed
+    assert conn.end_attempt() is reusable
+    return read, ended, paused
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -513,7 +517,7 @@ def test_the_relays_take_when_ready_is_next_chunk(
     complete); the general read awaits `next_chunk` until None. Both read the same bytes (the
     body, or its start when the engine broke off) and end the same way, and neither leaves the
     connection paused (the parser's inlined `on_body` buffers, pauses above the high water and
-    wakes the reader as `_wake` would)."""
+    wakes the reader as `_wake` would); `end_attempt`'s inlined `complete` is the property."""
     pieces, broken, framing, body = response
     general = asyncio.run(_read(pieces, broken, framing, yields, relay_style=False))
     fast = asyncio.run(_read(pieces, broken, framing, yields, relay_style=True))

@@ -23,6 +23,7 @@ from pylon.core.head import RequestHead, http1_head, pseudo_head
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.priority import PriorityWrite
 from pylon.core.queue import QueueAdmission, QueueDecision, QueuePolicy, QueueTable, Result
+from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.core.target import UpstreamTarget
 
 from .helpers import TRACEPARENT
@@ -244,3 +245,21 @@ def test_the_queue_decision_puts_each_value_in_its_field() -> None:
     # Distinct values, so that a swap of two `int` fields would be seen.
     assert len({decision.level, 900, estimate, decision.threshold_ms}) == 4
     assert (entry.level, entry.tokens) == (level, 7)  # QueueEntry: two `int` in a row too
+
+
+def test_response_head_field_order() -> None:
+    assert field_types(ResponseHead) == [
+        ("status", "int"),
+        ("fields", "list[Header]"),
+        ("content_length", "int | None"),
+        ("event_stream", "bool"),
+    ]
+
+
+def test_the_response_head_normaliser_puts_each_value_in_its_field() -> None:
+    fields = [(b"content-length", b"5"), (b"content-type", b"text/event-stream"), (b"x-a", b"1")]
+    head = sanitize_response_head(201, fields)
+    assert head.status == 201
+    assert head.fields == [(b"content-type", b"text/event-stream"), (b"x-a", b"1")]
+    assert head.content_length == 5
+    assert head.event_stream is True
