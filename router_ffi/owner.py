@@ -63,22 +63,56 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+# One fire-and-forget call of a reservation: (kind, count, decay), as `submit_op` takes them.
+Op = tuple[int, int, float | None]
+
+
 class ReservationChain:
     """A reservation as the owner thread sees it: its selection, the reset epoch it was made
-    in, and the chain that keeps its native calls in order. Only the owner thread reads or
-    writes these fields; `router_ffi.service.Reservation` adds the caller's side."""
+    in, and the chain that keeps its native calls in order (one pending at a time, the rest
+    queued behind it). Only the owner thread calls these methods;
+    `router_ffi.service.Reservation` adds the caller's side."""
 
-    __slots__ = ("_busy", "_epoch", "_native_freed", "_queue", "selection")
+    __slots__ = ("_busy", "_native_freed", "_queue", "epoch", "selection")
 
     def __init__(self, selection: Selection, epoch: int) -> None:
         self.selection = selection
-        self._epoch = epoch  # the owner's reset epoch when the native select ran
+        self.epoch = epoch  # the owner's reset epoch when the native select ran
         # The native free was issued; a native call is pending; calls queued behind it.
         self._native_freed = False
         self._busy = False
-        self._queue: list[tuple[int, int, float | None]] | None = None
+        self._queue: list[Op] | None = None
 
-    def _next(self) -> tuple[int, int, float | None] | None:
+    @property
+    def native_freed(self) -> bool:
+        """The native free was issued: every later call of this reservation is a no-op."""
+        return self._native_freed
+
+    def mark_native_freed(self) -> None:
+        """The native free is being issued now."""
+        self._native_freed = True
+
+    def defer(self, op: Op) -> bool:
+        """Queue `op` behind this reservation's pending call; False when none is pending (the
+        caller runs `op` now)."""
+        if not self._busy:
+            return False
+        if self._queue is None:
+            self._queue = []
+        self._queue.append(op)
+        return True
+
+    def mark_pending(self) -> None:
+        """A native call of this reservation was issued and has not landed yet."""
+        self._busy = True
+
+    def landed(self) -> Op | None:
+        """The pending call landed: the next queued call, to run now (None: the chain is idle)."""
+        self._busy = False
+        return self.next_op()
+
+    def next_op(self) -> Op | None:
+        """The next queued call (None when none is queued), taken off the chain."""
         queue = self._queue
         return queue.pop(0) if queue else None
 
@@ -272,10 +306,7 @@ class NativeOwner:
         self._gate.exit()
 
     def _owner_op(self, res: ReservationChain, kind: int, count: int, decay: float | None) -> None:
-        if res._busy:  # an earlier call of this reservation is pending: keep the order
-            if res._queue is None:
-                res._queue = []
-            res._queue.append((kind, count, decay))
+        if res.defer((kind, count, decay)):  # an earlier call is pending: keep the order
             return
         self._owner_run_ops(res, kind, count, decay)
 
@@ -285,7 +316,7 @@ class NativeOwner:
         while True:
             if self._owner_start_op(res, kind, count, decay):
                 return  # resumes in _owner_op_landed
-            nxt = res._next()
+            nxt = res.next_op()
             if nxt is None:
                 return
             kind, count, decay = nxt
@@ -295,13 +326,13 @@ class NativeOwner:
     ) -> bool:
         """Issue one reservation call; True when it is pending (an awaitable)."""
         native = self._native
-        if native is None or res._native_freed or self._forgotten(res):
+        if native is None or res.native_freed or self._forgotten(res):
             self._gate.exit()
             return False
         sid = res.selection.selection_id
         try:
             if kind == FREE:
-                res._native_freed = True
+                res.mark_native_freed()
                 raw: object = native.free_reservation(sid)
             elif kind == PREFILL:
                 raw = native.prefill_complete(sid)
@@ -316,7 +347,7 @@ class NativeOwner:
         if not inspect.isawaitable(raw):
             self._gate.exit()
             return False
-        res._busy = True
+        res.mark_pending()
         asyncio.ensure_future(raw).add_done_callback(
             functools.partial(self._owner_op_landed, res, _OP_NAMES[kind])
         )
@@ -325,7 +356,7 @@ class NativeOwner:
     def _forgotten(self, res: ReservationChain) -> bool:
         """The reservation predates its worker's last reset: the native core forgot it."""
         reset = self._reset_epochs.get(res.selection.worker_id)
-        return reset is not None and res._epoch < reset
+        return reset is not None and res.epoch < reset
 
     def _owner_op_landed(self, res: ReservationChain, op: str, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled():
@@ -333,8 +364,7 @@ class NativeOwner:
         elif (exc := fut.exception()) is not None:
             self._owner_failed(op, exc)
         self._gate.exit()
-        res._busy = False
-        nxt = res._next()
+        nxt = res.landed()
         if nxt is not None:
             self._owner_run_ops(res, *nxt)
 

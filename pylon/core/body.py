@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, cast
 
 import msgspec
 
 from pylon.core.errors import BodyError, ErrorCode
 from pylon.core.sanitize import DENIED_BODY_FIELDS, DENIED_NESTED_FIELDS, sanitize_body
+from pylon.core.values import static_frozen
 
 MAX_OBJECT_MEMBERS = 1024
 
@@ -92,8 +93,7 @@ _SMALL_OBJECT_BYTES = 64 * 1024
 _UTF8_CHUNK = 1 << 20
 
 
-# Slotted, not frozen: one per request on the hot path (see `pylon.core.head.RequestHead`).
-@dataclass(slots=True)
+@static_frozen  # one per request: no run-time freeze (see `pylon.core.values`)
 class BodyView:
     """What pylon read from a JSON object body."""
 
@@ -177,7 +177,7 @@ def _plain_view(body: bytes, top: msgspec.Struct) -> BodyView | None:
     present = len(_TOP_KEYS) - msgspec.structs.astuple(top).count(_ABSENT)
     if present != bool(model) + bool(stream):
         return None  # a denied field or a container: the full reading
-    # Positional, in field order: on Python 3.11 keywords to a class call build a dict.
+    # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
     return BodyView(
         bytes(stream) == b"true",  # stream
         _decode(_ANY_DECODER, bytes(model)) if model else None,  # model

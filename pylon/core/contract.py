@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from urllib.parse import unquote
 
 from pylon.core.errors import ContractError, ErrorCode, LimitError
 from pylon.core.http import OWS, Header, Headers, field_names
+from pylon.core.values import static_frozen
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
@@ -45,15 +45,15 @@ _CONTRACT_HEADERS = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
+@static_frozen  # one per traced request: no run-time freeze (see `pylon.core.values`)
 class TraceContext:
     traceparent: str
     tracestate: str | None
 
 
-# Not frozen: built once per request on the hot path, where a frozen dataclass's __init__ costs an
-# object.__setattr__ per field (see `pylon.core.head.RequestHead`); nothing mutates it.
-@dataclass(slots=True)
+# One per request: frozen for mypy, no run-time freeze (see `pylon.core.values`). `parse_request`
+# builds it positionally, in this field order (tests/unit/test_field_order.py pins it).
+@static_frozen
 class TunnelRequest:
     """A validated inference request as the gateway described it. Parsed once, never re-read."""
 
@@ -71,7 +71,7 @@ class TunnelRequest:
     names: tuple[bytes, ...]  # the names of `headers`, lower-cased and stripped, in order
 
 
-@dataclass(slots=True)
+@static_frozen  # no run-time freeze (see `pylon.core.values`)
 class HealthRequest:
     """`GET /health`: bypasses the contract and goes to the engine's health path."""
 
@@ -153,13 +153,13 @@ def _parse_tunnel(
     input_tokens, priority, routing_key, expected_queue_ms, trace = _parse_optional(
         headers, names, values
     )
-    # Positional, in field order: on Python 3.11 keywords to a class call build a dict.
+    # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
     return TunnelRequest(
         method.decode("ascii"),
         text,  # target
-        path,
-        request_id,
-        model,
+        path,  # path (the route)
+        request_id,  # request_id
+        model,  # model
         input_tokens,
         priority,
         routing_key,

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pylon.core.errors import ContractError, ErrorCode
 from pylon.core.http import TOKEN, Header, Headers, wire_unsafe
+from pylon.core.values import static_frozen
 
 # Field names in HTTP/2 and HTTP/3 are lowercase tokens (RFC 9113 8.2.1, RFC 9114 4.2).
 _LOWER_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")
@@ -36,9 +36,8 @@ _REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
 _AUTHORITY_SCHEMES = frozenset({b"http", b"https"})
 
 
-# Not frozen: built once per request on the hot path, where a frozen dataclass's __init__ costs
-# an object.__setattr__ per field; nothing mutates it after the normaliser returns it.
-@dataclass(slots=True)
+# One per request: frozen for mypy, no run-time freeze (see `pylon.core.values`).
+@static_frozen
 class RequestHead:
     """A request line and its fields as the engine will read them (Host included)."""
 
@@ -141,8 +140,15 @@ def _finish(method: bytes, target: bytes, headers: list[Header], names: list[byt
             declared = value.lower()
             if declared and declared != b"identity":
                 coding = declared
+    # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
     return RequestHead(
-        method, target, headers, None if length is None else int(length), expects, coding, names
+        method,
+        target,
+        headers,
+        None if length is None else int(length),  # content_length
+        expects,  # expects_continue
+        coding,  # content_coding
+        names,
     )
 
 

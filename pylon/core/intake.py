@@ -30,6 +30,7 @@ from pylon.core.contract import HealthRequest, TunnelRequest, check_header_block
 from pylon.core.errors import ClientError, ErrorCode, LimitError, PylonError
 from pylon.core.head import RequestHead, malformed, trailers_unsafe
 from pylon.core.http import Header
+from pylon.core.values import static_frozen
 
 AdmittedRequest = TunnelRequest | HealthRequest
 
@@ -67,8 +68,8 @@ def admit(admission: Admission, head: RequestHead) -> AdmittedRequest | PylonErr
         return error
 
 
-# Decisions are not frozen: one per request on the hot path (see `RequestHead`).
-@dataclass(slots=True)
+# Decisions: one per request, frozen for mypy, no run-time freeze (see `pylon.core.values`).
+@static_frozen
 class Dispatch:
     """The whole request arrived and was admitted: hand it to the proxy."""
 
@@ -76,7 +77,7 @@ class Dispatch:
     body: bytes
 
 
-@dataclass(slots=True)
+@static_frozen
 class Reject:
     """Pylon answers with its own problem; the rest of the request is not read."""
 

@@ -6,7 +6,6 @@ Pure: the I/O layer hands in bytes and gets back exactly what to send to the eng
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from pylon.core.body import BodyView, append_raw_member, inspect_body, rewrite_body
@@ -16,6 +15,7 @@ from pylon.core.http import Header
 from pylon.core.priority import PriorityAdapter, PriorityWrite
 from pylon.core.sanitize import sanitize_request_headers
 from pylon.core.target import UpstreamTarget
+from pylon.core.values import static_frozen
 
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 # Routes whose engines read a body `priority`; elsewhere a body field would be an unknown key.
@@ -31,10 +31,9 @@ BODY_PRIORITY_PATHS = frozenset(
 )
 
 
-# Slotted but not frozen: two are built per request (the plan, then its routed copy), and a
-# frozen dataclass's __init__ pays an object.__setattr__ per field. Nothing mutates a plan; the
-# proxy derives the routed one with `routed`.
-@dataclass(slots=True)
+# Two per request (the plan, then its routed copy, derived with `routed`): frozen for mypy, no
+# run-time freeze (see `pylon.core.values`).
+@static_frozen
 class ForwardPlan:
     """Exactly what goes to the engine: where, the request line, every header, the body bytes.
 
@@ -67,11 +66,12 @@ class ForwardPlan:
         `body`: the router's own version of the body (with `nvext.token_data`); None keeps it.
         """
         own = self.headers if trace is None else with_trace(self.headers, trace)
+        # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
         return ForwardPlan(
             self.method,
             self.target,
-            own + headers if headers else own,
-            self.body if body is None else body,
+            own + headers if headers else own,  # headers
+            self.body if body is None else body,  # body
             self.request_id,
             self.model,
             self.stream_requested,
@@ -119,7 +119,7 @@ class Planner:
             headers.extend(trace_headers(request.trace))
         headers.extend(sanitized.headers)
         headers.extend(write.headers)
-        # Positional, in field order: on Python 3.11 keywords to a class call build a dict.
+        # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
         return ForwardPlan(
             request.method,
             request.target,

@@ -52,6 +52,7 @@ from pylon.core.contract import TunnelRequest
 from pylon.core.errors import PylonError, QueueMismatchError
 from pylon.core.priority import PriorityAdapter
 from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.values import static_frozen
 
 BYTES_PER_TOKEN = 4  # body bytes per input token, when the gateway sent no x-input-tokens
 MIN_SAMPLES = 5  # samples before the measured throughput replaces the initial one
@@ -98,9 +99,9 @@ class QueuePolicy:
         return max(expected_ms + self.min_delta_ms, math.ceil(expected_ms * self.factor))
 
 
-# Slotted but not frozen: one is built per request that carries the header, and a frozen
-# dataclass's __init__ pays an object.__setattr__ per field. Nothing mutates a decision.
-@dataclass(slots=True)
+# One per request that carries the header: frozen for mypy, no run-time freeze (see
+# `pylon.core.values`).
+@static_frozen
 class QueueDecision:
     """One decision on a request that carried `x-stargate-expected-queue-ms`."""
 
@@ -464,7 +465,7 @@ class QueueAdmission:
         expected = request.expected_queue_ms
         decision = None if expected is None else self._decide(request.model, queue, level, expected)
         sampled = stream or request.path in PREFILL_ONLY_PATHS
-        return QueueEntry(queue, level, tokens, sampled, decision)
+        return QueueEntry(queue, level, tokens, sampled, decision)  # level, tokens: both int
 
     def refusal(self, decision: QueueDecision, request_id: str | None) -> QueueMismatchError:
         """The answer to a rejected request (with the configured retry-after hint)."""
@@ -482,4 +483,6 @@ class QueueAdmission:
             result = Result.REJECTED
         else:
             result = Result.ACCEPTED
+        # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
+        # result, model, level, expected_ms, estimate_ms, threshold_ms
         return QueueDecision(result, model, level, expected, estimate, threshold)

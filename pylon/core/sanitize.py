@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pylon.core.http import Header, field_names
+from pylon.core.values import static_frozen
 
 _OWS = b" \t"
 
@@ -184,7 +185,7 @@ def _connection_tokens(headers: Sequence[Header]) -> frozenset[bytes]:
     return frozenset(tokens)
 
 
-@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
+@static_frozen  # one per request: no run-time freeze (see `pylon.core.values`)
 class SanitizedHeaders:
     headers: tuple[Header, ...]
     stripped: tuple[str, ...]  # client controls removed (pylon-owned and hop-by-hop excluded)
@@ -228,7 +229,9 @@ def _without_listed(headers: list[Header], listed: frozenset[bytes]) -> list[Hea
     return [(name, value) for name, value in headers if name.strip(_OWS).lower() not in listed]
 
 
-@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
+# Not `static_frozen` yet: `Proxy._response_head` (pylon/proxy/forwarding.py) appends to
+# `fields` with `head.fields += ...`, an assignment; with `.extend` it can be (issue 16).
+@dataclass(slots=True)  # not frozen: one per response (see `pylon.core.values`)
 class ResponseHead:
     """The engine's response head as the client gets it, read in one pass (the one response
     head normaliser: every transport's sink frames `fields` as they are)."""
@@ -279,6 +282,7 @@ def sanitize_response_head(
         kept.append(field)
     if has_connection:
         kept = _without_listed(kept, _connection_tokens(fields))
+    # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
     return ResponseHead(status, kept, length, event_stream)
 
 
@@ -295,7 +299,7 @@ def sanitize_response_headers(
     return sanitize_response_head(0, normalised_fields(headers), extra_denied).fields
 
 
-@dataclass(slots=True)  # not frozen: one per request (see `pylon.core.head.RequestHead`)
+@static_frozen  # one per request: no run-time freeze (see `pylon.core.values`)
 class SanitizedBody:
     body: dict[str, Any]
     stripped: tuple[str, ...]  # dotted paths removed, e.g. "nvext.backend_instance_id"

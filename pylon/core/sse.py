@@ -75,11 +75,28 @@ def _last_boundary_end(buffer: bytes, old_length: int) -> int:
     start = max(0, old_length - 3)
     if b"\r" not in buffer:
         found = buffer.rfind(b"\n\n", start)
-        return found + 2 if found >= 0 else 0
+        if found < 0:
+            return 0
+        if found > start and buffer[found - 1] == _LF:
+            return _lf_run_end(buffer, start, found)  # rare: three or more LFs in a row
+        return found + 2
     end = 0
     for match in _BOUNDARY.finditer(buffer, start):
         end = match.end()
     return end
+
+
+_LF = ord("\n")
+
+
+def _lf_run_end(buffer: bytes, start: int, found: int) -> int:
+    """Where the regex search would end in the run of LFs that `found` (the last `\\n\\n`) ends:
+    it pairs the LFs from the run's start, so an odd run leaves its last LF to the next event
+    (as `iter_events` reads the block). The last boundary of `\\n\\n\\n` ends at 2, not 3."""
+    run = found
+    while run > start and buffer[run - 1] == _LF:
+        run -= 1
+    return run + (found + 2 - run) // 2 * 2
 
 
 def split_events(block: bytes) -> list[bytes]:

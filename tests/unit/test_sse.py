@@ -200,3 +200,12 @@ def test_an_event_in_one_byte_pieces_is_held_in_one_growing_buffer() -> None:
     assert splitter.feed_block(b"\n") == b""
     assert splitter.feed_block(b"\nda") == b"data: " + b"x" * 10_000 + b"\n\n"
     assert splitter.pending == b"da"
+
+
+def test_three_lfs_in_a_row_end_one_event_and_begin_the_next() -> None:
+    """An odd run of LFs: its blank line ends the event, its last LF opens the next one. (The
+    LF-only search once ended the block after the whole run, and `iter_events` then met a
+    lone LF and raised: tests/unit/test_fast_equals_slow.py holds the two searches equal.)"""
+    events = [b"data: x\n\n", b"\ndata: y\n\n"]
+    assert feed_all([b"data: x\n\n\n", b"data: y\n\n"]) == (events, b"")
+    assert feed_all([b"data: x\n\n\n\n\n"]) == ([b"data: x\n\n", b"\n\n"], b"\n")
