@@ -8,7 +8,6 @@ rendered in docs/api-contract.md; `tests/unit/test_docs.py` keeps the two in ste
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pylon.core.http import Header, field_names
@@ -229,9 +228,7 @@ def _without_listed(headers: list[Header], listed: frozenset[bytes]) -> list[Hea
     return [(name, value) for name, value in headers if name.strip(_OWS).lower() not in listed]
 
 
-# Not `static_frozen` yet: `Proxy._response_head` (pylon/proxy/forwarding.py) appends to
-# `fields` with `head.fields += ...`, an assignment; with `.extend` it can be (issue 16).
-@dataclass(slots=True)  # not frozen: one per response (see `pylon.core.values`)
+@static_frozen  # one per response: no run-time freeze (see `pylon.core.values`)
 class ResponseHead:
     """The engine's response head as the client gets it, read in one pass (the one response
     head normaliser: every transport's sink frames `fields` as they are)."""

@@ -211,10 +211,10 @@ class Proxy:
         and the retry marking of an error status."""
         status = attempt.status
         head = sanitize_response_head(status, attempt.headers, self._retry_header)
-        head.fields += echo_request_id(exchange.request_id)
+        head.fields.extend(echo_request_id(exchange.request_id))
         mark = classify_upstream_response(status, attempt.headers, self._retry, time.time())
         if mark is not None:
-            head.fields += mark.headers()
+            head.fields.extend(mark.headers())
         exchange.response_head(status, mark)
         return head
 
