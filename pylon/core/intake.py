@@ -3,7 +3,7 @@
 A transport's framing turns bytes into a few inputs (a head, body pieces, trailers, the end, a
 reset, the clock) and feeds them to one `RequestIntake` per request. The intake applies the
 ingress limits and the stall clock to what admission decided about the head, and answers each
-input with at most one decision: `Dispatch` (the whole request, ready for the proxy) or `Reject`
+input with at most one decision: `Forward` (the whole request, ready for the proxy) or `Reject`
 (pylon answers with its own problem; the engine never sees the request). It does no I/O and
 never reads a clock: `now` is passed in, as in aioquic's and h2's cores; admission (contract,
 tunnel auth, lifecycle, published models: it reads the lifecycle and the token file) is the
@@ -13,7 +13,7 @@ The state machine is a table, as in h11 and h2: a (state, input) pair that is no
 `_TRANSITIONS` is a framing bug or a peer breaking its protocol, raises `IntakeError`, and leaves
 the intake CLOSED.
 
-    AWAITING_HEAD --head ok, body follows--> RECEIVING --end/trailers--> DISPATCHED
+    AWAITING_HEAD --head ok, body follows--> RECEIVING --end/trailers--> FORWARDED
          |    \\--head ok, ended------------------------------------------^
          |     \\--malformed / refused--> REJECTED <--limit, stall, malformed--RECEIVING
          any state --reset--> CLOSED
@@ -70,7 +70,7 @@ def admit(admission: Admission, head: RequestHead) -> AdmittedRequest | PylonErr
 
 # Decisions: one per request, frozen for mypy, no run-time freeze (see `pylon.core.values`).
 @static_frozen
-class Dispatch:
+class Forward:
     """The whole request arrived and was admitted: hand it to the proxy."""
 
     request: AdmittedRequest
@@ -84,7 +84,7 @@ class Reject:
     error: PylonError
 
 
-Decision = Dispatch | Reject | None
+Decision = Forward | Reject | None
 
 
 # IntEnum, not Enum: the transition table is consulted on every input, and an IntEnum hashes in
@@ -92,7 +92,7 @@ Decision = Dispatch | Reject | None
 class State(enum.IntEnum):
     AWAITING_HEAD = 0
     RECEIVING = 1
-    DISPATCHED = 2
+    FORWARDED = 2
     REJECTED = 3
     CLOSED = 4
 
@@ -109,7 +109,7 @@ class Input(enum.IntEnum):
 
 # The members as plain globals for the code that runs on every input: on Python 3.11,
 # `State.RECEIVING` is looked up through EnumType.__getattr__, ten times a global's cost.
-AWAITING_HEAD, RECEIVING, DISPATCHED = State.AWAITING_HEAD, State.RECEIVING, State.DISPATCHED
+AWAITING_HEAD, RECEIVING, FORWARDED = State.AWAITING_HEAD, State.RECEIVING, State.FORWARDED
 REJECTED, CLOSED = State.REJECTED, State.CLOSED
 _HEAD, _MALFORMED, _DATA, _TRAILERS = Input.HEAD, Input.MALFORMED, Input.DATA, Input.TRAILERS
 _END, _TICK, _RESET = Input.END, Input.TICK, Input.RESET
@@ -123,16 +123,16 @@ _S, _I = State, Input
 # (state, input) -> the states the input may lead to. The handlers pick one; anything missing is
 # an `IntakeError`. REJECTED swallows the rest of a request pylon already answered.
 _TRANSITIONS: dict[tuple[State, Input], frozenset[State]] = {
-    (_S.AWAITING_HEAD, _I.HEAD): frozenset({_S.RECEIVING, _S.DISPATCHED, _S.REJECTED}),
+    (_S.AWAITING_HEAD, _I.HEAD): frozenset({_S.RECEIVING, _S.FORWARDED, _S.REJECTED}),
     (_S.AWAITING_HEAD, _I.MALFORMED): frozenset({_S.REJECTED}),
     (_S.RECEIVING, _I.MALFORMED): frozenset({_S.REJECTED}),
     (_S.REJECTED, _I.MALFORMED): frozenset({_S.REJECTED}),
     (_S.AWAITING_HEAD, _I.TICK): frozenset({_S.AWAITING_HEAD}),
-    (_S.RECEIVING, _I.DATA): frozenset({_S.RECEIVING, _S.DISPATCHED, _S.REJECTED}),
-    (_S.RECEIVING, _I.TRAILERS): frozenset({_S.DISPATCHED, _S.REJECTED}),
-    (_S.RECEIVING, _I.END): frozenset({_S.DISPATCHED}),
+    (_S.RECEIVING, _I.DATA): frozenset({_S.RECEIVING, _S.FORWARDED, _S.REJECTED}),
+    (_S.RECEIVING, _I.TRAILERS): frozenset({_S.FORWARDED, _S.REJECTED}),
+    (_S.RECEIVING, _I.END): frozenset({_S.FORWARDED}),
     (_S.RECEIVING, _I.TICK): frozenset({_S.RECEIVING, _S.REJECTED}),
-    (_S.DISPATCHED, _I.TICK): frozenset({_S.DISPATCHED}),
+    (_S.FORWARDED, _I.TICK): frozenset({_S.FORWARDED}),
     (_S.REJECTED, _I.DATA): frozenset({_S.REJECTED}),
     (_S.REJECTED, _I.TRAILERS): frozenset({_S.REJECTED}),
     (_S.REJECTED, _I.END): frozenset({_S.REJECTED}),
@@ -181,7 +181,7 @@ class RequestIntake:
         if declared is not None and declared > self._limits.max_body_bytes:
             return self._reject(body_too_large(self._limits.max_body_bytes, self.request_id))
         if ended:
-            return self._dispatch()
+            return self._forward()
         self.state = RECEIVING
         return None
 
@@ -205,7 +205,7 @@ class RequestIntake:
                 self._body = b""
                 return self._reject(body_too_large(self._limits.max_body_bytes, self.request_id))
             self._append(data, size)
-        return self._dispatch() if ended else None
+        return self._forward() if ended else None
 
     def receive_trailers(self, fields: Sequence[Header], now: float) -> Decision:
         """Trailers end the body; they are never forwarded, but count against the limits."""
@@ -221,14 +221,14 @@ class RequestIntake:
         reason = trailers_unsafe(fields)
         if reason is not None:
             return self._reject(malformed(reason))
-        return self._dispatch()
+        return self._forward()
 
     def receive_end(self, now: float) -> Decision:
         self._expect(_END)
         if self.state is REJECTED:
             return None
         self.progress = now
-        return self._dispatch()
+        return self._forward()
 
     def tick(self, now: float) -> Decision:
         """The stall clock: a body that stops arriving for `stall_timeout` gets 408."""
@@ -274,11 +274,11 @@ class RequestIntake:
             self._body = bytearray(self._body) + data
         self._size = size
 
-    def _dispatch(self) -> Dispatch:
+    def _forward(self) -> Forward:
         assert self.request is not None
-        self.state = DISPATCHED
+        self.state = FORWARDED
         body, self._body = self._body, b""
-        return Dispatch(self.request, bytes(body) if isinstance(body, bytearray) else body)
+        return Forward(self.request, bytes(body) if isinstance(body, bytearray) else body)
 
     def _reject(self, error: PylonError) -> Reject:
         if error.request_id is None:

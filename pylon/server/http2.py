@@ -223,7 +223,7 @@ class Http2Connection(asyncio.Protocol):
             self._shutdown()
             return
         for event in events:
-            self._dispatch(event)
+            self._handle_event(event)
         self._schedule_flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -270,7 +270,7 @@ class Http2Connection(asyncio.Protocol):
         h2.increment_flow_control_window(max(0, 4 * limits.h2_stream_window - 65535))
 
     # --- events ---
-    def _dispatch(self, event: Event) -> None:
+    def _handle_event(self, event: Event) -> None:
         if isinstance(event, DataReceived):
             self._on_data(event)
         elif isinstance(event, RequestReceived):

@@ -4,7 +4,7 @@ stall watcher and the rapid-reset guard.
 A transport's framing reports what its protocol delivered (`header_block` for an HTTP/2 or
 HTTP/3 header block, `head` for a head it read itself, `data`, `trailers`, `end`, `malformed`,
 `cancel`), and says how to answer (`Framing`). The table runs each request's `RequestIntake`,
-starts one proxy task per dispatched request (HTTP/1.1 one at a time, in order), answers
+starts one proxy task per forwarded request (HTTP/1.1 one at a time, in order), answers
 rejections with pylon's problem response, cancels tasks with a reason the proxy logs, reports
 crashes, and times out bodies that stop arriving. It holds no protocol state itself.
 """
@@ -27,7 +27,7 @@ from pylon.core.intake import (
     Admission,
     AdmittedRequest,
     Decision,
-    Dispatch,
+    Forward,
     IngressLimits,
     IntakeError,
     Reject,
@@ -116,7 +116,7 @@ class StreamTable:
         self._serial = serial
         # Decisions waiting for the response before them (serial only): a rejection of a
         # pipelined request is answered in its turn too, never into the middle of another.
-        self._ready: collections.deque[tuple[Stream, Dispatch | Reject]] = collections.deque()
+        self._ready: collections.deque[tuple[Stream, Forward | Reject]] = collections.deque()
         self._stall_watch = Deadline(loop, self._check_stalls)
         self._resets = RateGuard(limits.max_stream_resets, limits.flood_window)
         self._budget = ingress.budget
@@ -275,7 +275,7 @@ class StreamTable:
 
     @property
     def queued(self) -> bool:
-        """A dispatched request waits for the response before it (serial only)."""
+        """A forwarded request waits for the response before it (serial only)."""
         return bool(self._ready)
 
     @property
@@ -311,10 +311,10 @@ class StreamTable:
         stream.exchange.reject(self._framing.reject_sink(stream), error)
         self._streams.pop(stream.id, None)
 
-    def _start(self, stream: Stream, dispatch: Dispatch) -> None:
+    def _start(self, stream: Stream, forward: Forward) -> None:
         exchange = stream.exchange
-        exchange.sink = self._framing.response_sink(stream, dispatch.request)
-        task = self._loop.create_task(self._proxy.handle(exchange, dispatch.request, dispatch.body))
+        exchange.sink = self._framing.response_sink(stream, forward.request)
+        task = self._loop.create_task(self._proxy.handle(exchange, forward.request, forward.body))
         stream.task = task
         self._tasks += 1
         # A small object, not a closure over `self`: no reference cycle per request.

@@ -70,7 +70,7 @@ FLOOD_GUARDS = [
         "HTTP/2 PING flood not counted",
         Never(
             HTTP2,
-            "Http2Connection._dispatch",
+            "Http2Connection._handle_event",
             _CONTROL_HIT,
             under="isinstance(event, PingReceived)",
         ),
@@ -81,7 +81,7 @@ FLOOD_GUARDS = [
         "HTTP/2 SETTINGS flood not counted",
         Never(
             HTTP2,
-            "Http2Connection._dispatch",
+            "Http2Connection._handle_event",
             _CONTROL_HIT,
             under="isinstance(event, RemoteSettingsChanged)",
         ),
@@ -108,7 +108,7 @@ FLOOD_GUARDS = [
         "HTTP/2 PRIORITY and unknown-frame flood not counted",
         Never(
             HTTP2,
-            "Http2Connection._dispatch",
+            "Http2Connection._handle_event",
             _CONTROL_HIT,
             under="isinstance(event, PriorityUpdated | UnknownFrameReceived)",
         ),
@@ -119,7 +119,7 @@ FLOOD_GUARDS = [
         "HTTP/2 WINDOW_UPDATE flood not counted",
         Never(
             HTTP2,
-            "Http2Connection._dispatch",
+            "Http2Connection._handle_event",
             "self._window_updates > 2 * self._data_frames_sent + _WINDOW_UPDATE_ALLOWANCE",
         ),
         {"h2": (f"{_CHEAP_FRAMES}[window_update]",)},

@@ -21,7 +21,7 @@ from pylon.core.head import RequestHead
 from pylon.core.intake import (
     Admission,
     Decision,
-    Dispatch,
+    Forward,
     IngressLimits,
     Input,
     IntakeError,
@@ -89,7 +89,7 @@ def intake_in(state: State, now: float = 0.0) -> RequestIntake:
     elif state is State.CLOSED:
         intake.reset()
     else:
-        receive_head(intake, head(), ended=state is State.DISPATCHED, now=now)
+        receive_head(intake, head(), ended=state is State.FORWARDED, now=now)
     assert intake.state is state
     return intake
 
@@ -123,17 +123,17 @@ EXPECTED: dict[tuple[State, Input], State | None] = {
     (State.RECEIVING, Input.HEAD): None,
     (State.RECEIVING, Input.MALFORMED): State.REJECTED,
     (State.RECEIVING, Input.DATA): State.RECEIVING,
-    (State.RECEIVING, Input.TRAILERS): State.DISPATCHED,
-    (State.RECEIVING, Input.END): State.DISPATCHED,
+    (State.RECEIVING, Input.TRAILERS): State.FORWARDED,
+    (State.RECEIVING, Input.END): State.FORWARDED,
     (State.RECEIVING, Input.TICK): State.RECEIVING,
     (State.RECEIVING, Input.RESET): State.CLOSED,
-    (State.DISPATCHED, Input.HEAD): None,
-    (State.DISPATCHED, Input.MALFORMED): None,
-    (State.DISPATCHED, Input.DATA): None,
-    (State.DISPATCHED, Input.TRAILERS): None,
-    (State.DISPATCHED, Input.END): None,
-    (State.DISPATCHED, Input.TICK): State.DISPATCHED,
-    (State.DISPATCHED, Input.RESET): State.CLOSED,
+    (State.FORWARDED, Input.HEAD): None,
+    (State.FORWARDED, Input.MALFORMED): None,
+    (State.FORWARDED, Input.DATA): None,
+    (State.FORWARDED, Input.TRAILERS): None,
+    (State.FORWARDED, Input.END): None,
+    (State.FORWARDED, Input.TICK): State.FORWARDED,
+    (State.FORWARDED, Input.RESET): State.CLOSED,
     (State.REJECTED, Input.HEAD): None,
     (State.REJECTED, Input.MALFORMED): State.REJECTED,
     (State.REJECTED, Input.DATA): State.REJECTED,
@@ -172,20 +172,20 @@ def test_every_state_and_input_ends_in_a_valid_state_or_a_typed_error(
         assert expected in allowed_transitions()[(state, event)]
 
 
-def test_a_whole_request_is_dispatched_with_its_body_in_order() -> None:
+def test_a_whole_request_is_forwarded_with_its_body_in_order() -> None:
     intake = RequestIntake(LIMITS, 0.0)
     assert receive_head(intake, head(), ended=False, now=0.0) is None
     for piece in (b'{"a"', b":", b"1}"):
         assert intake.receive_data(piece, ended=False, now=1.0) is None
     decision = intake.receive_end(2.0)
-    assert isinstance(decision, Dispatch)
+    assert isinstance(decision, Forward)
     assert decision.body == b'{"a":1}'
     assert decision.request.request_id == "r-1"
 
 
-def test_a_head_that_ends_the_request_dispatches_at_once() -> None:
+def test_a_head_that_ends_the_request_is_forwarded_at_once() -> None:
     decision = receive_head(RequestIntake(LIMITS, 0.0), head(), ended=True, now=0.0)
-    assert isinstance(decision, Dispatch) and decision.body == b""
+    assert isinstance(decision, Forward) and decision.body == b""
 
 
 def test_admission_refusal_is_a_rejection_with_the_request_id() -> None:
@@ -245,7 +245,7 @@ def test_cost_follows_bytes_not_pieces() -> None:
     for _ in range(100):
         intake.receive_data(b"x", ended=False, now=0.0)
     decision = intake.receive_end(0.0)
-    assert isinstance(decision, Dispatch) and decision.body == b"x" * 100
+    assert isinstance(decision, Forward) and decision.body == b"x" * 100
 
 
 def test_a_body_in_two_byte_pieces_costs_its_bytes_not_its_pieces() -> None:
@@ -263,19 +263,19 @@ def test_a_body_in_two_byte_pieces_costs_its_bytes_not_its_pieces() -> None:
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert isinstance(decision, Dispatch) and len(decision.body) == 262_144
+    assert isinstance(decision, Forward) and len(decision.body) == 262_144
     assert peak < 3 * 262_144, f"peak {peak} bytes for a 256 KiB body"
 
 
 class IntakeMachine(RuleBasedStateMachine):
-    """Random input sequences: the intake never crashes, never dispatches twice, never keeps a
+    """Random input sequences: the intake never crashes, never forwards twice, never keeps a
     body beyond the limit, and every refusal is a typed `PylonError`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.intake = RequestIntake(LIMITS, 0.0)
         self.now = 0.0
-        self.dispatched = 0
+        self.forwarded = 0
         self.body = b""
 
     def _apply(self, step: object) -> None:
@@ -284,8 +284,8 @@ class IntakeMachine(RuleBasedStateMachine):
         except IntakeError:
             assert self.intake.state is State.CLOSED
             return
-        if isinstance(decision, Dispatch):
-            self.dispatched += 1
+        if isinstance(decision, Forward):
+            self.forwarded += 1
             assert len(decision.body) <= LIMITS.max_body_bytes
             assert decision.body == self.body
         elif isinstance(decision, Reject):
@@ -325,10 +325,10 @@ class IntakeMachine(RuleBasedStateMachine):
         self.intake.reset()
 
     @invariant()
-    def dispatched_at_most_once(self) -> None:
-        assert self.dispatched <= 1
-        if self.dispatched:
-            assert self.intake.state in (State.DISPATCHED, State.CLOSED)
+    def forwarded_at_most_once(self) -> None:
+        assert self.forwarded <= 1
+        if self.forwarded:
+            assert self.intake.state in (State.FORWARDED, State.CLOSED)
 
     @invariant()
     def state_is_a_state(self) -> None:

@@ -21,7 +21,7 @@ from pylon.core import values
 from pylon.core.body import BodyView
 from pylon.core.contract import HealthRequest, TraceContext, TunnelRequest
 from pylon.core.head import RequestHead
-from pylon.core.intake import Dispatch, Reject
+from pylon.core.intake import Forward, Reject
 from pylon.core.plan import ForwardPlan
 from pylon.core.queue import QueueDecision
 from pylon.core.sanitize import ResponseHead, SanitizedBody, SanitizedHeaders
@@ -37,7 +37,7 @@ STATIC_FROZEN = {
     BodyView: ("stream", "True"),
     SanitizedHeaders: ("stripped", "()"),
     SanitizedBody: ("body", "{}"),
-    Dispatch: ("body", 'b""'),
+    Forward: ("body", 'b""'),
     Reject: ("error", "value.error"),
     ForwardPlan: ("upstream", "None"),
     QueueDecision: ("level", "0"),
