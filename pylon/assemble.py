@@ -4,7 +4,7 @@ Nothing below this layer reads Settings: every component takes its own options, 
 functions here are the one place they are built from it (`ingress_limits`, `pool_options`,
 `relay_limits`, `quic_options`, `routing_options`, `bring_up_options`, `tracing_options`).
 `build_core` then assembles the transport-neutral parts every listener shares (lifecycle,
-observers, metrics, admission, pool, router, tracer, queue admission, proxy) into a `Core`;
+observers, metrics, admission, pool, router, tracer, queue gate, proxy) into a `Core`;
 `pylon.run.start` hands it to the listeners (`pylon.listeners`).
 """
 
@@ -20,7 +20,7 @@ from pylon.auth import TokenAuth
 from pylon.bringup import BringUpOptions
 from pylon.core.intake import IngressLimits
 from pylon.core.plan import Planner
-from pylon.core.queue import QueueAdmission, QueueTable
+from pylon.core.queue import QueueGate, QueueTable
 from pylon.core.target import UpstreamTarget
 from pylon.lifecycle import Lifecycle
 from pylon.metrics import MetricsObserver
@@ -158,7 +158,7 @@ class Core:
     pool: UpstreamPool
     limits: IngressLimits
     ingress: Ingress  # what every client connection shares
-    queue: QueueAdmission  # the live request tables and queue estimates (`queue.table`)
+    queue: QueueGate  # the live request tables and queue estimates (`queue.table`)
     tracer: ExchangeTracer | None = None  # None: tracing is off
     metrics: MetricsObserver | None = None  # None when there is no admin listener to serve them
     tokenizer: Tokenizer | None = None  # --tokenizer, loaded once (pylon.tokenize)
@@ -195,7 +195,7 @@ def build_core(
         settings.backend, settings.adapter_options, derive=settings.derive_priority
     )
     planner = Planner(adapter, consumed=auth.consumed if auth is not None else frozenset())
-    queue = _queue_admission(settings, adapter, lifecycle, metrics)
+    queue = _queue_gate(settings, adapter, lifecycle, metrics)
     tracer = _tracer(settings, pool.loop, observer, span_exporter)
     proxy = Proxy(
         planner=planner,
@@ -237,13 +237,13 @@ def _metrics(settings: Settings) -> MetricsObserver | None:
     )
 
 
-def _queue_admission(
+def _queue_gate(
     settings: Settings,
     adapter: PriorityAdapter,
     lifecycle: Lifecycle,
     metrics: MetricsObserver | None,
-) -> QueueAdmission:
-    queue = QueueAdmission(QueueTable(settings.initial_input_tps), settings.queue_policy, adapter)
+) -> QueueGate:
+    queue = QueueGate(QueueTable(settings.initial_input_tps), settings.queue_policy, adapter)
     # A re-published model is a new generation: its throughput is measured afresh.
     lifecycle.models.on_retire(queue.table.retire)
     if metrics is not None:

@@ -38,6 +38,6 @@ class PriorityAdapter(Protocol):
     def queue_level(self, rank: int | None) -> int:
         """Where the engine schedules a request of this rank, in its own direction normalised:
         a lower level runs first, equal levels in arrival order (one level for every request
-        when the engine is told no priority). Queue admission counts the work waiting at the
+        when the engine is told no priority). The queue gate counts the work waiting at the
         same or a lower level as ahead of a request (`pylon.core.queue`)."""
         ...

@@ -1,4 +1,4 @@
-"""Queue-mismatch admission: refuse, before the engine sees it, a request that would clearly queue
+"""The queue gate: refuse, before the engine sees it, a request that would clearly queue
 longer here than the gateway expected when it chose this node.
 
 The gateway routes on load figures that may be stale (or shared with other gateways) and sends
@@ -73,7 +73,7 @@ def queue_ms(tokens: int, tps: float) -> int:
 
 
 class Result(StrEnum):
-    """An admission decision, as reported to the observer (and counted in metrics)."""
+    """A queue-gate decision, as reported to the observer (and counted in metrics)."""
 
     ACCEPTED = "accepted"
     REJECTED = "rejected"
@@ -434,9 +434,9 @@ class QueueTable:
         return out
 
 
-class QueueAdmission:
-    """The decision at dispatch time and the table entry it creates. Built once (`build_core`)
-    and injected into the proxy."""
+class QueueGate:
+    """The queue gate: its decision on a request, before any engine sees it, and the queue
+    entry it creates. Built once (`build_core`) and injected into the proxy."""
 
     __slots__ = ("_adapter", "_policy", "_table")
 

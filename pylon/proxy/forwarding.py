@@ -19,7 +19,7 @@ from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import ForwardPlan, Planner
-from pylon.core.queue import QueueAdmission, QueueDecision
+from pylon.core.queue import QueueDecision, QueueGate
 from pylon.core.retry import RetryPolicy, classify_upstream_response, local_connect_failure
 from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.observe import Observer
@@ -69,7 +69,7 @@ class Proxy:
         observer: Observer,
         relay: RelayLimits,
         retry: RetryPolicy,
-        queue: QueueAdmission,
+        queue: QueueGate,
         tracer: ExchangeTracer | None = None,
     ) -> None:
         self._planner = planner

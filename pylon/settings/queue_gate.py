@@ -1,5 +1,5 @@
-"""Queue admission (the queue gate): the 429 a request gets when pylon's local queue estimate
-is above what the gateway expected."""
+"""The queue gate (its flags keep their published names, `--queue-admission*`): the 429 a
+request gets when pylon's local queue estimate is above what the gateway expected."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pylon.settings.topics import QUEUE, group
 
 
 class QueueGateSettings(BaseModel):
-    """The `Queue admission` topic."""
+    """The `Queue gate` topic."""
 
     queue_admission: bool = Field(
         True,
-        description="kill switch for queue admission: answer 429 queue_estimate_mismatch "
+        description="kill switch for the queue gate: answer 429 queue_estimate_mismatch "
         "(retryable) before the engine sees a request whose local queue estimate is above "
         "what the gateway expected (x-stargate-expected-queue-ms)",
         json_schema_extra=group(QUEUE),

@@ -34,7 +34,7 @@ from pylon.core.head import RequestHead
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import ForwardPlan
-from pylon.core.queue import QueueAdmission, QueueDecision, QueueEntry, QueueTable
+from pylon.core.queue import QueueDecision, QueueEntry, QueueGate, QueueTable
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.retry import RetryMark
 from pylon.core.target import UpstreamTarget
@@ -478,10 +478,10 @@ class RecordingEntry(RecordingHooks):
 
 
 class RecordingQueue:
-    """The real queue gate (`QueueAdmission`), each entry it makes recorded as it hears the
+    """The real queue gate (`QueueGate`), each entry it makes recorded as it hears the
     exchange (`RecordingEntry`)."""
 
-    def __init__(self, log: Moments, queue: QueueAdmission) -> None:
+    def __init__(self, log: Moments, queue: QueueGate) -> None:
         self._log = log
         self._queue = queue
         self.entries: list[RecordingEntry] = []

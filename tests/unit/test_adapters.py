@@ -149,7 +149,7 @@ def test_monotonic_bounded_absent_least_urgent(
 def test_queue_level_is_the_engine_order(
     backend: str, low_first: bool, ceiling: int, a: int | None, b: int | None
 ) -> None:
-    """Queue admission's level sorts requests exactly as the engine schedules the values pylon
+    """The queue gate's level sorts requests exactly as the engine schedules the values pylon
     writes for them: a lower level exactly when the engine serves it earlier."""
     urgency = POLARITY[(backend, low_first)]
     level = adapter(backend, ceiling, low_first=low_first).queue_level

@@ -22,7 +22,7 @@ from pylon.core.contract import TunnelRequest, parse_request
 from pylon.core.head import RequestHead, http1_head, pseudo_head
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.priority import PriorityWrite
-from pylon.core.queue import QueueAdmission, QueueDecision, QueuePolicy, QueueTable, Result
+from pylon.core.queue import QueueDecision, QueueGate, QueuePolicy, QueueTable, Result
 from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.core.target import UpstreamTarget
 
@@ -227,7 +227,7 @@ def test_the_body_view_puts_each_value_in_its_field(body: bytes) -> None:
 def test_the_queue_decision_puts_each_value_in_its_field() -> None:
     adapter = build_adapter("vllm", AdapterOptions(3600), derive=True)
     policy = QueuePolicy(min_delta_ms=25, factor=1.25)
-    admission = QueueAdmission(QueueTable(1000.0), policy, adapter)
+    admission = QueueGate(QueueTable(1000.0), policy, adapter)
     ahead = full_request()
     admission.admit(dataclasses.replace(ahead, expected_queue_ms=None, input_tokens=4000), 0, True)
     request = dataclasses.replace(ahead, expected_queue_ms=900, priority=5)

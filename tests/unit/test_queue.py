@@ -1,4 +1,4 @@
-"""Queue admission, pure: the live request table, the throughput estimate, the decision rule."""
+"""The queue gate, pure: the live request table, the throughput estimate, the decision rule."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pylon.core.queue import (
     MIN_SAMPLES,
     PENDING,
     WINDOW,
-    QueueAdmission,
     QueueEntry,
+    QueueGate,
     QueuePolicy,
     QueueTable,
     Result,
@@ -88,12 +88,12 @@ def admission(
     backend: str = "vllm",
     policy: QueuePolicy | None = None,
     max_models: int = 1024,
-) -> QueueAdmission:
+) -> QueueGate:
     adapter = build_adapter(backend, AdapterOptions(CEILING), derive=True)
-    return QueueAdmission(QueueTable(initial_tps, max_models), policy or QueuePolicy(), adapter)
+    return QueueGate(QueueTable(initial_tps, max_models), policy or QueuePolicy(), adapter)
 
 
-def admit(queue: QueueAdmission, stream: bool = True, body_size: int = 0, **kw: Any) -> QueueEntry:
+def admit(queue: QueueGate, stream: bool = True, body_size: int = 0, **kw: Any) -> QueueEntry:
     return queue.admit(request(**kw), body_size, stream)
 
 
@@ -309,7 +309,7 @@ def test_prefill_is_ahead_of_everyone_pending_only_of_its_level_and_below() -> N
 )
 def test_levels_follow_each_engine_direction(backend: str, low_first: bool) -> None:
     adapter = build_adapter(backend, AdapterOptions(CEILING, low_first), derive=True)
-    queue = QueueAdmission(QueueTable(1000.0), QueuePolicy(), adapter)
+    queue = QueueGate(QueueTable(1000.0), QueuePolicy(), adapter)
     admit(queue, tokens=300, priority=5)  # more urgent than rank 9 on every engine
     decision = admit(queue, tokens=1, expected=0, priority=9).decision
     assert decision is not None and decision.estimate_ms == 300
@@ -321,7 +321,7 @@ def test_levels_follow_each_engine_direction(backend: str, low_first: bool) -> N
 def test_without_engine_priority_everything_pending_is_ahead(backend: str) -> None:
     name, _, disabled = backend.partition("-")
     adapter = build_adapter(name, AdapterOptions(CEILING), derive=not disabled)
-    queue = QueueAdmission(QueueTable(1000.0), QueuePolicy(), adapter)
+    queue = QueueGate(QueueTable(1000.0), QueuePolicy(), adapter)
     admit(queue, tokens=300)  # unconfigured, and rank 9 below: same level for the engine
     admit(queue, tokens=200, priority=9)
     decision = admit(queue, tokens=1, expected=0, priority=0).decision
@@ -361,7 +361,7 @@ def test_queue_ms_rounds_up_and_caps() -> None:
 # --- input throughput --------------------------------------------------------------------------
 
 
-def run_one(queue: QueueAdmission, tokens: int, start: float, end: float) -> None:
+def run_one(queue: QueueGate, tokens: int, start: float, end: float) -> None:
     entry = admit(queue, tokens=tokens)
     dispatch(entry, start)
     head(entry)

@@ -22,7 +22,7 @@ from pylon.core.contract import HEALTH_PATH, HealthRequest, parse_request
 from pylon.core.errors import ErrorCode
 from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import Planner
-from pylon.core.queue import GONE, QueueAdmission, QueuePolicy, QueueTable
+from pylon.core.queue import GONE, QueueGate, QueuePolicy, QueueTable
 from pylon.core.retry import RETRY_AFTER_MS, RETRY_REASON, RETRYABLE, RetryPolicy
 from pylon.proxy import Proxy, RelayLimits
 from pylon.proxy.exchange import Exchange
@@ -93,7 +93,7 @@ class Harness:
         self.router = RecordingRouter(self.log, refuse=no_worker)
         self.observer = RecordingObserver(self.log)
         adapter = build_adapter("vllm", AdapterOptions(3600), derive=True)
-        self.gate = QueueAdmission(QueueTable(1000.0), QueuePolicy(), adapter)
+        self.gate = QueueGate(QueueTable(1000.0), QueuePolicy(), adapter)
         self.queue = RecordingQueue(self.log, self.gate)
         self.tracer = RecordingTracer(self.log)
         self.proxy = Proxy(
