@@ -21,7 +21,7 @@ from pylon.bringup import BringUpOptions
 from pylon.core.intake import IngressLimits
 from pylon.core.plan import Planner
 from pylon.core.queue import QueueGate, QueueTable
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.lifecycle import Lifecycle
 from pylon.metrics import MetricsObserver
 from pylon.observe import LogObserver, Observer, Observers
@@ -100,7 +100,7 @@ def routing_options(settings: Settings) -> RoutingOptions:
     return RoutingOptions(
         mode,
         workers=settings.worker,
-        frontend=UpstreamTarget.from_url(str(settings.upstream)) if settings.upstream else None,
+        frontend=Upstream.from_url(str(settings.upstream)) if settings.upstream else None,
         health=HealthCheckOptions(
             path=settings.worker_health_path,
             interval=settings.worker_health_interval,
@@ -199,7 +199,7 @@ def build_core(
     tracer = _tracer(settings, pool.loop, observer, span_exporter)
     proxy = Proxy(
         planner=planner,
-        router=router or SingleUpstream(UpstreamTarget.from_url(upstream)),
+        router=router or SingleUpstream(Upstream.from_url(upstream)),
         pool=pool,
         observer=observer,
         relay=relay_limits(settings),

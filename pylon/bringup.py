@@ -47,7 +47,7 @@ from pylon.models import CatalogChange, ModelCatalog, ModelListError, parse_mode
 from pylon.upstream.probe import Fetch, FetchError, fetch
 
 if TYPE_CHECKING:
-    from pylon.core.target import UpstreamTarget
+    from pylon.core.upstream import Upstream
     from pylon.lifecycle import Lifecycle
     from pylon.observe import Observer
     from pylon.routing.health import HealthChecker
@@ -98,7 +98,7 @@ class HealthGate:
 
     def __init__(
         self,
-        target: UpstreamTarget,
+        upstream: Upstream,
         paths: tuple[str, ...],
         *,
         wait: float,
@@ -110,7 +110,7 @@ class HealthGate:
         sleep: Sleep = asyncio.sleep,
     ) -> None:
         assert paths, "at least one health path"
-        self._target = target
+        self._target = upstream
         self._paths = paths
         self._wait = wait
         self._interval = interval
@@ -183,13 +183,13 @@ class HealthGate:
 class ModelDiscovery:
     """Poll the engine's `/v1/models` into the catalog: once (`poll`), or forever (`run`).
 
-    `target`: the engine, or a function naming the engine to ask now (None: none can be asked,
+    `upstream`: the engine, or a function naming the engine to ask now (None: none can be asked,
     and the poll fails)."""
 
     def __init__(
         self,
         catalog: ModelCatalog,
-        target: UpstreamTarget | Callable[[], UpstreamTarget | None],
+        upstream: Upstream | Callable[[], Upstream | None],
         *,
         interval: float,
         timeout: float,
@@ -199,7 +199,7 @@ class ModelDiscovery:
         sleep: Sleep = asyncio.sleep,
     ) -> None:
         self._catalog = catalog
-        self._target = target
+        self._target = upstream
         self._interval = interval
         self._timeout = timeout
         self._observer = observer
@@ -218,12 +218,12 @@ class ModelDiscovery:
         changes nothing: the last good set stays."""
         clock = self._clock or asyncio.get_running_loop().time
         started = clock()
-        target = self._target() if callable(self._target) else self._target
-        if target is None:
+        upstream = self._target() if callable(self._target) else self._target
+        if upstream is None:
             return self._failed("no_worker", "no engine worker is admitted to ask", started)
         try:
             reply = await self._fetch(
-                target, MODELS_PATH, timeout=self._timeout, max_body=MAX_MODEL_LIST_BYTES
+                upstream, MODELS_PATH, timeout=self._timeout, max_body=MAX_MODEL_LIST_BYTES
             )
             if not 200 <= reply.status < 300:
                 return self._failed("status", f"{MODELS_PATH} answered {reply.status}", started)
@@ -275,7 +275,7 @@ class BringUp:
 
 async def bring_up(
     options: BringUpOptions,
-    target: UpstreamTarget | None,
+    upstream: Upstream | None,
     lifecycle: Lifecycle,
     observer: Observer,
     *,
@@ -287,7 +287,7 @@ async def bring_up(
     and its models before requests come, e.g. the `--kv-token-data` proof; it may raise), then
     `READY`. Raises `EngineNotReady`.
 
-    `target`: the one engine (`--routing off`); `workers`: the health checks of the workers
+    `upstream`: the one engine (`--routing off`); `workers`: the health checks of the workers
     instead (see above; already running)."""
     health_path = None
     fleet = workers.fleet if workers is not None else None
@@ -295,14 +295,14 @@ async def bring_up(
         if workers is not None:
             health_path = await _fleet_gate(options.health_wait, workers, observer)
         else:
-            health_path = await _engine_gate(options, _known(target), observer, fetch)
+            health_path = await _engine_gate(options, _known(upstream), observer, fetch)
     discovery = None
     if options.models:
         report_change(observer, lifecycle.models.apply(options.models), "static")
     else:
         discovery = ModelDiscovery(
             lifecycle.models,
-            fleet.discovery_target if fleet is not None else _known(target),
+            fleet.discovery_upstream if fleet is not None else _known(upstream),
             interval=options.discovery_interval,
             timeout=options.discovery_timeout,
             observer=observer,
@@ -316,10 +316,10 @@ async def bring_up(
 
 
 async def _engine_gate(
-    options: BringUpOptions, target: UpstreamTarget, observer: Observer, fetch: Fetch
+    options: BringUpOptions, upstream: Upstream, observer: Observer, fetch: Fetch
 ) -> str:
     gate = HealthGate(
-        target,
+        upstream,
         health_paths(options.health_paths),
         wait=options.health_wait,
         interval=options.health_interval,
@@ -330,9 +330,9 @@ async def _engine_gate(
     return await gate.run()
 
 
-def _known(target: UpstreamTarget | None) -> UpstreamTarget:
-    assert target is not None, "an engine target or a fleet"
-    return target
+def _known(upstream: Upstream | None) -> Upstream:
+    assert upstream is not None, "an engine upstream or a fleet"
+    return upstream
 
 
 async def _fleet_gate(wait: float, workers: HealthChecker, observer: Observer) -> str:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pylon.assemble import Core, bring_up_options, build_core, routing_options
 from pylon.bringup import BringUp, BringUpOptions, EngineNotReady, bring_up
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.listeners import Listeners, start_listeners
 from pylon.observe import LogObserver, Observer
 from pylon.preflight import (
@@ -280,7 +280,7 @@ async def _engine(
     try:
         result = await bring_up(
             options,
-            UpstreamTarget.from_url(upstream) if routing is None else None,
+            Upstream.from_url(upstream) if routing is None else None,
             core.lifecycle,
             core.observer,
             workers=routing.checks if routing is not None else None,

@@ -39,7 +39,7 @@ from pylon.adapters import AdapterOptions, build_adapter
 from pylon.core.contract import TunnelRequest, parse_request
 from pylon.core.plan import Planner
 from pylon.core.record import RequestRecord
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.observe import LogObserver
 from pylon.otel import OtelTracer, TracingOptions
 
@@ -108,7 +108,7 @@ def main() -> int:
     tunnel = request()
     body = b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}],"stream":true}'
     adapter = build_adapter("dynamo", AdapterOptions(3600), derive=True)
-    target = UpstreamTarget.from_url("http://127.0.0.1:8000")
+    target = Upstream.from_url("http://127.0.0.1:8000")
     before_plan = plan_module_at(args.baseline).Planner(adapter).plan(tunnel, body)
     after_plan = Planner(adapter).plan(tunnel, body)
 

@@ -158,8 +158,8 @@ class FleetStack:
         """Engine connections open and not idle in pylon's pool, per worker target."""
         pool = self.running.core.pool
         return {
-            worker.label: pool.open_connections(worker.target)
-            - pool.idle_connections(worker.target)
+            worker.label: pool.open_connections(worker.upstream)
+            - pool.idle_connections(worker.upstream)
             for worker in self.routing.fleet.workers
         }
 

@@ -14,7 +14,7 @@ from pylon.core.errors import BodyError, ErrorCode
 from pylon.core.http import Header
 from pylon.core.priority import PriorityAdapter, PriorityWrite
 from pylon.core.sanitize import sanitize_request_headers
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.core.values import static_frozen
 
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
@@ -50,11 +50,11 @@ class ForwardPlan:
     stream_requested: bool
     stripped: tuple[str, ...]  # header names and body paths removed (names only, never values)
     priority: PriorityWrite
-    upstream: UpstreamTarget | None = None
+    upstream: Upstream | None = None
 
     def routed(
         self,
-        upstream: UpstreamTarget,
+        upstream: Upstream,
         headers: tuple[Header, ...] = (),
         trace: TraceContext | None = None,
         body: bytes | None = None,

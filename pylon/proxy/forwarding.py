@@ -103,7 +103,9 @@ class Proxy:
             exchange.booked(booking)
             # The span (when tracing) carries its own trace context to the engine.
             trace = None if self._tracer is None else self._trace(exchange, request, plan)
-            plan = exchange.plan = plan.routed(booking.target, booking.headers, trace, booking.body)
+            plan = exchange.plan = plan.routed(
+                booking.upstream, booking.headers, trace, booking.body
+            )
             await self._forward(exchange, plan)
         except PylonError as error:  # answered before any engine saw the request
             exchange.reject(exchange.sink, error)

@@ -24,7 +24,7 @@ from typing import Protocol
 from pylon.core.http import Header
 from pylon.core.plan import ForwardPlan
 from pylon.core.record import ExchangeHooks
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 
 
 class Tokenizer(Protocol):
@@ -49,7 +49,7 @@ class Booking(ExchangeHooks, Protocol):
     """
 
     @property
-    def target(self) -> UpstreamTarget:
+    def upstream(self) -> Upstream:
         """Where the pool sends the request."""
         ...
 
@@ -95,17 +95,17 @@ class Router(Protocol):
 
 
 class StaticBooking(ExchangeHooks):
-    """A booking with nothing to account: one fixed target, shared by every request."""
+    """A booking with nothing to account: one fixed upstream, shared by every request."""
 
-    __slots__ = ("headers", "target", "worker")
+    __slots__ = ("headers", "upstream", "worker")
     counts_output = False
     quiet = True
     body = None
 
-    def __init__(self, target: UpstreamTarget, headers: tuple[Header, ...] = ()) -> None:
-        self.target = target
+    def __init__(self, upstream: Upstream, headers: tuple[Header, ...] = ()) -> None:
+        self.upstream = upstream
         self.headers = headers
-        self.worker = target.label
+        self.worker = upstream.label
 
 
 class SingleUpstream:
@@ -113,8 +113,8 @@ class SingleUpstream:
 
     __slots__ = ("_booking",)
 
-    def __init__(self, target: UpstreamTarget) -> None:
-        self._booking = StaticBooking(target)
+    def __init__(self, upstream: Upstream) -> None:
+        self._booking = StaticBooking(upstream)
 
     async def book(self, plan: ForwardPlan) -> Booking:
         return self._booking

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.routing import Router, Tokenizer
 from pylon.routing.fleet import Fleet, WorkerView
 from pylon.routing.health import HealthChecker, HealthCheckOptions
@@ -54,7 +54,7 @@ class RoutingOptions:
     """How a request picks its worker (`--routing`)."""
     workers: tuple[WorkerSpec, ...]
     """The workers, in the order given (`--worker`)."""
-    frontend: UpstreamTarget | None
+    frontend: Upstream | None
     """The Dynamo frontend `instance-id=` workers sit behind (`--upstream`); None: none."""
     health: HealthCheckOptions
     """How each worker is checked, ejected and re-admitted."""

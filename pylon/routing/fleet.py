@@ -2,9 +2,9 @@
 
 A `Worker` is built once from its `WorkerSpec`:
 
-- `url=` worker: its own `UpstreamTarget` (the pool keeps connections, and the per-target cap,
+- `url=` worker: its own `Upstream` (the pool keeps connections, and the per-upstream cap,
   per worker), no extra header;
-- `instance-id=` worker: the `--upstream` Dynamo frontend's target, plus the trusted pin
+- `instance-id=` worker: the `--upstream` Dynamo frontend's upstream, plus the trusted pin
   `x-dynamo-worker-instance-id: <decimal u64>` (pylon's deny-lists strip every client copy of
   `x-dynamo-*`, its aliases and the body pins, so only pylon writes it).
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pylon.core.http import Header
 from pylon.core.record import ExchangeHooks, RequestRecord
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.routing.spec import WorkerSpec
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ INSTANCE_PIN_HEADER = b"x-dynamo-worker-instance-id"
 
 
 class Worker:
-    """One worker: its spec, dispatch (target and trusted headers) and live state."""
+    """One worker: its spec, dispatch (upstream and trusted headers) and live state."""
 
     __slots__ = (
         "active",
@@ -48,16 +48,16 @@ class Worker:
         "last_result",
         "passes",
         "spec",
-        "target",
+        "upstream",
     )
 
     def __init__(
-        self, spec: WorkerSpec, index: int, target: UpstreamTarget, headers: tuple[Header, ...]
+        self, spec: WorkerSpec, index: int, upstream: Upstream, headers: tuple[Header, ...]
     ) -> None:
         self.spec = spec
         self.index = index  # position in the configured list
         self.label = spec.label
-        self.target = target
+        self.upstream = upstream
         self.headers = headers
         self.active = 0  # bookings in flight
         self.decisions: dict[str, int] = {}  # bookings made, by the policy that chose it
@@ -73,10 +73,10 @@ class Worker:
         return f"Worker({self.label!r}, admitted={self.admitted}, active={self.active})"
 
 
-def make_worker(spec: WorkerSpec, index: int, frontend: UpstreamTarget | None) -> Worker:
+def make_worker(spec: WorkerSpec, index: int, frontend: Upstream | None) -> Worker:
     """Where `spec`'s requests go: its own URL, or the frontend with the instance pin."""
     if spec.url is not None:
-        return Worker(spec, index, UpstreamTarget.from_url(spec.url), ())
+        return Worker(spec, index, Upstream.from_url(spec.url), ())
     assert frontend is not None, "Settings require --upstream for instance-id workers"
     pin = (INSTANCE_PIN_HEADER, str(spec.instance_id).encode("ascii"))
     return Worker(spec, index, frontend, (pin,))
@@ -93,7 +93,7 @@ class Fleet:
         self._listeners: list[Callable[[], None]] = []
 
     @classmethod
-    def from_specs(cls, specs: Sequence[WorkerSpec], frontend: UpstreamTarget | None) -> Fleet:
+    def from_specs(cls, specs: Sequence[WorkerSpec], frontend: Upstream | None) -> Fleet:
         return cls([make_worker(spec, index, frontend) for index, spec in enumerate(specs)])
 
     def on_change(self, listener: Callable[[], None]) -> None:
@@ -134,10 +134,10 @@ class Fleet:
             for worker in self.workers
         )
 
-    def discovery_target(self) -> UpstreamTarget | None:
+    def discovery_upstream(self) -> Upstream | None:
         """Where pylon asks for the model list: the first admitted worker (None: none is)."""
         admitted = self.admitted
-        return admitted[0].target if admitted else None
+        return admitted[0].upstream if admitted else None
 
     async def wait_admitted(self, timeout: float) -> bool:
         """Wait until at least one worker is admitted; False when `timeout` ran out first."""
@@ -180,14 +180,14 @@ class WorkerBooking(ExchangeHooks):
     `policy` names the router that chose it (counted per worker). Released by the exchange's
     terminal moment, exactly once."""
 
-    __slots__ = ("_released", "_worker", "headers", "target", "worker")
+    __slots__ = ("_released", "_worker", "headers", "upstream", "worker")
     counts_output = False
     quiet = False
     body = None
 
     def __init__(self, worker: Worker, policy: str) -> None:
         self._worker = worker
-        self.target = worker.target
+        self.upstream = worker.upstream
         self.headers = worker.headers
         self.worker = worker.label
         self._released = False

@@ -30,7 +30,7 @@ from pylon.routing.fleet import Fleet, Worker
 from pylon.upstream.probe import Fetch, FetchError, fetch
 
 if TYPE_CHECKING:
-    from pylon.core.target import UpstreamTarget
+    from pylon.core.upstream import Upstream
     from pylon.observe import Observer
 
 MAX_HEALTH_BODY = 1024 * 1024  # a Dynamo frontend's /health lists every instance
@@ -124,14 +124,14 @@ class HealthChecker:
         self.rounds += 1
         probes: list[Awaitable[None]] = [self._check_url(w) for w in self._url_workers]
         if self._pinned:
-            probes.append(self._check_pinned(self._pinned[0].target))
+            probes.append(self._check_pinned(self._pinned[0].upstream))
         await asyncio.gather(*probes)
         self._first_round.set()
 
     async def _check_url(self, worker: Worker) -> None:
         try:
             reply = await self._fetch(
-                worker.target, self._path, timeout=self._timeout, max_body=MAX_HEALTH_BODY
+                worker.upstream, self._path, timeout=self._timeout, max_body=MAX_HEALTH_BODY
             )
         except FetchError as exc:
             self.apply(worker, False, exc.detail)
@@ -139,7 +139,7 @@ class HealthChecker:
         ok = 200 <= reply.status < 300
         self.apply(worker, ok, "ok" if ok else f"status {reply.status}")
 
-    async def _check_pinned(self, frontend: UpstreamTarget) -> None:
+    async def _check_pinned(self, frontend: Upstream) -> None:
         try:
             reply = await self._fetch(
                 frontend, self._path, timeout=self._timeout, max_body=MAX_HEALTH_BODY

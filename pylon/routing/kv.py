@@ -80,7 +80,7 @@ class KvBooking(ExchangeHooks):
     reservation (`first_output` -> prefill complete, `output` -> output tokens, the terminal
     moment -> free)."""
 
-    __slots__ = ("_released", "_reservation", "_worker", "body", "headers", "target", "worker")
+    __slots__ = ("_released", "_reservation", "_worker", "body", "headers", "upstream", "worker")
     counts_output = True
     quiet = False
 
@@ -93,7 +93,7 @@ class KvBooking(ExchangeHooks):
     ) -> None:
         self._worker = worker
         self._reservation = reservation
-        self.target = worker.target
+        self.upstream = worker.upstream
         self.headers = headers
         self.body = body
         self.worker = worker.label

@@ -36,7 +36,7 @@ from pylon.routing.fleet import Fleet
 from pylon.upstream.probe import Fetched, FetchError, post_json
 
 if TYPE_CHECKING:
-    from pylon.core.target import UpstreamTarget
+    from pylon.core.upstream import Upstream
     from pylon.observe import Observer
     from pylon.routing import Tokenizer
 
@@ -73,7 +73,7 @@ PROBES: tuple[tuple[str, dict[str, Any]], ...] = (
 class Post(Protocol):
     async def __call__(
         self,
-        target: UpstreamTarget,
+        upstream: Upstream,
         path: str,
         body: bytes,
         *,
@@ -181,7 +181,7 @@ class TokenDataProver:
             }
             try:
                 reply = await self._post(
-                    worker.target,
+                    worker.upstream,
                     path,
                     orjson.dumps(asked),
                     headers=worker.headers,

@@ -23,7 +23,7 @@ from pylon.core.http import Header
 
 if TYPE_CHECKING:
     from pylon.core.plan import ForwardPlan
-    from pylon.core.target import UpstreamTarget
+    from pylon.core.upstream import Upstream
 
 _OWS = b" \t"
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
@@ -40,7 +40,7 @@ class UpstreamConnectError(Exception):
 
 
 class UpstreamBusy(UpstreamConnectError):
-    """Every connection to the target stayed busy for the whole queue timeout."""
+    """Every connection to the upstream stayed busy for the whole queue timeout."""
 
 
 class UpstreamBroken(Exception):
@@ -187,13 +187,13 @@ class UpstreamConnection(asyncio.Protocol):
         "loop",
         "received",
         "reused",
-        "target",
         "transport",
+        "upstream",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, target: UpstreamTarget) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: Upstream) -> None:
         self.loop = loop
-        self.target = target
+        self.upstream = upstream
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.attempt: Attempt | None = None
@@ -216,7 +216,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.received = False
         self._final = False
         assert self.transport is not None
-        self.transport.write(frame_request(plan, self.target))
+        self.transport.write(frame_request(plan, self.upstream))
         return attempt
 
     def end_attempt(self) -> bool:
@@ -397,7 +397,7 @@ def delimited_by_close(status: int, fields: Sequence[Header]) -> bool:
     return True
 
 
-def frame_request(plan: ForwardPlan, upstream: UpstreamTarget) -> bytes:
+def frame_request(plan: ForwardPlan, upstream: Upstream) -> bytes:
     """The request line, `host`, the plan's fields, `content-length` and the body, as bytes."""
     method = plan.method
     parts = [

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.upstream.connection import (
     Attempt,
     UpstreamBusy,
@@ -31,13 +31,13 @@ if TYPE_CHECKING:
     from pylon.core.plan import ForwardPlan
 
 
-class _TargetPool:
-    """One target's connections: the idle ones, how many are open, who waits for one."""
+class _PerUpstream:
+    """One upstream's connections: the idle ones, how many are open, who waits for one."""
 
-    __slots__ = ("idle", "open", "target", "waiters")
+    __slots__ = ("idle", "open", "upstream", "waiters")
 
-    def __init__(self, target: UpstreamTarget) -> None:
-        self.target = target
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
         self.idle: list[UpstreamConnection] = []  # oldest first; reuse takes the newest
         self.open = 0  # connections open or being opened (idle ones included)
         self.waiters: collections.deque[asyncio.Future[UpstreamConnection | None]] = (
@@ -54,9 +54,9 @@ class PoolOptions:
     idle_timeout: float
     """Seconds an idle kept-alive connection stays open (`--upstream-idle-timeout`)."""
     max_idle: int
-    """Idle connections kept per target (`--upstream-max-idle`)."""
+    """Idle connections kept per upstream (`--upstream-max-idle`)."""
     max_connections: int = 1024
-    """Open connections per target; requests above it wait (`--upstream-max-connections`)."""
+    """Open connections per upstream; requests above it wait (`--upstream-max-connections`)."""
     queue_timeout: float | None = None
     """Seconds a request waits for a free connection (`--upstream-queue-timeout`); None: the
     connect timeout."""
@@ -73,42 +73,42 @@ class UpstreamPool:
         self._max_connections = options.max_connections
         queue_timeout = options.queue_timeout
         self._queue_timeout = options.connect_timeout if queue_timeout is None else queue_timeout
-        # Keyed by the target's label (one per host, port and base path): a str hashes in C, an
-        # UpstreamTarget in Python, and the pool looks targets up twice per request.
-        self._targets: dict[str, _TargetPool] = {}
+        # Keyed by the upstream's label (one per host, port and base path): a str hashes in C, an
+        # Upstream in Python, and the pool looks upstreams up twice per request.
+        self._upstreams: dict[str, _PerUpstream] = {}
         self._reaper: asyncio.TimerHandle | None = None
 
     def send_idle(self, plan: ForwardPlan) -> Attempt | None:
-        """Write `plan` on an idle kept-alive connection to its target and return its attempt;
+        """Write `plan` on an idle kept-alive connection to its upstream and return its attempt;
         None when there is no idle connection (then `send` opens or waits for one). Not a
         coroutine: under load almost every request finds an idle connection."""
-        pool = self._target_pool(plan)
+        pool = self._per_upstream(plan)
         conn = self._take_idle(pool)
         return None if conn is None else conn.begin(plan)
 
     async def send(self, plan: ForwardPlan, *, fresh: bool = False) -> Attempt:
-        """Write `plan` to its target; returns once written. Raises `UpstreamConnectError`.
+        """Write `plan` to its upstream; returns once written. Raises `UpstreamConnectError`.
 
         `fresh`: use a new connection, never an idle one (the retry of a stale-connection race).
         """
-        pool = self._target_pool(plan)
+        pool = self._per_upstream(plan)
         conn = None if fresh else self._take_idle(pool)
         if conn is None:
             conn = await self._open(pool)
         return conn.begin(plan)
 
-    def _target_pool(self, plan: ForwardPlan) -> _TargetPool:
+    def _per_upstream(self, plan: ForwardPlan) -> _PerUpstream:
         assert plan.upstream is not None, "a plan is routed before it is sent"
-        target = plan.upstream
-        pool = self._targets.get(target.label)
+        upstream = plan.upstream
+        pool = self._upstreams.get(upstream.label)
         if pool is None:
-            pool = self._targets[target.label] = _TargetPool(target)
+            pool = self._upstreams[upstream.label] = _PerUpstream(upstream)
         return pool
 
     def finish(self, attempt: Attempt) -> None:
         """Return the attempt's connection to its pool if it can run another, else close it."""
         conn = attempt.connection
-        pool = self._targets[conn.target.label]
+        pool = self._upstreams[conn.upstream.label]
         if conn.end_attempt():
             self._hand_over(pool, conn)
             return
@@ -116,7 +116,7 @@ class UpstreamPool:
         self._closed(pool)
 
     def close(self) -> None:
-        for pool in self._targets.values():
+        for pool in self._upstreams.values():
             for conn in pool.idle:
                 conn.abort()
             pool.open -= len(pool.idle)
@@ -129,16 +129,16 @@ class UpstreamPool:
             self._reaper.cancel()
             self._reaper = None
 
-    def open_connections(self, target: UpstreamTarget) -> int:
-        pool = self._targets.get(target.label)
+    def open_connections(self, upstream: Upstream) -> int:
+        pool = self._upstreams.get(upstream.label)
         return pool.open if pool is not None else 0
 
-    def idle_connections(self, target: UpstreamTarget) -> int:
-        pool = self._targets.get(target.label)
+    def idle_connections(self, upstream: Upstream) -> int:
+        pool = self._upstreams.get(upstream.label)
         return len(pool.idle) if pool is not None else 0
 
     # --- connections ---
-    def _take_idle(self, pool: _TargetPool) -> UpstreamConnection | None:
+    def _take_idle(self, pool: _PerUpstream) -> UpstreamConnection | None:
         # Engines behind uvicorn close idle connections after 5 s; never reuse one near that age,
         # so a request is rarely written into a connection the engine is closing (and the
         # stale-connection retry covers the rest).
@@ -152,31 +152,31 @@ class UpstreamPool:
             pool.open -= 1
         return None
 
-    async def _open(self, pool: _TargetPool) -> UpstreamConnection:
+    async def _open(self, pool: _PerUpstream) -> UpstreamConnection:
         if pool.open >= self._max_connections:
             handed = await self._wait_for_connection(pool)
             if handed is not None:
                 return handed
         pool.open += 1
-        target = pool.target
+        upstream = pool.upstream
         try:
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(
-                    lambda: UpstreamConnection(self.loop, target), target.host, target.port
+                    lambda: UpstreamConnection(self.loop, upstream), upstream.host, upstream.port
                 ),
                 self._connect_timeout,
             )
         except (TimeoutError, OSError) as exc:
             self._closed(pool)
             raise UpstreamConnectError(
-                f"cannot connect to engine at {target.label}: {exc.__class__.__name__}"
+                f"cannot connect to engine at {upstream.label}: {exc.__class__.__name__}"
             ) from exc
         except BaseException:
             self._closed(pool)
             raise
         return conn
 
-    async def _wait_for_connection(self, pool: _TargetPool) -> UpstreamConnection | None:
+    async def _wait_for_connection(self, pool: _PerUpstream) -> UpstreamConnection | None:
         """Queue for a connection: a kept-alive one handed over, or None = room to open one."""
         waiter: asyncio.Future[UpstreamConnection | None] = self.loop.create_future()
         pool.waiters.append(waiter)
@@ -192,7 +192,7 @@ class UpstreamPool:
                 else:
                     self._closed(pool)
             raise UpstreamBusy(
-                f"all {self._max_connections} connections to {pool.target.label} stayed busy "
+                f"all {self._max_connections} connections to {pool.upstream.label} stayed busy "
                 f"for {self._queue_timeout} s"
             ) from None
         finally:
@@ -203,7 +203,7 @@ class UpstreamPool:
             pool.open -= 1  # `_closed` kept the slot for us; `_open` takes it again
         return handed
 
-    def _hand_over(self, pool: _TargetPool, conn: UpstreamConnection) -> None:
+    def _hand_over(self, pool: _PerUpstream, conn: UpstreamConnection) -> None:
         """A kept-alive connection goes to the first waiter, else back to the idle set."""
         while pool.waiters:
             waiter = pool.waiters.popleft()
@@ -221,7 +221,7 @@ class UpstreamPool:
         conn.abort()
         self._closed(pool)
 
-    def _closed(self, pool: _TargetPool) -> None:
+    def _closed(self, pool: _PerUpstream) -> None:
         """A connection is gone: its slot goes to the first waiter, if any, else is freed."""
         while pool.waiters:
             waiter = pool.waiters.popleft()
@@ -240,7 +240,7 @@ class UpstreamPool:
         self._reaper = None
         cutoff = time.monotonic() - self._idle_timeout
         remaining = False
-        for pool in self._targets.values():
+        for pool in self._upstreams.values():
             idle = pool.idle
             stale = 0
             while stale < len(idle) and (idle[stale].idle_since <= cutoff or idle[stale].closed):

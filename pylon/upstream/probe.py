@@ -15,7 +15,7 @@ from typing import Protocol, cast
 
 import httptools
 
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.upstream.connection import MAX_RESPONSE_HEAD, delimited_by_close
 
 
@@ -39,7 +39,7 @@ class Fetch(Protocol):
     health checks): tests hand in a scripted engine instead."""
 
     async def __call__(
-        self, target: UpstreamTarget, path: str, *, timeout: float, max_body: int
+        self, upstream: Upstream, path: str, *, timeout: float, max_body: int
     ) -> Fetched: ...
 
 
@@ -132,23 +132,23 @@ class _OneResponse(asyncio.Protocol):
             self.done.set_exception(FetchError(reason, detail))
 
 
-async def fetch(target: UpstreamTarget, path: str, *, timeout: float, max_body: int) -> Fetched:
-    """`GET <target><path>`: the status and body, all within `timeout` seconds.
+async def fetch(upstream: Upstream, path: str, *, timeout: float, max_body: int) -> Fetched:
+    """`GET <upstream><path>`: the status and body, all within `timeout` seconds.
 
     Raises `FetchError`; never leaves a connection open.
     """
     head = b"GET %s%s HTTP/1.1\r\nhost: %s\r\nuser-agent: pylon\r\n" % (
-        target.base_path.encode("ascii"),
+        upstream.base_path.encode("ascii"),
         path.encode("ascii"),
-        target.host_header,
+        upstream.host_header,
     )
     return await _exchange(
-        target, head + b"accept: application/json\r\nconnection: close\r\n\r\n", timeout, max_body
+        upstream, head + b"accept: application/json\r\nconnection: close\r\n\r\n", timeout, max_body
     )
 
 
 async def post_json(
-    target: UpstreamTarget,
+    upstream: Upstream,
     path: str,
     body: bytes,
     *,
@@ -156,29 +156,27 @@ async def post_json(
     timeout: float,
     max_body: int,
 ) -> Fetched:
-    """`POST <target><path>` with a JSON `body` and pylon's own extra `headers` (e.g. a worker
+    """`POST <upstream><path>` with a JSON `body` and pylon's own extra `headers` (e.g. a worker
     pin): the status and the whole response body, within `timeout` seconds. Raises
     `FetchError`; never leaves a connection open."""
     head = b"POST %s%s HTTP/1.1\r\nhost: %s\r\nuser-agent: pylon\r\n" % (
-        target.base_path.encode("ascii"),
+        upstream.base_path.encode("ascii"),
         path.encode("ascii"),
-        target.host_header,
+        upstream.host_header,
     )
     extra = b"".join(b"%s: %s\r\n" % field for field in headers)
     framing = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-    return await _exchange(target, head + extra + framing % len(body) + body, timeout, max_body)
+    return await _exchange(upstream, head + extra + framing % len(body) + body, timeout, max_body)
 
 
-async def _exchange(
-    target: UpstreamTarget, request: bytes, timeout: float, max_body: int
-) -> Fetched:
+async def _exchange(upstream: Upstream, request: bytes, timeout: float, max_body: int) -> Fetched:
     loop = asyncio.get_running_loop()
     protocol: _OneResponse | None = None
     try:
         async with asyncio.timeout(timeout):
             try:
                 _, protocol = await loop.create_connection(
-                    lambda: _OneResponse(loop, max_body), target.host, target.port
+                    lambda: _OneResponse(loop, max_body), upstream.host, upstream.port
                 )
             except OSError as exc:
                 why = exc.strerror or exc.__class__.__name__

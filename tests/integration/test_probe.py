@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.upstream.probe import FetchError, fetch
 
 
@@ -45,7 +45,7 @@ async def engine(reply: bytes | None, close: bool = True) -> AsyncIterator[tuple
 async def test_a_sized_answer_and_the_request_line() -> None:
     reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
     async with engine(reply, close=False) as (url, heads):
-        got = await fetch(UpstreamTarget.from_url(url), "/health", timeout=2, max_body=10)
+        got = await fetch(Upstream.from_url(url), "/health", timeout=2, max_body=10)
     assert (got.status, got.body) == (200, b"{}")
     head = heads[0].lower()
     assert head.startswith(b"get /base/health http/1.1\r\n")
@@ -54,14 +54,14 @@ async def test_a_sized_answer_and_the_request_line() -> None:
 
 async def test_a_close_delimited_answer_ends_at_the_close() -> None:
     async with engine(b"HTTP/1.1 503 Busy\r\n\r\nnot yet") as (url, _):
-        got = await fetch(UpstreamTarget.from_url(url), "/health", timeout=2, max_body=10)
+        got = await fetch(Upstream.from_url(url), "/health", timeout=2, max_body=10)
     assert (got.status, got.body) == (503, b"not yet")
 
 
 async def test_interim_responses_are_skipped() -> None:
     reply = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n"
     async with engine(reply) as (url, _):
-        got = await fetch(UpstreamTarget.from_url(url), "/h", timeout=2, max_body=10)
+        got = await fetch(Upstream.from_url(url), "/h", timeout=2, max_body=10)
     assert got.status == 204
 
 
@@ -78,7 +78,7 @@ async def test_interim_responses_are_skipped() -> None:
 async def test_bad_answers_are_fetch_errors(reply: bytes, reason: str) -> None:
     async with engine(reply) as (url, _):
         with pytest.raises(FetchError) as failed:
-            await fetch(UpstreamTarget.from_url(url), "/h", timeout=2, max_body=10)
+            await fetch(Upstream.from_url(url), "/h", timeout=2, max_body=10)
     assert failed.value.reason == reason and failed.value.detail
 
 
@@ -87,7 +87,7 @@ async def test_an_engine_that_never_answers_is_a_timeout() -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         with pytest.raises(FetchError) as failed:
-            await fetch(UpstreamTarget.from_url(url), "/h", timeout=0.1, max_body=10)
+            await fetch(Upstream.from_url(url), "/h", timeout=0.1, max_body=10)
     assert failed.value.reason == "timeout"
     assert loop.time() - started < 2
 
@@ -97,8 +97,6 @@ async def test_nothing_listening_is_a_connect_error() -> None:
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
     with pytest.raises(FetchError) as failed:
-        await fetch(
-            UpstreamTarget.from_url(f"http://127.0.0.1:{port}"), "/h", timeout=2, max_body=1
-        )
+        await fetch(Upstream.from_url(f"http://127.0.0.1:{port}"), "/h", timeout=2, max_body=1)
     assert failed.value.reason == "connect"
     assert failed.value.detail.startswith("cannot connect: ")

@@ -15,7 +15,7 @@ from pylon.core.errors import PylonError
 from pylon.core.plan import ForwardPlan
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.retry import RetryMark
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.observe import LogObserver
 from pylon.routing import Booking
 from tests.stack import MODEL, Stack, StackFactory
@@ -30,9 +30,9 @@ class RecordingBooking(ExchangeHooks):
     quiet = False
     body = None
 
-    def __init__(self, target: UpstreamTarget, log: list[str], tokens: list[int]) -> None:
-        self.target = target
-        self.worker = target.label
+    def __init__(self, upstream: Upstream, log: list[str], tokens: list[int]) -> None:
+        self.upstream = upstream
+        self.worker = upstream.label
         self.headers = ((b"x-worker-pin", b"7"),)
         self._log = log
         self._tokens = tokens
@@ -61,15 +61,15 @@ class RecordingRouter:
     """Books every request on one target and keeps each booking's life story."""
 
     def __init__(self) -> None:
-        self.target: UpstreamTarget | None = None
+        self.upstream: Upstream | None = None
         self.lives: dict[str, list[str]] = {}
         self.tokens: dict[str, list[int]] = {}  # what `output_tokens` was told, per block
 
     async def book(self, plan: ForwardPlan) -> Booking:
-        assert self.target is not None and plan.request_id is not None
+        assert self.upstream is not None and plan.request_id is not None
         rid = plan.request_id
         return RecordingBooking(
-            self.target, self.lives.setdefault(rid, []), self.tokens.setdefault(rid, [])
+            self.upstream, self.lives.setdefault(rid, []), self.tokens.setdefault(rid, [])
         )
 
 
@@ -110,7 +110,7 @@ async def routed_stack(make_stack: StackFactory, **settings: Any) -> tuple[Stack
     stack = await make_stack(
         "dynamo", mock={"token_delay_ms": 20, "num_tokens": 8}, router=router, **settings
     )
-    router.target = UpstreamTarget.from_url(stack.mock.base_url)
+    router.upstream = Upstream.from_url(stack.mock.base_url)
     return stack, router
 
 

@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from mock_dynamo.server import MockConfig, start_mock
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.logs import configure_logging
 from pylon.observe import LogObserver
 from pylon.run import start
@@ -124,7 +124,7 @@ async def test_span_is_the_child_of_the_callers_trace_and_the_parent_of_the_engi
         "pylon.model": MODEL,
         "pylon.backend": "dynamo",
         "pylon.transport": protocol,
-        "pylon.worker": UpstreamTarget.from_url(stack.running.upstream).label,
+        "pylon.worker": Upstream.from_url(stack.running.upstream).label,
         "pylon.priority": 100,
         "pylon.engine_priority": 3600 - 100,  # Dynamo: ceiling minus rank
         "http.request.method": "POST",

@@ -18,7 +18,7 @@ import pytest
 
 from pylon.core.plan import ForwardPlan
 from pylon.core.priority import NO_WRITE
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.logs import configure_logging
 from pylon.run import start
 from pylon.settings import load_settings
@@ -83,13 +83,13 @@ async def engine_server(engine: Engine) -> AsyncIterator[Engine]:
         server.close()
 
 
-def plan_for(target: UpstreamTarget) -> ForwardPlan:
+def plan_for(target: Upstream) -> ForwardPlan:
     return ForwardPlan(
         "POST", "/v1/x", ((b"x-request-id", b"r"),), b"{}", "r", "m", False, (), NO_WRITE, target
     )
 
 
-async def exchange(pool: UpstreamPool, target: UpstreamTarget) -> int:
+async def exchange(pool: UpstreamPool, target: Upstream) -> int:
     ex = await pool.send(plan_for(target))
     await ex.head
     while await ex.next_chunk() is not None:
@@ -101,7 +101,7 @@ async def exchange(pool: UpstreamPool, target: UpstreamTarget) -> int:
 async def test_connections_are_kept_per_target() -> None:
     async with engine_server(Engine()) as one, engine_server(Engine()) as two:
         pool = UpstreamPool(POOL)
-        first, second = (UpstreamTarget("127.0.0.1", e.port, "") for e in (one, two))
+        first, second = (Upstream("127.0.0.1", e.port, "") for e in (one, two))
         for _ in range(3):
             assert await exchange(pool, first) == 200
             assert await exchange(pool, second) == 200
@@ -114,7 +114,7 @@ async def test_requests_above_the_cap_wait_for_a_free_connection() -> None:
     engine = Engine(hold=True)
     async with engine_server(engine):
         pool = UpstreamPool(replace(POOL, max_connections=2))
-        target = UpstreamTarget("127.0.0.1", engine.port, "")
+        target = Upstream("127.0.0.1", engine.port, "")
         tasks = [asyncio.create_task(exchange(pool, target)) for _ in range(5)]
         await engine.wait_requests(2)
         assert pool.open_connections(target) == 2
@@ -128,7 +128,7 @@ async def test_a_request_that_waits_too_long_is_upstream_busy() -> None:
     engine = Engine(hold=True)
     async with engine_server(engine):
         pool = UpstreamPool(replace(POOL, max_connections=1, queue_timeout=0.05))
-        target = UpstreamTarget("127.0.0.1", engine.port, "")
+        target = Upstream("127.0.0.1", engine.port, "")
         held = asyncio.create_task(exchange(pool, target))
         await engine.wait_requests(1)
         with pytest.raises(UpstreamBusy):
@@ -143,7 +143,7 @@ async def test_idle_connections_are_reaped_on_the_idle_timeout() -> None:
     engine = Engine()
     async with engine_server(engine):
         pool = UpstreamPool(replace(POOL, idle_timeout=0.2))
-        target = UpstreamTarget("127.0.0.1", engine.port, "")
+        target = Upstream("127.0.0.1", engine.port, "")
         assert await exchange(pool, target) == 200
         assert pool.idle_connections(target) == 1
         # The engine sees pylon close the connection, without any new request to trigger it.
@@ -237,7 +237,7 @@ async def test_a_streamed_response_is_acknowledged_at_once_on_a_kept_alive_conne
     server = await asyncio.start_server(engine.handle, "127.0.0.1", 0)
     engine.port = server.sockets[0].getsockname()[1]
     pool = UpstreamPool(POOL)
-    target = UpstreamTarget("127.0.0.1", engine.port, "")
+    target = Upstream("127.0.0.1", engine.port, "")
     quick_after_head = []
     try:
         for _ in range(5):  # some kernels enter ping-pong mode only after 3 such exchanges
@@ -277,9 +277,9 @@ async def test_a_response_complete_in_its_first_read_costs_no_ack_syscall() -> N
     engine = Engine()
     async with engine_server(engine):
         pool = UpstreamPool(POOL)
-        target = UpstreamTarget("127.0.0.1", engine.port, "")
+        target = Upstream("127.0.0.1", engine.port, "")
         assert await exchange(pool, target) == 200
-        conn = pool._targets[target.label].idle[0]  # keyed by label
+        conn = pool._upstreams[target.label].idle[0]  # keyed by label
         counting = CountingSocket(conn._sock)  # type: ignore[arg-type]
         conn._sock = counting  # type: ignore[assignment]
         for _ in range(3):

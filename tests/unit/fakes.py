@@ -37,7 +37,7 @@ from pylon.core.plan import ForwardPlan
 from pylon.core.queue import QueueDecision, QueueEntry, QueueGate, QueueTable
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.retry import RetryMark
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.observe import Observer
 from pylon.proxy.exchange import Exchange
 from pylon.proxy.forwarding import AttemptPool
@@ -48,7 +48,7 @@ from pylon.tracing import ExchangeSpan, ExchangeTracer
 from pylon.upstream import Attempt, UpstreamConnectError
 from pylon.upstream.connection import UpstreamConnection
 
-TARGET = UpstreamTarget.from_url("http://engine.test:8000")
+UPSTREAM = Upstream.from_url("http://engine.test:8000")
 SSE_HEAD: tuple[Header, ...] = (
     (b"content-type", b"text/event-stream"),
     (b"transfer-encoding", b"chunked"),
@@ -167,9 +167,9 @@ class ScriptedEngine:
     real llhttp parser into the real `Attempt` the proxy reads.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, target: UpstreamTarget = TARGET):
+    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: Upstream = UPSTREAM):
         self.transport = FakeTransport()
-        self.connection = UpstreamConnection(loop, target)
+        self.connection = UpstreamConnection(loop, upstream)
         self.connection.connection_made(self.transport)  # type: ignore[arg-type]
 
     def begin(self, plan: ForwardPlan) -> Attempt:
@@ -398,15 +398,15 @@ class RecordingHooks(ExchangeHooks):
 
 
 class RecordingBooking(RecordingHooks):
-    """A booking on one target that records every moment it hears."""
+    """A booking on one upstream that records every moment it hears."""
 
     quiet = False
     body = None
 
-    def __init__(self, log: Moments, target: UpstreamTarget, counts_output: bool) -> None:
+    def __init__(self, log: Moments, upstream: Upstream, counts_output: bool) -> None:
         super().__init__(log, "booking")
-        self.target = target
-        self.worker = target.label
+        self.upstream = upstream
+        self.worker = upstream.label
         self.headers: tuple[Header, ...] = ((b"x-worker-pin", b"7"),)
         self.counts_output = counts_output
 
@@ -415,18 +415,19 @@ _booking: type[Booking] = RecordingBooking
 
 
 class RecordingRouter:
-    """Books every request on `target` (or refuses with `refuse`) and keeps what it was asked."""
+    """Books every request on `upstream` (or refuses with `refuse`) and keeps what it was
+    asked."""
 
     def __init__(
         self,
         log: Moments,
-        target: UpstreamTarget = TARGET,
+        upstream: Upstream = UPSTREAM,
         *,
         counts_output: bool = True,
         refuse: NoWorker | None = None,
     ) -> None:
         self._log = log
-        self._target = target
+        self._upstream = upstream
         self._counts_output = counts_output
         self.refuse = refuse
         self.plans: list[ForwardPlan] = []
@@ -435,7 +436,7 @@ class RecordingRouter:
         self.plans.append(plan)
         if self.refuse is not None:
             raise self.refuse
-        return RecordingBooking(self._log, self._target, self._counts_output)
+        return RecordingBooking(self._log, self._upstream, self._counts_output)
 
 
 _router: type[Router] = RecordingRouter

@@ -10,12 +10,12 @@ import orjson
 import pytest
 
 from pylon.bringup import EngineNotReady, HealthGate, ModelDiscovery, health_paths
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.models import ModelCatalog
 from pylon.upstream.probe import Fetched, FetchError
 from tests.observers import EventObserver
 
-TARGET = UpstreamTarget.from_url("http://127.0.0.1:8000")
+TARGET = Upstream.from_url("http://127.0.0.1:8000")
 Answer = Fetched | FetchError | Callable[[], Fetched]
 
 
@@ -37,9 +37,7 @@ class FakeEngine:
         self.slept.append(seconds)
         self.now += seconds
 
-    async def fetch(
-        self, target: UpstreamTarget, path: str, *, timeout: float, max_body: int
-    ) -> Fetched:
+    async def fetch(self, target: Upstream, path: str, *, timeout: float, max_body: int) -> Fetched:
         assert target is TARGET and max_body > 0
         self.asked.append((path, timeout))
         answers = self.script.get(path, [Fetched(404, b"")])

@@ -51,7 +51,7 @@ from pylon.core.priority import PriorityWrite
 from pylon.core.record import RequestRecord
 from pylon.core.sanitize import normalised_fields
 from pylon.core.sse import _BOUNDARY, _last_boundary_end
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.core.usage import _USAGE, USAGE_KEY, USAGE_WINDOW, _counts, usage_at_end, usage_of
 from pylon.metrics import BATCH, MetricsObserver
 from pylon.observe import OBSERVER_EVENTS, Observers, quiet
@@ -428,7 +428,7 @@ class FakeTransport:
 
 
 PLAN = ForwardPlan("POST", "/v1/x", (), b"{}", "r-1", "m", False, (), PriorityWrite())
-UPSTREAM = UpstreamTarget("127.0.0.1", 8000, "")
+UPSTREAM = Upstream("127.0.0.1", 8000, "")
 
 
 def connection() -> tuple[UpstreamConnection, FakeTransport]:

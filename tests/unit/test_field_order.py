@@ -24,7 +24,7 @@ from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.priority import PriorityWrite
 from pylon.core.queue import QueueDecision, QueueGate, QueuePolicy, QueueTable, Result
 from pylon.core.sanitize import ResponseHead, sanitize_response_head
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 
 from .helpers import TRACEPARENT
 
@@ -73,7 +73,7 @@ def test_forward_plan_field_order() -> None:
         ("stream_requested", "bool"),
         ("stripped", "tuple[str, ...]"),
         ("priority", "PriorityWrite"),
-        ("upstream", "UpstreamTarget | None"),
+        ("upstream", "Upstream | None"),
     ]
 
 
@@ -198,7 +198,7 @@ def test_the_plan_puts_each_value_in_its_field() -> None:
 @pytest.mark.parametrize("body", [None, b'{"model": "model-B", "x": 1}'])
 def test_the_routed_plan_keeps_every_field_but_the_ones_routing_sets(body: bytes | None) -> None:
     plan = planner().plan(full_request(), b'{"model": "model-B", "stream": true, "vllm_xargs": {}}')
-    upstream = UpstreamTarget("127.0.0.1", 9, "/base")
+    upstream = Upstream("127.0.0.1", 9, "/base")
     routed = plan.routed(upstream, ((b"x-worker", b"1"),), body=body)
     assert routed.upstream == upstream
     assert routed.headers == (*plan.headers, (b"x-worker", b"1"))

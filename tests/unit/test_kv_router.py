@@ -15,7 +15,7 @@ import pytest
 from pylon.core.plan import ForwardPlan
 from pylon.core.priority import NO_WRITE
 from pylon.core.record import RequestRecord
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.routing import NoWorker, kv
 from pylon.routing.build import KvOptions, build_kv_router
 from pylon.routing.fleet import INSTANCE_PIN_HEADER, Fleet
@@ -70,7 +70,7 @@ async def kv_router(
     fake: FakeNative, *specs: str, tokenizer: Prompts | None = None
 ) -> tuple[KvRouter, Fleet, EventObserver]:
     workers = [parse_worker_spec(spec) for spec in specs]
-    fleet = Fleet.from_specs(workers, UpstreamTarget.from_url(FRONTEND))
+    fleet = Fleet.from_specs(workers, Upstream.from_url(FRONTEND))
     for worker in fleet.workers:
         fleet.set_admitted(worker, True)
     observer = EventObserver()
@@ -90,7 +90,7 @@ async def test_a_booking_tells_the_core_what_the_exchange_does(fake: Refusing) -
     assert [e["workers"] for e in events.of("kv_router_started")] == [["http://a:1"]]
     booking = await router.book(plan(b"abcdefgh"))
     assert isinstance(booking, KvBooking) and booking.counts_output
-    assert booking.target == UpstreamTarget("a", 1, "") and booking.headers == ()
+    assert booking.upstream == Upstream("a", 1, "") and booking.headers == ()
     sid = booking.reservation.selection_id
     assert sid.startswith("pylon-")  # minted by pylon
     assert fake.last_request["token_ids"] == list(b"abcdefgh")
@@ -128,7 +128,7 @@ async def test_dp_rank_pins_and_the_instance_pin(fake: Refusing) -> None:
     )
     first, second = await router.book(plan()), await router.book(plan())
     assert first.headers == ((URL_RANK_HEADER, b"0"),)
-    assert second.target == UpstreamTarget.from_url(FRONTEND)
+    assert second.upstream == Upstream.from_url(FRONTEND)
     assert second.headers == (
         (INSTANCE_PIN_HEADER, b"18446744073709551615"),
         (INSTANCE_RANK_HEADER, b"0"),

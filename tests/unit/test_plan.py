@@ -12,7 +12,7 @@ from pylon.adapters import AdapterOptions, build_adapter
 from pylon.core.contract import HealthRequest, TraceContext, parse_request
 from pylon.core.http import Header
 from pylon.core.plan import BODY_PRIORITY_PATHS, Planner, append_member
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 
 from .helpers import TRACEPARENT, tunnel
 
@@ -190,7 +190,7 @@ def test_routed_plan_carries_the_trace_context_the_engine_continues(
 ) -> None:
     plan = planner("dynamo").plan(tunnel(*incoming, (b"Accept", b"*/*")), b"{}")
     pin = (b"x-worker-pin", b"7")
-    routed = plan.routed(UpstreamTarget("127.0.0.1", 8000, ""), (pin,), ours)
+    routed = plan.routed(Upstream("127.0.0.1", 8000, ""), (pin,), ours)
     assert routed.headers == (
         (b"x-request-id", b"req-1"),
         *expected,

@@ -29,7 +29,7 @@ from pylon.upstream import UpstreamBroken
 
 from .fakes import (
     SSE_HEAD,
-    TARGET,
+    UPSTREAM,
     ClockedLoop,
     Moments,
     RecordingHooks,
@@ -77,7 +77,7 @@ class Relay:
         exchange.admitted(request)
         exchange.subscribe(RecordingHooks(self.log, "counter"), counts_output=counts_output)
         self.sink = exchange.sink = RecordingSink()
-        plan = Planner(ADAPTER).plan(request, b'{"model":"m","stream":true}').routed(TARGET)
+        plan = Planner(ADAPTER).plan(request, b'{"model":"m","stream":true}').routed(UPSTREAM)
         self.engine = ScriptedEngine(loop)
         attempt = self.engine.begin(plan)
         exchange.dispatched(attempt)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.routing.fleet import Fleet
 from pylon.routing.spec import parse_worker_spec
 from pylon.routing.token_data import (
@@ -21,7 +21,7 @@ from pylon.routing.token_data import (
 from pylon.upstream.probe import Fetched, FetchError
 from tests.observers import EventObserver
 
-FRONTEND = UpstreamTarget.from_url("http://127.0.0.1:8000")
+FRONTEND = Upstream.from_url("http://127.0.0.1:8000")
 
 
 def annotation(ids: list[int]) -> bytes:
@@ -61,7 +61,7 @@ class Frontend:
 
     async def __call__(
         self,
-        target: UpstreamTarget,
+        target: Upstream,
         path: str,
         body: bytes,
         *,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pylon.core.plan import ForwardPlan
 from pylon.core.priority import NO_WRITE
 from pylon.core.record import RequestRecord
-from pylon.core.target import UpstreamTarget
+from pylon.core.upstream import Upstream
 from pylon.routing import NoWorker
 from pylon.routing.fleet import INSTANCE_PIN_HEADER, Fleet, Worker
 from pylon.routing.health import HealthChecker, HealthCheckOptions, listed_instances
@@ -26,7 +26,7 @@ from tests.observers import EventObserver
 
 RECORD = RequestRecord("http1", 1, 0.0)  # what the exchange hands its booking at its end
 PLAN = ForwardPlan("POST", "/v1/completions", (), b"{}", "r", "m", False, (), NO_WRITE)
-FRONTEND = UpstreamTarget.from_url("http://127.0.0.1:8000")
+FRONTEND = Upstream.from_url("http://127.0.0.1:8000")
 
 
 def fleet_of(*specs: str) -> Fleet:
@@ -42,7 +42,7 @@ class Answers:
         self.asked: list[str] = []
 
     async def __call__(
-        self, target: UpstreamTarget, path: str, *, timeout: float, max_body: int
+        self, target: Upstream, path: str, *, timeout: float, max_body: int
     ) -> Fetched:
         self.asked.append(f"{target.label}{path}")
         answer = self.now.get(target.label, 200)
@@ -149,9 +149,9 @@ def test_listed_instances(body: bytes, expected: frozenset[int] | None) -> None:
 def test_instance_workers_are_dispatched_to_the_frontend_with_the_pin() -> None:
     fleet = fleet_of("instance-id=18446744073709551615", "url=http://a:1/base")
     pinned, own = fleet.workers
-    assert pinned.target == FRONTEND
+    assert pinned.upstream == FRONTEND
     assert pinned.headers == ((INSTANCE_PIN_HEADER, b"18446744073709551615"),)
-    assert own.target == UpstreamTarget("a", 1, "/base") and own.headers == ()
+    assert own.upstream == Upstream("a", 1, "/base") and own.headers == ()
 
 
 def admit_all(fleet: Fleet) -> None:
@@ -217,4 +217,4 @@ async def test_the_fleet_gate_waits_for_an_admission() -> None:
     checks = checker(fleet, answers, EventObserver())
     await checks.check_once()
     assert await fleet.wait_admitted(0.0)
-    assert fleet.discovery_target() == UpstreamTarget("a", 1, "")
+    assert fleet.discovery_upstream() == Upstream("a", 1, "")

@@ -6,16 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
-class UpstreamTarget:
-    """An engine's HTTP/1.1 endpoint; the pool keeps connections per target."""
+class Upstream:
+    """An engine's HTTP/1.1 endpoint; the pool keeps connections per upstream."""
 
     host: str
     port: int
     base_path: str  # "" or "/prefix" without a trailing slash
-    # Derived once: the pool looks targets up and frames a Host line on every request.
+    # Derived once: the pool looks upstreams up and frames a Host line on every request.
     host_header: bytes = field(init=False, compare=False, repr=False)
     path_prefix: bytes = field(init=False, compare=False, repr=False)  # base_path, encoded
-    label: str = field(init=False, compare=False, repr=False)  # how logs name this target
+    label: str = field(init=False, compare=False, repr=False)  # how logs name this upstream
     _hash: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -29,8 +29,8 @@ class UpstreamTarget:
         return self._hash
 
     @classmethod
-    def from_url(cls, url: str) -> UpstreamTarget:
-        """`http://host[:port][/base]` (already validated by Settings) -> target."""
+    def from_url(cls, url: str) -> Upstream:
+        """`http://host[:port][/base]` (already validated by Settings) -> upstream."""
         _, _, rest = url.partition("://")
         authority, _, path = rest.partition("/")
         host, sep, port = authority.rpartition(":")
