@@ -17,9 +17,9 @@ and tunnel requests get `503 not_ready` (retryable).
 
 With `--routing` other than off (a `Fleet` of workers), the gate is the workers' own active
 health checks (`pylon.routing.health`, already running): it passes as soon as one worker is
-admitted, and fails like the single-engine gate when none is within `--upstream-health-wait`
+in_rotation, and fails like the single-engine gate when none is within `--upstream-health-wait`
 (the line then says what each worker answered last). The other workers join as their checks
-pass. Discovery asks the first admitted worker (the replicas serve the same models).
+pass. Discovery asks the first worker in rotation (the replicas serve the same models).
 
 Everything is reported to the `Observer` as process events:
 
@@ -220,7 +220,7 @@ class ModelDiscovery:
         started = clock()
         upstream = self._target() if callable(self._target) else self._target
         if upstream is None:
-            return self._failed("no_worker", "no engine worker is admitted to ask", started)
+            return self._failed("no_worker", "no engine worker is in rotation to ask", started)
         try:
             reply = await self._fetch(
                 upstream, MODELS_PATH, timeout=self._timeout, max_body=MAX_MODEL_LIST_BYTES
@@ -336,7 +336,7 @@ def _known(upstream: Upstream | None) -> Upstream:
 
 
 async def _fleet_gate(wait: float, workers: HealthChecker, observer: Observer) -> str:
-    """Wait for the first admitted worker; `EngineNotReady` after `wait` seconds
+    """Wait for the first worker in rotation; `EngineNotReady` after `wait` seconds
     (`--upstream-health-wait`; the first round of checks is always waited for, so a wait of 0
     is one round)."""
     loop = asyncio.get_running_loop()
@@ -344,13 +344,13 @@ async def _fleet_gate(wait: float, workers: HealthChecker, observer: Observer) -
     path = workers.path
     fleet = workers.fleet
     await workers.first_round()  # bounded by --worker-health-timeout
-    if fleet.admitted or await fleet.wait_admitted(started + wait - loop.time()):
-        admitted = fleet.admitted
+    if fleet.in_rotation or await fleet.wait_in_rotation(started + wait - loop.time()):
+        in_rotation = fleet.in_rotation
         observer.process_event(
             "engine_healthy",
-            upstream=admitted[0].label,
+            upstream=in_rotation[0].label,
             path=path,
-            workers_admitted=len(admitted),
+            workers_in_rotation=len(in_rotation),
             workers=len(fleet.workers),
             waited_s=round(loop.time() - started, 3),
         )

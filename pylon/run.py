@@ -311,7 +311,7 @@ def _report_ready(core: Core, upstream: str, result: BringUp, routing: Routing |
         **(
             {}
             if routing is None
-            else {"routing": routing.mode, "workers_admitted": len(routing.fleet.admitted)}
+            else {"routing": routing.mode, "workers_in_rotation": len(routing.fleet.in_rotation)}
         ),
     )
 
@@ -368,7 +368,7 @@ async def serve(
                     on_quic_ready(running.quic_address)
                 if on_ready is not None:
                     on_ready(running.address)
-            elif not signals.stop.is_set():  # the health gate ran out (logged): none admitted
+            elif not signals.stop.is_set():  # the health gate ran out (logged): none in rotation
                 return EXIT_ENGINE_NOT_READY
             await signals.stop.wait()
             return await _stop(running, settings.shutdown_grace, signals)

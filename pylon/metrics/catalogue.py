@@ -139,8 +139,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         ("result",),
         "queue-admission decisions on requests that carried x-stargate-expected-queue-ms: "
-        "`accepted`, `rejected` (429 queue_estimate_mismatch), `unknown_estimate` (admitted: no "
-        "throughput measured yet) or `disabled` (admitted: --no-queue-admission)",
+        "`accepted`, `rejected` (429 queue_estimate_mismatch), `unknown_estimate` (let through: no "
+        "throughput measured yet) or `disabled` (let through: --no-queue-admission)",
     ),
     MetricSpec(
         "pylon_queue_estimate_milliseconds",
@@ -193,8 +193,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "pylon_router_worker_healthy",
         "gauge",
         ("worker",),
-        "1 while the worker is admitted by its health checks, 0 while it is ejected (or not "
-        "admitted yet)",
+        "1 while the worker is in rotation (its health checks pass), 0 while it is ejected (or not "
+        "in rotation yet)",
     ),
     MetricSpec(
         "pylon_router_decisions_total",

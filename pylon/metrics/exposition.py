@@ -139,7 +139,7 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
     if snapshot is not None:
         for worker in snapshot.workers:
             active.add_metric([worker.label], worker.active)
-            healthy.add_metric([worker.label], 1 if worker.admitted else 0)
+            healthy.add_metric([worker.label], 1 if worker.in_rotation else 0)
             for policy, count in worker.decisions.items():
                 decisions[(worker.label, policy)] = count
             for kind, count in worker.kv_faults.items():

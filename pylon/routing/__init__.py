@@ -7,8 +7,8 @@ terminal moment: success, engine error, timeout, client cancel and shutdown all 
 
 - `SingleUpstream` (`--routing off`, one `--upstream`, today's behaviour) is the default.
 - `spec`: `--worker SPEC` parsed into a frozen `WorkerSpec`.
-- `fleet`: the configured workers, which of them are admitted (healthy), their bookings in
-  flight; `health`: the active health checks that eject and re-admit workers.
+- `fleet`: the configured workers, which of them are in rotation (healthy), their bookings in
+  flight; `health`: the active health checks that eject and return to rotation workers.
 - `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol;
   `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts).
 - `build`: `build_routing(options, ...)`, the routing parts for `pylon.run.start`; the `kv`

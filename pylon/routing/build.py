@@ -57,7 +57,7 @@ class RoutingOptions:
     frontend: Upstream | None
     """The Dynamo frontend `instance-id=` workers sit behind (`--upstream`); None: none."""
     health: HealthCheckOptions
-    """How each worker is checked, ejected and re-admitted."""
+    """How each worker is checked, taken out of rotation and brought back."""
     kv: KvOptions | None = None
     """The `kv` router's options; None for the other modes."""
 

@@ -1,4 +1,4 @@
-"""The configured workers: where each one is dispatched, whether it is admitted, what it carries.
+"""The configured workers: where its requests go, whether it is in rotation, what it carries.
 
 A `Worker` is built once from its `WorkerSpec`:
 
@@ -8,7 +8,7 @@ A `Worker` is built once from its `WorkerSpec`:
   `x-dynamo-worker-instance-id: <decimal u64>` (pylon's deny-lists strip every client copy of
   `x-dynamo-*`, its aliases and the body pins, so only pylon writes it).
 
-`Fleet` holds them in spec order, the tuple of admitted ones (what routers choose from; rebuilt
+`Fleet` holds them in spec order, the tuple of those in rotation (what routers choose from; rebuilt
 only when health changes it, so a choice reads one tuple) and each worker's bookings in flight
 (`Worker.active`, counted by the bookings themselves). `WorkerBooking` is the booking of the
 load-aware routers: it counts itself on its worker from booking to release, exactly once.
@@ -33,15 +33,15 @@ INSTANCE_PIN_HEADER = b"x-dynamo-worker-instance-id"
 
 
 class Worker:
-    """One worker: its spec, dispatch (upstream and trusted headers) and live state."""
+    """One worker: its spec, where its requests go (upstream and trusted headers), live state."""
 
     __slots__ = (
         "active",
-        "admitted",
         "decisions",
-        "ever_admitted",
+        "ever_in_rotation",
         "failures",
         "headers",
+        "in_rotation",
         "index",
         "kv_faults",
         "label",
@@ -63,14 +63,14 @@ class Worker:
         self.decisions: dict[str, int] = {}  # bookings made, by the policy that chose it
         # KV-event stream faults seen (`kv` routing): gap, regressed, malformed.
         self.kv_faults: dict[str, int] = {}
-        self.admitted = False  # routers may choose it (health checks decide)
-        self.ever_admitted = False
+        self.in_rotation = False  # routers may choose it (health checks decide)
+        self.ever_in_rotation = False
         self.failures = 0  # consecutive failed health checks
         self.passes = 0  # consecutive passed health checks
         self.last_result = "not checked yet"
 
     def __repr__(self) -> str:
-        return f"Worker({self.label!r}, admitted={self.admitted}, active={self.active})"
+        return f"Worker({self.label!r}, in_rotation={self.in_rotation}, active={self.active})"
 
 
 def make_worker(spec: WorkerSpec, index: int, frontend: Upstream | None) -> Worker:
@@ -83,12 +83,12 @@ def make_worker(spec: WorkerSpec, index: int, frontend: Upstream | None) -> Work
 
 
 class Fleet:
-    """The workers, which are admitted, and a way to wait for the first admission."""
+    """The workers, which are in rotation, and a way to wait for the first worker in rotation."""
 
     def __init__(self, workers: Sequence[Worker]) -> None:
         assert workers, "a fleet has at least one worker"
         self.workers: tuple[Worker, ...] = tuple(workers)
-        self.admitted: tuple[Worker, ...] = ()
+        self.in_rotation: tuple[Worker, ...] = ()
         self._changed: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
 
@@ -97,16 +97,16 @@ class Fleet:
         return cls([make_worker(spec, index, frontend) for index, spec in enumerate(specs)])
 
     def on_change(self, listener: Callable[[], None]) -> None:
-        """Call `listener` after every change of the admitted set (e.g. to rebuild a filter)."""
+        """Call `listener` after every change of the set in rotation (e.g. to rebuild a filter)."""
         self._listeners.append(listener)
 
-    def set_admitted(self, worker: Worker, admitted: bool) -> None:
-        if worker.admitted == admitted:
+    def set_in_rotation(self, worker: Worker, in_rotation: bool) -> None:
+        if worker.in_rotation == in_rotation:
             return
-        worker.admitted = admitted
-        if admitted:
-            worker.ever_admitted = True
-        self.admitted = tuple(w for w in self.workers if w.admitted)
+        worker.in_rotation = in_rotation
+        if in_rotation:
+            worker.ever_in_rotation = True
+        self.in_rotation = tuple(w for w in self.workers if w.in_rotation)
         for listener in self._listeners:
             listener()
         if self._changed is not None:
@@ -126,7 +126,7 @@ class Fleet:
         return tuple(
             WorkerView(
                 worker.label,
-                worker.admitted,
+                worker.in_rotation,
                 worker.active,
                 dict(worker.decisions),
                 dict(worker.kv_faults),
@@ -135,15 +135,15 @@ class Fleet:
         )
 
     def discovery_upstream(self) -> Upstream | None:
-        """Where pylon asks for the model list: the first admitted worker (None: none is)."""
-        admitted = self.admitted
-        return admitted[0].upstream if admitted else None
+        """Where pylon asks for the model list: the first worker in rotation (None: none is)."""
+        in_rotation = self.in_rotation
+        return in_rotation[0].upstream if in_rotation else None
 
-    async def wait_admitted(self, timeout: float) -> bool:
-        """Wait until at least one worker is admitted; False when `timeout` ran out first."""
+    async def wait_in_rotation(self, timeout: float) -> bool:
+        """Wait until at least one worker is in rotation; False when `timeout` ran out first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self.admitted:
+        while not self.in_rotation:
             left = deadline - loop.time()
             if left <= 0:
                 return False
@@ -153,18 +153,18 @@ class Fleet:
                 async with asyncio.timeout(left):
                     await self._changed.wait()
             except TimeoutError:
-                return bool(self.admitted)
+                return bool(self.in_rotation)
         return True
 
     def describe_health(self) -> str:
-        """Each worker's last health answer, for the one line that says why none is admitted."""
+        """Each worker's last health answer, for the one line that says why none is in rotation."""
         return "; ".join(f"{worker.label}: {worker.last_result}" for worker in self.workers)
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     label: str
-    admitted: bool
+    in_rotation: bool
     active: int  # bookings in flight
     decisions: dict[str, int]  # bookings made so far, by policy
     kv_faults: dict[str, int]  # KV-event stream faults so far, by kind

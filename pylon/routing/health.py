@@ -1,4 +1,4 @@
-"""Active health checks per worker: eject after N failures in a row, re-admit after M passes.
+"""Active health checks per worker: out of rotation after N failures in a row, back after M passes.
 
 Every `interval` seconds, one round: each `url=` worker gets one `GET <url><path>` (pylon's own
 bounded probe, `pylon.upstream.probe.fetch`: never a pool connection, never queued behind
@@ -7,12 +7,13 @@ the Dynamo frontend: a 2xx that lists `instances` (Dynamo's `/health` does, with
 `instance_id`) passes exactly the listed instances; a 2xx without that list passes them all.
 
 Per worker (`pylon.routing.fleet.Worker`): a 2xx passes, anything else (a status, no connection,
-a timeout) fails. A worker starts not admitted and is admitted by its first pass (so the first
-round at start decides); afterwards `eject_after` consecutive failures eject it and
-`readmit_after` consecutive passes re-admit it. Routers only choose admitted workers; a request
-when none is admitted gets 503 `no_worker` (retryable) without touching any engine.
+a timeout) fails. A worker starts out of rotation and enters it with its first pass (so the
+first round at start decides); afterwards `eject_after` consecutive failures eject it and
+`readmit_after` consecutive passes bring it back. Routers only choose workers in rotation; a
+request when none is in rotation gets 503 `no_worker` (retryable) without touching any engine.
 
-Reported to the `Observer` as process events: `worker_admitted` (first admission),
+Reported to the `Observer` as process events (their published names): `worker_admitted` (a
+worker enters rotation the first time),
 `worker_ejected` (warning: `worker`, `failures`, `detail`), `worker_readmitted` (`worker`,
 `passes`), and `worker_health_probe` (debug: one failed check).
 """
@@ -48,9 +49,9 @@ class HealthCheckOptions:
     timeout: float
     """Seconds one check may take (`--worker-health-timeout`)."""
     eject_after: int
-    """Failed checks in a row that eject an admitted worker (`--worker-eject-after`)."""
+    """Failed checks in a row that eject a worker in rotation (`--worker-eject-after`)."""
     readmit_after: int
-    """Passed checks in a row that re-admit an ejected worker (`--worker-readmit-after`)."""
+    """Passed checks in a row that bring an ejected worker back (`--worker-readmit-after`)."""
 
 
 def listed_instances(body: bytes) -> frozenset[int] | None:
@@ -166,15 +167,15 @@ class HealthChecker:
         if ok:
             worker.failures = 0
             worker.passes += 1
-            if worker.admitted:
+            if worker.in_rotation:
                 return
-            if not worker.ever_admitted:
-                fleet.set_admitted(worker, True)
+            if not worker.ever_in_rotation:
+                fleet.set_in_rotation(worker, True)
                 self._observer.process_event(
                     "worker_admitted", worker=worker.label, path=self._path
                 )
             elif worker.passes >= self._readmit_after:
-                fleet.set_admitted(worker, True)
+                fleet.set_in_rotation(worker, True)
                 self._observer.process_event(
                     "worker_readmitted", worker=worker.label, passes=worker.passes
                 )
@@ -184,8 +185,8 @@ class HealthChecker:
         self._observer.process_event(
             "worker_health_probe", worker=worker.label, path=self._path, result=result
         )
-        if worker.admitted and worker.failures >= self._eject_after:
-            fleet.set_admitted(worker, False)
+        if worker.in_rotation and worker.failures >= self._eject_after:
+            fleet.set_in_rotation(worker, False)
             self._observer.process_event(
                 "worker_ejected",
                 worker=worker.label,

@@ -8,8 +8,8 @@ KV-event endpoints (the core follows each engine's cache through them). Per requ
    `/v1/chat/completions` messages exactly as the engine does (`prompt_tokens(path, body)` on
    the body pylon forwards: client steering fields already stripped), on the event loop for a
    body of up to `INLINE_TOKENIZE_BYTES`, else in the router's tokenizer thread;
-2. `select_and_reserve` with a pylon-minted selection id, the admitted workers only
-   (`allowed_worker_ids`, rebuilt when health changes the admitted set) and the cache salt from
+2. `select_and_reserve` with a pylon-minted selection id, the workers in rotation only
+   (`allowed_worker_ids`, rebuilt when health changes the set in rotation) and the cache salt from
    what pylon trusts (never the client: pylon strips every client `cache_salt`, `nvext.cache_salt`
    and `x-tenant-id`, so the engine hashes unsalted and so does the router, unless a trusted
    `salt` function is given);
@@ -25,9 +25,9 @@ bookings in flight go, so requests stop chasing blocks it may no longer hold; th
 later calls become no-ops).
 
 A request with nothing to tokenize (another route, a GET, a body the tokenizer cannot read) is
-booked least-loaded over the admitted workers instead (counted in `KvRouter.fallbacks`), as is
-one the core refuses for a reason other than load (counted in `errors`, reported). No admitted
-worker, or a native 503 (no schedulable worker), is `NoWorker`: 503, retryable.
+booked least-loaded over the workers in rotation instead (counted in `KvRouter.fallbacks`), as is
+one the core refuses for a reason other than load (counted in `errors`, reported). No worker in
+rotation, or a native 503 (no schedulable worker), is `NoWorker`: 503, retryable.
 """
 
 from __future__ import annotations
@@ -178,12 +178,12 @@ class KvRouter:
         return self._core
 
     def _refilter(self) -> None:
-        admitted = self._fleet.admitted
-        everyone = len(admitted) == len(self._fleet.workers)
-        self._allowed = None if everyone else tuple(w.spec.worker_id for w in admitted)
+        in_rotation = self._fleet.in_rotation
+        everyone = len(in_rotation) == len(self._fleet.workers)
+        self._allowed = None if everyone else tuple(w.spec.worker_id for w in in_rotation)
 
     async def book(self, plan: ForwardPlan) -> Booking:
-        if not self._fleet.admitted:
+        if not self._fleet.in_rotation:
             raise no_worker(self._fleet)
         token_data = self.token_data
         carry = token_data is not None and plan.model in token_data.proven

@@ -1,4 +1,4 @@
-"""`--routing least-loaded`: the admitted worker with the fewest bookings in flight.
+"""`--routing least-loaded`: the worker in rotation with the fewest bookings in flight.
 
 Ties go round-robin: the scan starts one past the last choice, and the first worker with the
 fewest bookings from there wins, so equally loaded workers take turns (an idle fleet behaves
@@ -16,17 +16,17 @@ from pylon.routing.round_robin import no_worker
 POLICY = "least-loaded"
 
 
-def least_loaded(admitted: tuple[Worker, ...], start: int) -> int:
-    """Index in `admitted` (non-empty) of the first worker with the fewest bookings, scanning
+def least_loaded(in_rotation: tuple[Worker, ...], start: int) -> int:
+    """Index in `in_rotation` (non-empty) of the first worker with the fewest bookings, scanning
     from `start` round the tuple."""
-    count = len(admitted)
+    count = len(in_rotation)
     best = start % count
-    fewest = admitted[best].active
+    fewest = in_rotation[best].active
     for step in range(1, count):
         if fewest == 0:
             break
         index = (start + step) % count
-        active = admitted[index].active
+        active = in_rotation[index].active
         if active < fewest:
             best, fewest = index, active
     return best
@@ -43,13 +43,13 @@ class LeastLoadedRouter:
         return self.choose()
 
     def choose(self) -> WorkerBooking:
-        """The booking on the least-loaded admitted worker, at once; raises `NoWorker`."""
-        admitted = self._fleet.admitted
-        if not admitted:
+        """The booking on the least-loaded worker in rotation, at once; raises `NoWorker`."""
+        in_rotation = self._fleet.in_rotation
+        if not in_rotation:
             raise no_worker(self._fleet)
-        index = least_loaded(admitted, self._next)
+        index = least_loaded(in_rotation, self._next)
         self._next = index + 1
-        return WorkerBooking(admitted[index], POLICY)
+        return WorkerBooking(in_rotation[index], POLICY)
 
 
 _: type[Router] = LeastLoadedRouter

@@ -1,4 +1,4 @@
-"""`--routing round-robin`: each request to the next admitted worker, in turn."""
+"""`--routing round-robin`: each request to the next worker in rotation, in turn."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ POLICY = "round-robin"
 
 
 def no_worker(fleet: Fleet) -> NoWorker:
-    """What a router raises when no worker is admitted (every one failed its health checks)."""
+    """What a router raises when no worker is in rotation (every one failed its health checks)."""
     count = len(fleet.workers)
     return NoWorker(
         f"no engine worker can take the request: none of the {count} "
@@ -19,7 +19,7 @@ def no_worker(fleet: Fleet) -> NoWorker:
 
 
 class RoundRobinRouter:
-    """Cycles over the admitted workers; an ejected worker drops out of the cycle at once."""
+    """Cycles over the workers in rotation; an ejected worker drops out of the cycle at once."""
 
     __slots__ = ("_fleet", "_next")
 
@@ -28,12 +28,12 @@ class RoundRobinRouter:
         self._next = 0
 
     async def book(self, plan: ForwardPlan) -> Booking:
-        admitted = self._fleet.admitted
-        if not admitted:
+        in_rotation = self._fleet.in_rotation
+        if not in_rotation:
             raise no_worker(self._fleet)
-        index = self._next % len(admitted)
+        index = self._next % len(in_rotation)
         self._next = index + 1
-        return WorkerBooking(admitted[index], POLICY)
+        return WorkerBooking(in_rotation[index], POLICY)
 
 
 _: type[Router] = RoundRobinRouter

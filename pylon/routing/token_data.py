@@ -20,7 +20,7 @@ model by model:
   (never an empty list), and a body `pylon.core.body.with_token_data` can extend without
   changing anything else (no repeated top-level key).
 
-The probes go to the first admitted worker: its own URL, or the frontend with its instance pin
+The probes go to the first worker in rotation: its own URL, or the frontend with its instance pin
 (a frontend in `direct` mode answers only pinned requests).
 """
 
@@ -165,10 +165,10 @@ class TokenDataProver:
 
     async def prove(self, model: str) -> None:
         """Every probe's ids from the frontend equal pylon's; raises `TokenDataMismatch`."""
-        admitted = self._fleet.admitted
-        if not admitted:
-            raise TokenDataMismatch(f"model {model!r}: no admitted worker to ask")
-        worker = admitted[0]
+        in_rotation = self._fleet.in_rotation
+        if not in_rotation:
+            raise TokenDataMismatch(f"model {model!r}: no worker in rotation to ask")
+        worker = in_rotation[0]
         for number, (path, probe) in enumerate(self._probes, 1):
             where = f"model {model!r}, probe {number} ({path}) on {worker.label}"
             body = {**probe, "model": model}

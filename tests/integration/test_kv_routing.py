@@ -318,7 +318,7 @@ async def test_a_repeated_prefix_goes_to_the_worker_that_holds_it(
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 40
     assert [await fleet.served_by(f"t{n}") for n in range(4)] == [holder] * 4
     # Other prompts are spread by load; with the holder ejected, the prefix goes elsewhere.
-    fleet.routing.fleet.set_admitted(fleet.routing.fleet.workers[holder], False)
+    fleet.routing.fleet.set_in_rotation(fleet.routing.fleet.workers[holder], False)
     reply = await fleet.post(CHAT, chat(prefix + " elsewhere"), {"x-request-id": "away"})
     assert reply.status_code == 200
     assert await fleet.served_by("away") != holder

@@ -64,7 +64,7 @@ async def test_proven_models_carry_the_ids_pylon_routed_by(
     assert fleet.routing.kv is not None and fleet.routing.kv.token_data is not None
     assert fleet.routing.kv.token_data.proven == {MODEL}
     assert fleet.observer.of("kv_token_data_proven") == [{"model": MODEL}]
-    # The proof asked the first admitted worker, with pylon's own probes.
+    # The proof asked the first worker in rotation, with pylon's own probes.
     probes = [r for r in await fleet.inference_records(0) if r.get("body")]
     assert probes and all(sent_body(r)["nvext"] == {"annotations": ["token_ids"]} for r in probes)
     for n, (path, body) in enumerate(

@@ -1,5 +1,5 @@
 """Routing over several real mock_dynamo workers: round-robin and least-loaded choices, active
-health checks (ejection, re-admission, bring-up), 503 no_worker when none is admitted, the
+health checks (ejection, return to rotation, bring-up), 503 no_worker when none is in rotation, the
 Dynamo instance pin, and bookings that end with their exchange."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ async def test_no_admitted_worker_is_a_retryable_503_before_any_engine(
 async def test_bring_up_admits_the_healthy_workers_and_the_rest_join_later(
     make_fleet: FleetFactory,
 ) -> None:
-    """A worker that is unhealthy at start is not admitted (and gets nothing); pylon is ready
+    """A worker that is unhealthy at start is out of rotation (and gets nothing); pylon is ready
     with the others, and the late one joins as soon as a check passes."""
     fleet = await make_fleet(
         workers=2,
@@ -139,9 +139,9 @@ async def test_bring_up_admits_the_healthy_workers_and_the_rest_join_later(
         worker_health_interval=0.05,
         engine_controls={1: {"health": {"status": 503}}},
     )
-    assert [worker.label for worker in fleet.routing.fleet.admitted] == [fleet.label(0)]
+    assert [worker.label for worker in fleet.routing.fleet.in_rotation] == [fleet.label(0)]
     healthy = fleet.observer.of("engine_healthy")[0]
-    assert healthy["workers_admitted"] == 1 and healthy["workers"] == 2
+    assert healthy["workers_in_rotation"] == 1 and healthy["workers"] == 2
     for n in range(2):
         assert (await send(fleet, f"early-{n}")).status_code == 200
     assert [await fleet.served_by(f"early-{n}") for n in range(2)] == [0, 0]
@@ -223,7 +223,7 @@ async def test_a_frontend_health_without_instances_speaks_for_all(
         worker_health_interval=0.05,
         worker_eject_after=1,
     )
-    assert len(fleet.routing.fleet.admitted) == 2
+    assert len(fleet.routing.fleet.in_rotation) == 2
     mark = fleet.observer.mark()
     await fleet.control(0, "health", {"status": 503})
     for label in ("instance-id=7", "instance-id=8"):

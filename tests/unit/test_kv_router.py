@@ -72,7 +72,7 @@ async def kv_router(
     workers = [parse_worker_spec(spec) for spec in specs]
     fleet = Fleet.from_specs(workers, Upstream.from_url(FRONTEND))
     for worker in fleet.workers:
-        fleet.set_admitted(worker, True)
+        fleet.set_in_rotation(worker, True)
     observer = EventObserver()
     router = await build_kv_router(KV, fleet, observer, tokenizer or Prompts(), native=lambda: fake)
     return router, fleet, observer
@@ -142,13 +142,13 @@ async def test_only_admitted_workers_are_offered(fake: Refusing) -> None:
     router, fleet, _ = await kv_router(fake, f"url=http://a:1,{EV}", f"url=http://b:1,{EV}")
     (await router.book(plan())).complete(RECORD)
     assert fake.last_request.get("allowed_worker_ids") is None  # everyone: no filter
-    fleet.set_admitted(fleet.workers[0], False)
+    fleet.set_in_rotation(fleet.workers[0], False)
     for _ in range(3):
         booking = await router.book(plan())
         assert booking.worker == "http://b:1"
         booking.complete(RECORD)
     assert list(fake.last_request["allowed_worker_ids"]) == [fleet.workers[1].spec.worker_id]
-    fleet.set_admitted(fleet.workers[1], False)
+    fleet.set_in_rotation(fleet.workers[1], False)
     with pytest.raises(NoWorker, match="health checks"):
         await router.book(plan())
     await router.aclose()

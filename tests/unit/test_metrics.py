@@ -274,8 +274,8 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
         QueueSnapshot("unseen", None, 0, 0, 0, 0, 0, (), None),  # never counted: no label
     )
     workers = (
-        WorkerView("w0", admitted=True, active=2, decisions={"kv": 5}, kv_faults={"gap": 1}),
-        WorkerView("w1", admitted=False, active=0, decisions={}, kv_faults={}),
+        WorkerView("w0", in_rotation=True, active=2, decisions={"kv": 5}, kv_faults={"gap": 1}),
+        WorkerView("w1", in_rotation=False, active=0, decisions={}, kv_faults={}),
     )
     select = (4, 1, 0, 0.0125)  # counts per bound, +Inf, sum
     metrics.routing_snapshot = lambda: RoutingSnapshot("kv", workers, (0.001, 0.01), select)

@@ -81,7 +81,7 @@ class Frontend:
 
 def prover(frontend: Frontend, spec: str = "instance-id=42") -> tuple[TokenDataProver, Fleet]:
     fleet = Fleet.from_specs([parse_worker_spec(spec)], FRONTEND)
-    fleet.set_admitted(fleet.workers[0], True)
+    fleet.set_in_rotation(fleet.workers[0], True)
     return TokenDataProver(Words(), fleet, EventObserver(), timeout=5, post=frontend), fleet
 
 
@@ -124,8 +124,8 @@ async def test_every_failure_is_a_mismatch_naming_model_probe_and_worker(
 
 async def test_no_admitted_worker_is_a_mismatch() -> None:
     proof, fleet = prover(Frontend())
-    fleet.set_admitted(fleet.workers[0], False)
-    with pytest.raises(TokenDataMismatch, match="no admitted worker"):
+    fleet.set_in_rotation(fleet.workers[0], False)
+    with pytest.raises(TokenDataMismatch, match="no worker in rotation"):
         await proof.prove("m")
 
 

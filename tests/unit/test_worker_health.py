@@ -66,14 +66,14 @@ async def test_admission_at_start_ejection_after_n_and_readmission_after_m() -> 
     checks = checker(fleet, answers, events)
     answers.now["b:1"] = "connect"
     await checks.check_once()
-    assert [w.label for w in fleet.admitted] == ["http://a:1"]  # admitted by its first pass
+    assert [w.label for w in fleet.in_rotation] == ["http://a:1"]  # admitted by its first pass
     assert fleet.workers[1].last_result == "cannot connect: connect"
     answers.now["a:1"] = 503
     for _ in range(2):
         await checks.check_once()
-        assert fleet.workers[0].admitted  # two failures are not three
+        assert fleet.workers[0].in_rotation  # two failures are not three
     await checks.check_once()
-    assert fleet.admitted == ()
+    assert fleet.in_rotation == ()
     ejected = events.of("worker_ejected")
     assert ejected == [
         {
@@ -85,14 +85,14 @@ async def test_admission_at_start_ejection_after_n_and_readmission_after_m() -> 
     ]
     answers.now["a:1"] = 200
     await checks.check_once()
-    assert not fleet.workers[0].admitted  # one pass is not two
+    assert not fleet.workers[0].in_rotation  # one pass is not two
     answers.now["a:1"] = 500
     await checks.check_once()  # a failure resets the passes
     answers.now["a:1"] = 204
     await checks.check_once()
-    assert not fleet.workers[0].admitted
+    assert not fleet.workers[0].in_rotation
     await checks.check_once()
-    assert fleet.workers[0].admitted
+    assert fleet.workers[0].in_rotation
     assert events.of("worker_readmitted") == [{"worker": "http://a:1", "passes": 2}]
     answers.now["b:1"] = 200
     await checks.check_once()  # never admitted before: its first pass admits it
@@ -115,14 +115,14 @@ async def test_instance_workers_share_one_frontend_probe_and_its_instance_list()
     )
     await checks.check_once()
     assert answers.asked.count("127.0.0.1:8000/health") == 1
-    assert [w.label for w in fleet.admitted] == [
+    assert [w.label for w in fleet.in_rotation] == [
         "instance-id=18446744073709551615",
         "http://a:1",
     ]
     assert fleet.workers[0].last_result == "not listed in the frontend's /health instances"
     answers.now["127.0.0.1:8000"] = "timeout"
     await checks.check_once()
-    assert [w.label for w in fleet.admitted] == ["http://a:1"]
+    assert [w.label for w in fleet.in_rotation] == ["http://a:1"]
     assert fleet.workers[1].last_result == "frontend: cannot connect: timeout"
 
 
@@ -156,7 +156,7 @@ def test_instance_workers_are_dispatched_to_the_frontend_with_the_pin() -> None:
 
 def admit_all(fleet: Fleet) -> None:
     for worker in fleet.workers:
-        fleet.set_admitted(worker, True)
+        fleet.set_in_rotation(worker, True)
 
 
 async def test_round_robin_cycles_the_admitted_and_refuses_when_none_is() -> None:
@@ -168,7 +168,7 @@ async def test_round_robin_cycles_the_admitted_and_refuses_when_none_is() -> Non
     bookings = [await router.book(PLAN) for _ in range(4)]
     assert [b.worker for b in bookings] == ["http://a:1", "http://b:1", "http://c:1", "http://a:1"]
     assert fleet.active_by_worker() == {"http://a:1": 2, "http://b:1": 1, "http://c:1": 1}
-    fleet.set_admitted(fleet.workers[1], False)
+    fleet.set_in_rotation(fleet.workers[1], False)
     assert {(await router.book(PLAN)).worker for _ in range(4)} == {"http://a:1", "http://c:1"}
     for booking in bookings:
         booking.complete(RECORD)
@@ -212,9 +212,9 @@ def test_least_loaded_is_a_minimum_and_the_first_from_the_cursor(
 
 async def test_the_fleet_gate_waits_for_an_admission() -> None:
     fleet = fleet_of("url=http://a:1")
-    assert not await fleet.wait_admitted(0.0)
+    assert not await fleet.wait_in_rotation(0.0)
     answers = Answers()
     checks = checker(fleet, answers, EventObserver())
     await checks.check_once()
-    assert await fleet.wait_admitted(0.0)
+    assert await fleet.wait_in_rotation(0.0)
     assert fleet.discovery_upstream() == Upstream("a", 1, "")
