@@ -40,6 +40,7 @@ from router_ffi.errors import (
 )
 from router_ffi.service import ErrorSink, Reservation, SelectionCore
 from router_ffi.types import (
+    CoreWorker,
     GroupLoads,
     HashedPrompt,
     OverlapScores,
@@ -51,7 +52,6 @@ from router_ffi.types import (
     WorkerLoad,
     WorkerOverlap,
     WorkerRecord,
-    WorkerSpec,
 )
 from router_ffi.validation import (
     check_block_size,
@@ -76,6 +76,7 @@ def native_available() -> bool:
 
 __all__ = [
     "INSTALL_HINT",
+    "CoreWorker",
     "DependencyMissing",
     "ErrorSink",
     "GroupLoads",
@@ -100,7 +101,6 @@ __all__ = [
     "WorkerLoad",
     "WorkerOverlap",
     "WorkerRecord",
-    "WorkerSpec",
     "check_block_size",
     "check_dp_size",
     "check_kv_events_endpoint",

@@ -12,6 +12,7 @@ from typing import Any
 
 from router_ffi.errors import NativeCallFailed
 from router_ffi.types import (
+    CoreWorker,
     GroupLoads,
     HashedPrompt,
     OverlapScores,
@@ -21,11 +22,10 @@ from router_ffi.types import (
     WorkerLoad,
     WorkerOverlap,
     WorkerRecord,
-    WorkerSpec,
 )
 
 
-def worker_to_native(spec: WorkerSpec) -> dict[str, Any]:
+def worker_to_native(spec: CoreWorker) -> dict[str, Any]:
     out: dict[str, Any] = {
         "worker_id": spec.worker_id,
         "endpoint": spec.endpoint,

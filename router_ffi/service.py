@@ -32,6 +32,7 @@ from router_ffi.errors import NotFound, SelectionTimeout
 from router_ffi.owner import FREE, OUTPUT, PREFILL, ErrorSink, NativeOwner, ReservationChain
 from router_ffi.types import (
     DEFAULT_GROUP,
+    CoreWorker,
     GroupLoads,
     OverlapScores,
     Prompt,
@@ -39,7 +40,6 @@ from router_ffi.types import (
     SelectRequest,
     ShutdownReport,
     WorkerRecord,
-    WorkerSpec,
 )
 from router_ffi.validation import check_worker, check_worker_id
 
@@ -164,7 +164,7 @@ class SelectionCore:
 
     # -- catalog ----------------------------------------------------------------------------
 
-    def upsert_worker(self, spec: WorkerSpec) -> WorkerRecord:
+    def upsert_worker(self, spec: CoreWorker) -> WorkerRecord:
         """Add or replace a worker (validated first: `InvalidConfig`); the native core starts
         following its KV events. The record says whether it is schedulable yet."""
         check_worker(spec)
@@ -186,7 +186,7 @@ class SelectionCore:
             self._call_timeout_s,
         )
 
-    def reset_worker(self, spec: WorkerSpec) -> WorkerRecord:
+    def reset_worker(self, spec: CoreWorker) -> WorkerRecord:
         """Drop everything the native core knows about a worker and start it afresh: its cache
         view (blocks heard from its KV events) and the load of its reservations go, and a new
         KV-event listener starts (native delete, then upsert, back to back on the owner thread).

@@ -14,7 +14,7 @@ DEFAULT_GROUP = "default"
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerSpec:
+class CoreWorker:
     """One engine worker (or one Dynamo instance) in the selection catalog.
 
     `endpoint` is opaque to the native core (echoed back on selection, never called): pylon puts

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TypeGuard
 
 from router_ffi.errors import InvalidConfig
-from router_ffi.types import WorkerSpec
+from router_ffi.types import CoreWorker
 
 MAX_BLOCK_SIZE = 1024
 U64_MAX = (1 << 64) - 1
@@ -70,7 +70,7 @@ def check_kv_events_endpoint(value: object, *, worker_id: int | None = None) -> 
     )
 
 
-def check_worker(spec: WorkerSpec) -> WorkerSpec:
+def check_worker(spec: CoreWorker) -> CoreWorker:
     """Every field of one worker spec; the first failure raises."""
     wid = check_worker_id(spec.worker_id)
     check_block_size(spec.block_size, worker_id=wid)
@@ -101,10 +101,10 @@ def check_worker(spec: WorkerSpec) -> WorkerSpec:
     return spec
 
 
-def check_workers(specs: Iterable[WorkerSpec]) -> tuple[WorkerSpec, ...]:
+def check_workers(specs: Iterable[CoreWorker]) -> tuple[CoreWorker, ...]:
     """A whole catalog: each spec valid, worker ids unique."""
     seen: set[int] = set()
-    out: list[WorkerSpec] = []
+    out: list[CoreWorker] = []
     for spec in specs:
         check_worker(spec)
         if spec.worker_id in seen:

@@ -12,7 +12,7 @@ terminal moment: success, engine error, timeout, client cancel and shutdown all 
 - `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol;
   `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts).
 - `build`: `build_routing(options, ...)`, the routing parts for `pylon.run.start`; the `kv`
-  router's prompt tokens come through the `Tokenizer` port (`pylon.tokenize` implements it).
+  router's prompt tokens come through the `PromptTokenizer` port (`pylon.tokenize` implements it).
 
 docs/routing.md explains the modes, the worker spec and the booking lifetime.
 """
@@ -27,7 +27,7 @@ from pylon.core.record import ExchangeHooks
 from pylon.core.upstream import Upstream
 
 
-class Tokenizer(Protocol):
+class PromptTokenizer(Protocol):
     """The `kv` router's port to tokenization: a request's prompt as token ids."""
 
     def prompt_tokens(self, path: str, body: bytes) -> list[int] | None:

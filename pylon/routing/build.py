@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pylon.core.upstream import Upstream
-from pylon.routing import Router, Tokenizer
+from pylon.routing import PromptTokenizer, Router
 from pylon.routing.fleet import Fleet, WorkerView
 from pylon.routing.health import HealthChecker, HealthCheckOptions
 from pylon.routing.least_loaded import LeastLoadedRouter
@@ -124,7 +124,7 @@ async def build_routing(
     options: RoutingOptions,
     observer: Observer,
     *,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: PromptTokenizer | None = None,
     native: NativeFactory | None = None,
 ) -> Routing:
     """The routing parts for `options.mode`.
@@ -149,7 +149,7 @@ async def build_kv_router(
     options: KvOptions,
     fleet: Fleet,
     observer: Observer,
-    tokenizer: Tokenizer,
+    tokenizer: PromptTokenizer,
     *,
     native: NativeFactory | None = None,
 ) -> KvRouter:

@@ -4,7 +4,7 @@ Dynamo's native selection core (`router_ffi.SelectionCore`), booked for exactly 
 At start (`pylon.routing.build.build_kv_router`) every worker is upserted into the core with its
 KV-event endpoints (the core follows each engine's cache through them). Per request:
 
-1. the prompt's token ids: the injected `Tokenizer` renders `/v1/completions` prompts and
+1. the prompt's token ids: the injected `PromptTokenizer` renders `/v1/completions` prompts and
    `/v1/chat/completions` messages exactly as the engine does (`prompt_tokens(path, body)` on
    the body pylon forwards: client steering fields already stripped), on the event loop for a
    body of up to `INLINE_TOKENIZE_BYTES`, else in the router's tokenizer thread;
@@ -44,7 +44,7 @@ from pylon.core.http import Header
 from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
 from pylon.core.record import ExchangeHooks, RequestRecord
-from pylon.routing import Booking, NoWorker, Router, Tokenizer
+from pylon.routing import Booking, NoWorker, PromptTokenizer, Router
 from pylon.routing.fleet import Fleet, Worker, count_decision
 from pylon.routing.kv_watch import KvEventWatch
 from pylon.routing.least_loaded import LeastLoadedRouter
@@ -54,8 +54,7 @@ if TYPE_CHECKING:
     from pylon.core.errors import PylonError
     from pylon.observe import Observer
     from pylon.routing.token_data import TokenDataProver
-    from router_ffi import Reservation, SelectionCore
-    from router_ffi import WorkerSpec as NativeWorker
+    from router_ffi import CoreWorker, Reservation, SelectionCore
 
 # The DP-rank pin pylon writes next to the worker, when the worker has several ranks: Dynamo's
 # own header for an instance behind the frontend; for a worker's own URL, the header vLLM and
@@ -129,7 +128,7 @@ class KvRouter:
         self,
         core: SelectionCore,
         fleet: Fleet,
-        tokenizer: Tokenizer,
+        tokenizer: PromptTokenizer,
         observer: Observer,
         *,
         salt: Callable[[ForwardPlan], str | None] | None = None,
@@ -346,12 +345,12 @@ def _rank_headers(worker: Worker) -> tuple[tuple[Header, ...], ...]:
     return tuple(((name, str(rank).encode("ascii")),) for rank in range(worker.spec.dp_size))
 
 
-def native_spec(worker: Worker) -> NativeWorker:
+def native_spec(worker: Worker) -> CoreWorker:
     """The worker as the selection core knows it."""
-    from router_ffi import WorkerSpec as NativeWorker
+    from router_ffi import CoreWorker
 
     spec = worker.spec
-    return NativeWorker(
+    return CoreWorker(
         worker_id=spec.worker_id,
         endpoint=worker.label,
         block_size=spec.block_size,

@@ -9,8 +9,8 @@ model by model:
   multi-byte text and text that spells template markers; a completion prompt), pylon asks the
   frontend for the ids it computes itself (`nvext.annotations: ["token_ids"]`, a stream of one
   token; the frontend answers with an SSE `event: token_ids` whose comment line holds them) and
-  compares them with its own (`Tokenizer.prompt_tokens`, the `dynamo` dialect). Every probe must
-  match exactly.
+  compares them with its own (`PromptTokenizer.prompt_tokens`, the `dynamo` dialect). Every
+  probe must match exactly.
 - **When.** At start, for every model published then, before pylon takes requests: a mismatch
   or a failed probe refuses the start (exit 2, one line naming the model and the first
   difference). A model published later is proven in the background the first time a request
@@ -38,7 +38,7 @@ from pylon.upstream.probe import Fetched, FetchError, post_json
 if TYPE_CHECKING:
     from pylon.core.upstream import Upstream
     from pylon.observe import Observer
-    from pylon.routing import Tokenizer
+    from pylon.routing import PromptTokenizer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -119,7 +119,7 @@ class TokenDataProver:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: PromptTokenizer,
         fleet: Fleet,
         observer: Observer,
         *,

@@ -32,10 +32,11 @@ import pylsqpack
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 
-Headers = list[tuple[bytes, bytes]]
+# A decoded field section, as QPACK gives it (`pylon.core.http` names one field `Header`).
+Fields = list[tuple[bytes, bytes]]
 
 
-class ErrorCode(IntEnum):
+class H3ErrorCode(IntEnum):
     """HTTP/3 (RFC 9114 8.1) and QPACK (RFC 9204 6) application error codes."""
 
     H3_NO_ERROR = 0x100
@@ -141,7 +142,7 @@ class HeadersReceived(H3Event):
     pseudo-headers included, in the order sent."""
 
     stream_id: int
-    headers: Headers
+    headers: Fields
     stream_ended: bool
 
 
@@ -160,7 +161,7 @@ class TrailersReceived(H3Event):
     so it also marks the end of the request (RFC 9114 4.1: trailers are the last frame)."""
 
     stream_id: int
-    headers: Headers
+    headers: Fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +219,7 @@ class StreamGone(Exception):
 class _ConnectionError(Exception):
     """A connection error (RFC 9114 8): `handle_event` closes the QUIC connection with it."""
 
-    def __init__(self, code: ErrorCode, reason: str) -> None:
+    def __init__(self, code: H3ErrorCode, reason: str) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
@@ -270,7 +271,7 @@ class _RequestStream:
         self.body: list[bytes] = []  # DATA payload read in this call, handed on as one event
         self.declared = -1  # content-length, -1 when absent
         self.received = 0  # DATA payload bytes so far
-        self.trailers: Headers | None = None
+        self.trailers: Fields | None = None
         self.receiving_ended = False
         self.forgotten = False  # the application is done with it; the layer drops it at the end
 
@@ -358,7 +359,7 @@ class H3Layer:
             return self._receive_uni(stream_id, data, fin)
         return []  # a bidirectional stream of our own: pylon sends no requests
 
-    def _close(self, code: ErrorCode, reason: str) -> None:
+    def _close(self, code: H3ErrorCode, reason: str) -> None:
         self._closed = True
         self._requests.clear()
         self._uni.clear()
@@ -429,16 +430,16 @@ class H3Layer:
                 # RFC 9114 4.1: "Receipt of an invalid sequence of frames MUST be treated as a
                 # connection error of type H3_FRAME_UNEXPECTED" (DATA before HEADERS or after
                 # trailers).
-                raise _ConnectionError(ErrorCode.H3_FRAME_UNEXPECTED, "DATA frame out of order")
+                raise _ConnectionError(H3ErrorCode.H3_FRAME_UNEXPECTED, "DATA frame out of order")
         elif frame_type == _HEADERS:
             if stream.phase == _AFTER_TRAILERS:
-                raise _ConnectionError(ErrorCode.H3_FRAME_UNEXPECTED, "HEADERS after trailers")
+                raise _ConnectionError(H3ErrorCode.H3_FRAME_UNEXPECTED, "HEADERS after trailers")
             if length > self._max_header_block:
                 # Refused unread: the payload is never buffered nor decoded.
                 raise _Malformed(431, f"header block of {length} bytes exceeds the limit")
         elif frame_type in _NOT_ON_REQUEST_STREAMS:
             raise _ConnectionError(
-                ErrorCode.H3_FRAME_UNEXPECTED, f"frame type 0x{frame_type:x} on a request stream"
+                H3ErrorCode.H3_FRAME_UNEXPECTED, f"frame type 0x{frame_type:x} on a request stream"
             )
         if length:
             stream.frame_type = frame_type
@@ -499,19 +500,19 @@ class H3Layer:
         else:
             self._trailers(stream, headers, at_end, events)
 
-    def _decode(self, stream_id: int, block: bytes) -> Headers:
+    def _decode(self, stream_id: int, block: bytes) -> Fields:
         try:
             _, headers = self._decoder.feed_header(stream_id, block)
         except (pylsqpack.DecompressionFailed, pylsqpack.StreamBlocked) as exc:
             # RFC 9204 2.2.3: with a zero-capacity table any dynamic-table reference (or a
             # Required Insert Count above 0) is QPACK_DECOMPRESSION_FAILED.
             raise _ConnectionError(
-                ErrorCode.QPACK_DECOMPRESSION_FAILED, "cannot decode field section"
+                H3ErrorCode.QPACK_DECOMPRESSION_FAILED, "cannot decode field section"
             ) from exc
         return headers
 
     def _request_head(
-        self, stream: _RequestStream, headers: Headers, at_end: bool, events: list[H3Event]
+        self, stream: _RequestStream, headers: Fields, at_end: bool, events: list[H3Event]
     ) -> None:
         stream.declared = _content_length(headers)
         if at_end and stream.declared > 0:
@@ -520,7 +521,7 @@ class H3Layer:
         events.append(HeadersReceived(stream.stream_id, headers, at_end))
 
     def _trailers(
-        self, stream: _RequestStream, headers: Headers, at_end: bool, events: list[H3Event]
+        self, stream: _RequestStream, headers: Fields, at_end: bool, events: list[H3Event]
     ) -> None:
         for name, _ in headers:
             if name[:1] == b":":
@@ -546,7 +547,7 @@ class H3Layer:
         stream.receiving_ended = True
         if stream.partial or stream.frame_type != _NO_FRAME:
             # RFC 9114 7.1: a frame truncated by the end of the stream is H3_FRAME_ERROR.
-            raise _ConnectionError(ErrorCode.H3_FRAME_ERROR, "frame truncated by end of stream")
+            raise _ConnectionError(H3ErrorCode.H3_FRAME_ERROR, "frame truncated by end of stream")
         phase = stream.phase
         if phase == _BODY:
             _check_body_complete(stream)
@@ -578,7 +579,7 @@ class H3Layer:
         if not stream.receiving_ended:
             # RFC 9114 4.1.1: a server may answer before the request is complete and then ask
             # the client to stop sending with H3_NO_ERROR.
-            self._stop_stream(stream.stream_id, ErrorCode.H3_NO_ERROR)
+            self._stop_stream(stream.stream_id, H3ErrorCode.H3_NO_ERROR)
         events.append(MessageRejected(stream.stream_id, error.status, error.reason))
 
     def _input_ended_while_dropping(self, stream: _RequestStream) -> None:
@@ -608,7 +609,7 @@ class H3Layer:
     def _receive_stop_sending(self, stream_id: int, error_code: int) -> list[H3Event]:
         if stream_id == self._control_id:
             # RFC 9114 6.2.1: closing a control stream is H3_CLOSED_CRITICAL_STREAM.
-            raise _ConnectionError(ErrorCode.H3_CLOSED_CRITICAL_STREAM, "control stream stopped")
+            raise _ConnectionError(H3ErrorCode.H3_CLOSED_CRITICAL_STREAM, "control stream stopped")
         stream = self._requests.get(stream_id)
         if stream is None or stream.forgotten:
             return []
@@ -646,7 +647,7 @@ class H3Layer:
         if fin:
             # RFC 9204 4.2: "Closure of either unidirectional stream type MUST be treated as a
             # connection error of type H3_CLOSED_CRITICAL_STREAM."
-            raise _ConnectionError(ErrorCode.H3_CLOSED_CRITICAL_STREAM, "QPACK stream closed")
+            raise _ConnectionError(H3ErrorCode.H3_CLOSED_CRITICAL_STREAM, "QPACK stream closed")
         return []
 
     def _read_stream_type(self, stream_id: int, stream: _UniStream, data: bytes) -> bytes:
@@ -664,7 +665,7 @@ class H3Layer:
     def _open_uni(self, stream_id: int, kind: int) -> int:
         if kind == StreamType.PUSH:
             # RFC 9114 6.2.2: only servers push; the peer is always the HTTP client here.
-            raise _ConnectionError(ErrorCode.H3_STREAM_CREATION_ERROR, "push stream from client")
+            raise _ConnectionError(H3ErrorCode.H3_STREAM_CREATION_ERROR, "push stream from client")
         if kind == StreamType.CONTROL:
             self._peer_control_id = _only_one(self._peer_control_id, stream_id, "control")
         elif kind == StreamType.QPACK_ENCODER:
@@ -674,7 +675,7 @@ class H3Layer:
         else:
             # RFC 9114 6.2: "Recipients of unknown stream types MUST either abort reading of the
             # stream or discard incoming data"; aborting "SHOULD use H3_STREAM_CREATION_ERROR".
-            self._stop_stream(stream_id, ErrorCode.H3_STREAM_CREATION_ERROR)
+            self._stop_stream(stream_id, H3ErrorCode.H3_STREAM_CREATION_ERROR)
             return _UNI_IGNORED
         return kind
 
@@ -682,7 +683,7 @@ class H3Layer:
         stream = self._uni.pop(stream_id, None)
         if stream is not None and stream.kind not in (_UNI_TYPE_PENDING, _UNI_IGNORED):
             # RFC 9114 6.2.1 and RFC 9204 4.2: closing a critical stream is a connection error.
-            raise _ConnectionError(ErrorCode.H3_CLOSED_CRITICAL_STREAM, "critical stream reset")
+            raise _ConnectionError(H3ErrorCode.H3_CLOSED_CRITICAL_STREAM, "critical stream reset")
 
     def _feed_encoder_stream(self, data: bytes) -> None:
         if not data:
@@ -693,7 +694,7 @@ class H3Layer:
             # RFC 9204 4.3.1: a capacity above our SETTINGS_QPACK_MAX_TABLE_CAPACITY (0) is an
             # encoder stream error; so is any insertion into a table of capacity 0.
             raise _ConnectionError(
-                ErrorCode.QPACK_ENCODER_STREAM_ERROR, "bad QPACK encoder stream"
+                H3ErrorCode.QPACK_ENCODER_STREAM_ERROR, "bad QPACK encoder stream"
             ) from exc
 
     def _feed_decoder_stream(self, data: bytes) -> None:
@@ -704,14 +705,14 @@ class H3Layer:
         except pylsqpack.DecoderStreamError as exc:
             # RFC 9204 4.4: acknowledging insertions we never made is a decoder stream error.
             raise _ConnectionError(
-                ErrorCode.QPACK_DECODER_STREAM_ERROR, "bad QPACK decoder stream"
+                H3ErrorCode.QPACK_DECODER_STREAM_ERROR, "bad QPACK decoder stream"
             ) from exc
 
     # --- the peer's control stream ---
 
     def _receive_control(self, data: bytes, fin: bool) -> list[H3Event]:
         if fin:
-            raise _ConnectionError(ErrorCode.H3_CLOSED_CRITICAL_STREAM, "control stream closed")
+            raise _ConnectionError(H3ErrorCode.H3_CLOSED_CRITICAL_STREAM, "control stream closed")
         buffer = self._control_buffer
         buffer += data
         events: list[H3Event] = []
@@ -742,19 +743,19 @@ class H3Layer:
         if not self._settings_received and frame_type != _SETTINGS:
             # RFC 9114 6.2.1: "If the first frame of the control stream is any other frame
             # type, this MUST be treated as a connection error of type H3_MISSING_SETTINGS."
-            raise _ConnectionError(ErrorCode.H3_MISSING_SETTINGS, "first control frame")
+            raise _ConnectionError(H3ErrorCode.H3_MISSING_SETTINGS, "first control frame")
         if frame_type == _SETTINGS and self._settings_received:
             # RFC 9114 7.2.4: a second SETTINGS frame is H3_FRAME_UNEXPECTED.
-            raise _ConnectionError(ErrorCode.H3_FRAME_UNEXPECTED, "second SETTINGS frame")
+            raise _ConnectionError(H3ErrorCode.H3_FRAME_UNEXPECTED, "second SETTINGS frame")
         if frame_type in _NOT_ON_CONTROL_STREAM:
             raise _ConnectionError(
-                ErrorCode.H3_FRAME_UNEXPECTED, f"frame type 0x{frame_type:x} on control stream"
+                H3ErrorCode.H3_FRAME_UNEXPECTED, f"frame type 0x{frame_type:x} on control stream"
             )
         if frame_type == _SETTINGS and length > MAX_SETTINGS_FRAME:
-            raise _ConnectionError(ErrorCode.H3_EXCESSIVE_LOAD, "SETTINGS frame too large")
+            raise _ConnectionError(H3ErrorCode.H3_EXCESSIVE_LOAD, "SETTINGS frame too large")
         if frame_type in _ONE_INTEGER_FRAMES and length > 8:
             # RFC 9114 7.1: a payload with more than its fields is H3_FRAME_ERROR.
-            raise _ConnectionError(ErrorCode.H3_FRAME_ERROR, "oversized control frame")
+            raise _ConnectionError(H3ErrorCode.H3_FRAME_ERROR, "oversized control frame")
 
     def _control_frame(self, frame_type: int, payload: bytes) -> list[H3Event]:
         if frame_type == _SETTINGS:
@@ -764,7 +765,7 @@ class H3Layer:
         if frame_type == _GOAWAY:
             if self._peer_goaway is not None and value > self._peer_goaway:
                 # RFC 9114 5.2: the identifier in successive GOAWAY frames must not increase.
-                raise _ConnectionError(ErrorCode.H3_ID_ERROR, "GOAWAY identifier increased")
+                raise _ConnectionError(H3ErrorCode.H3_ID_ERROR, "GOAWAY identifier increased")
             self._peer_goaway = value
             return [GoawayReceived(value)]
         return []  # MAX_PUSH_ID, CANCEL_PUSH: pylon never pushes
@@ -787,7 +788,7 @@ class H3Layer:
         self._quic.send_stream_data(stream_id, stream_type + _frame(_SETTINGS, settings))
         return stream_id
 
-    def send_headers(self, stream_id: int, headers: Headers, end_stream: bool = False) -> None:
+    def send_headers(self, stream_id: int, headers: Fields, end_stream: bool = False) -> None:
         """Send a field section (response head or trailers) as one HEADERS frame.
 
         Raises `StreamGone` if the stream can no longer send.
@@ -939,7 +940,7 @@ def _single_integer(payload: bytes) -> int:
     parsed = _varint(payload, 0)
     if parsed is None or parsed[1] != len(payload):
         # RFC 9114 7.1: a payload that does not hold exactly its fields is H3_FRAME_ERROR.
-        raise _ConnectionError(ErrorCode.H3_FRAME_ERROR, "malformed control frame")
+        raise _ConnectionError(H3ErrorCode.H3_FRAME_ERROR, "malformed control frame")
     return parsed[0]
 
 
@@ -950,13 +951,13 @@ def _parse_settings(payload: bytes) -> dict[int, int]:
         identifier = _varint(payload, pos)
         value = None if identifier is None else _varint(payload, identifier[1])
         if identifier is None or value is None:
-            raise _ConnectionError(ErrorCode.H3_FRAME_ERROR, "truncated SETTINGS frame")
+            raise _ConnectionError(H3ErrorCode.H3_FRAME_ERROR, "truncated SETTINGS frame")
         key = identifier[0]
         if key in _HTTP2_ONLY_SETTINGS:
-            raise _ConnectionError(ErrorCode.H3_SETTINGS_ERROR, f"HTTP/2 setting 0x{key:x}")
+            raise _ConnectionError(H3ErrorCode.H3_SETTINGS_ERROR, f"HTTP/2 setting 0x{key:x}")
         if key in settings:
             # RFC 9114 7.2.4: "The same setting identifier MUST NOT occur more than once".
-            raise _ConnectionError(ErrorCode.H3_SETTINGS_ERROR, f"setting 0x{key:x} repeated")
+            raise _ConnectionError(H3ErrorCode.H3_SETTINGS_ERROR, f"setting 0x{key:x} repeated")
         settings[key], pos = value
     return settings
 
@@ -964,11 +965,11 @@ def _parse_settings(payload: bytes) -> dict[int, int]:
 def _only_one(known: int | None, stream_id: int, name: str) -> int:
     if known is not None:
         # RFC 9114 6.2.1 and RFC 9204 4.2: a second control, encoder or decoder stream.
-        raise _ConnectionError(ErrorCode.H3_STREAM_CREATION_ERROR, f"second {name} stream")
+        raise _ConnectionError(H3ErrorCode.H3_STREAM_CREATION_ERROR, f"second {name} stream")
     return stream_id
 
 
-def _content_length(headers: Headers) -> int:
+def _content_length(headers: Fields) -> int:
     """The declared content length, -1 when absent; `_Malformed` when invalid or ambiguous."""
     declared = -1
     for name, value in headers:

@@ -37,6 +37,7 @@ from pylon.core.intake import AdmittedRequest
 from pylon.proxy import ResponseSink
 from pylon.server.h3layer import (
     DataReceived,
+    H3ErrorCode,
     H3Event,
     H3Layer,
     HeadersReceived,
@@ -45,7 +46,6 @@ from pylon.server.h3layer import (
     StreamGone,
     TrailersReceived,
 )
-from pylon.server.h3layer import ErrorCode as H3ErrorCode
 from pylon.server.quic_private import (
     any_unacked,
     limit_peer_bidi_streams,

@@ -27,7 +27,7 @@ from pylon.settings.load import (
     unknown_env_vars,
 )
 from pylon.settings.model import Settings
-from pylon.settings.routing import WORKER_ENV_SEPARATOR, Routing, Worker
+from pylon.settings.routing import WORKER_ENV_SEPARATOR, RoutingMode, WorkerSetting
 from pylon.settings.sources import ENV_PREFIX
 from pylon.settings.topics import (
     BRINGUP,
@@ -80,10 +80,10 @@ __all__ = [
     "Backend",
     "KiB",
     "MiB",
-    "Routing",
+    "RoutingMode",
     "Settings",
     "SettingsError",
-    "Worker",
+    "WorkerSetting",
     "check_otlp_protocol",
     "closest_setting",
     "describe_error",

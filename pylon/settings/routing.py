@@ -11,9 +11,9 @@ from pydantic_settings import NoDecode
 from pylon.routing.spec import WorkerSpec, WorkerSpecError, parse_worker_spec, worker_from_table
 from pylon.settings.topics import ORIGIN_FORM, ROUTING, group
 
-Routing = Literal["off", "round-robin", "least-loaded", "kv"]
+RoutingMode = Literal["off", "round-robin", "least-loaded", "kv"]
 # A worker as a setting: parsed from its SPEC (or a [[worker]] table), shown as its SPEC.
-Worker = Annotated[WorkerSpec, PlainSerializer(lambda spec: spec.text(), return_type=str)]
+WorkerSetting = Annotated[WorkerSpec, PlainSerializer(lambda spec: spec.text(), return_type=str)]
 WORKER_ENV_SEPARATOR = ";"  # a SPEC holds commas, so PYLON_WORKER separates specs with `;`
 
 
@@ -21,14 +21,14 @@ class RoutingSettings(BaseModel):
     """The `Routing` topic, each setting on its own. What a mode needs from the workers and
     from the engine settings (`--upstream`, `--backend`, `--tokenizer`) is checked by `Settings`."""
 
-    routing: Routing = Field(
+    routing: RoutingMode = Field(
         "off",
         description="how a request picks its engine worker: off (every request to --upstream), "
         "round-robin, least-loaded (fewest requests in flight) or kv (the worker that holds "
         "the prompt's KV cache and is not overloaded; needs --tokenizer and the dynamo extra)",
         json_schema_extra=group(ROUTING),
     )
-    worker: Annotated[tuple[Worker, ...], NoDecode] = Field(
+    worker: Annotated[tuple[WorkerSetting, ...], NoDecode] = Field(
         (),
         description="an engine worker to route to (repeatable; needs --routing other than off): "
         "comma-separated key=value, url=http://HOST:PORT (its own URL) or instance-id=U64 (a "

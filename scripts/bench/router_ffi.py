@@ -37,7 +37,7 @@ import uvloop  # noqa: E402
 
 from pylon.core.blocks import block_hashes  # noqa: E402
 from pylon.core.kv_events import BlockStored, KvEventBatch, encode_message  # noqa: E402
-from router_ffi import SelectionCore, SelectRequest, TokenPrompt, WorkerSpec  # noqa: E402
+from router_ffi import SelectionCore, SelectRequest, TokenPrompt, CoreWorker  # noqa: E402
 from router_ffi.hashing import hash_prompt  # noqa: E402
 
 BLOCK = 16
@@ -103,7 +103,7 @@ def main() -> None:
     for i, sock in enumerate(pubs):
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         core.upsert_worker(
-            WorkerSpec(BASE_ID + i, f"http://127.0.0.1:{9001 + i}", BLOCK, (endpoint,))
+            CoreWorker(BASE_ID + i, f"http://127.0.0.1:{9001 + i}", BLOCK, (endpoint,))
         )
     for sock in pubs:
         assert sock.poll(20_000) and sock.recv()[:1] == b"\x01"

@@ -14,6 +14,7 @@ import pytest
 
 from router_ffi import (
     INSTALL_HINT,
+    CoreWorker,
     GroupLoads,
     InvalidConfig,
     NativeUnavailable,
@@ -28,15 +29,14 @@ from router_ffi import (
     ServiceClosed,
     TokenPrompt,
     WorkerRecord,
-    WorkerSpec,
 )
 from tests.router_ffi.fake_native import FakeNative, Hold
 
 BIG = 2**63 + 12345  # worker ids are u64, often above 2^63
 
 
-def spec(worker_id: int, block_size: int = 16) -> WorkerSpec:
-    return WorkerSpec(
+def spec(worker_id: int, block_size: int = 16) -> CoreWorker:
+    return CoreWorker(
         worker_id=worker_id,
         endpoint=f"http://127.0.0.1:{9000 + worker_id % 1000}",
         block_size=block_size,

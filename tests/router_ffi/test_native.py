@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 from pylon.core.blocks import block_hashes, sequence_hashes, to_u64
 from pylon.core.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, encode_message
 from router_ffi import (
+    CoreWorker,
     Reservation,
     RouterFfiError,
     SelectionCore,
     SelectRequest,
     ServiceClosed,
     TokenPrompt,
-    WorkerSpec,
 )
 from router_ffi.hashing import hash_prompt
 
@@ -114,7 +114,7 @@ def fleet(zctx: Any) -> Iterator[tuple[SelectionCore, list[Publisher], list[Rout
     pubs = [Publisher(zctx) for _ in range(4)]
     for i, pub in enumerate(pubs):
         record = core.upsert_worker(
-            WorkerSpec(BASE + i, f"http://127.0.0.1:{9001 + i}", BLOCK, (pub.endpoint,))
+            CoreWorker(BASE + i, f"http://127.0.0.1:{9001 + i}", BLOCK, (pub.endpoint,))
         )
         assert record.schedulable, record.not_schedulable_reasons
     for pub in pubs:
@@ -242,7 +242,7 @@ def test_shutdown_waits_for_in_flight_calls_and_then_nothing_reaches_native(zctx
 
     core = SelectionCore(native=factory)
     pub = Publisher(zctx)
-    core.upsert_worker(WorkerSpec(BASE, "http://127.0.0.1:9001", BLOCK, (pub.endpoint,)))
+    core.upsert_worker(CoreWorker(BASE, "http://127.0.0.1:9001", BLOCK, (pub.endpoint,)))
     outcomes: list[str] = []
     started = threading.Barrier(5)
 
@@ -318,7 +318,7 @@ def test_a_data_parallel_worker_is_schedulable_with_one_endpoint_per_rank(zctx: 
     pubs = [Publisher(zctx), Publisher(zctx)]
     with SelectionCore(native=lambda: _core.SelectionService(indexer_threads=1)) as core:
         record = core.upsert_worker(
-            WorkerSpec(
+            CoreWorker(
                 BASE, "e", BLOCK, tuple(p.endpoint for p in pubs), dp_size=2, dp_start_rank=4
             )
         )

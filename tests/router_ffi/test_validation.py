@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router_ffi import (
+    CoreWorker,
     InvalidConfig,
-    WorkerSpec,
     check_block_size,
     check_dp_size,
     check_kv_events_endpoint,
@@ -22,8 +22,8 @@ from router_ffi import (
 U64_MAX = 2**64 - 1
 
 
-def worker(worker_id: int = 2**63 + 5, **changes: object) -> WorkerSpec:
-    base = WorkerSpec(
+def worker(worker_id: int = 2**63 + 5, **changes: object) -> CoreWorker:
+    base = CoreWorker(
         worker_id=worker_id,
         endpoint="http://127.0.0.1:9001",
         block_size=16,

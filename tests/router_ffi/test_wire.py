@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router_ffi import HashedPrompt, NativeCallFailed, SelectRequest, TokenPrompt, WorkerSpec, _wire
+from router_ffi import CoreWorker, HashedPrompt, NativeCallFailed, SelectRequest, TokenPrompt, _wire
 from router_ffi._native import translate
 from router_ffi.errors import InvalidRequest, NotFound, NoWorkerAvailable
 
@@ -81,9 +81,9 @@ def test_requests_carry_only_what_is_set() -> None:
 
 
 def test_worker_specs_use_int_rank_keys_for_data_parallel() -> None:
-    one = WorkerSpec(BIG, "e", 16, ("tcp://127.0.0.1:1",))
+    one = CoreWorker(BIG, "e", 16, ("tcp://127.0.0.1:1",))
     assert _wire.worker_to_native(one)["kv_events_endpoint"] == "tcp://127.0.0.1:1"
-    dp = WorkerSpec(BIG, "e", 16, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), 2, 4)
+    dp = CoreWorker(BIG, "e", 16, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), 2, 4)
     native = _wire.worker_to_native(dp)
     assert native["kv_events_endpoints"] == {4: "tcp://127.0.0.1:1", 5: "tcp://127.0.0.1:2"}
     assert (native["data_parallel_start_rank"], native["data_parallel_size"]) == (4, 2)

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from pylon.server.h3layer import (
     DataReceived,
-    ErrorCode,
     GoawayReceived,
+    H3ErrorCode,
     H3Event,
     H3Layer,
     HeadersReceived,
@@ -468,7 +468,7 @@ def test_malformed_request_is_a_stream_error_and_others_keep_working(case: str) 
     assert [e.status for e in rejected] == [status], h.of_stream(sid)
     assert h.of_stream(sid)[-1] == rejected[0]  # nothing after the rejection
     # RFC 9114 4.1.1: the rest of the request is not wanted.
-    assert h.stop_sending_seen(sid) == (None if fin else ErrorCode.H3_NO_ERROR)
+    assert h.stop_sending_seen(sid) == (None if fin else H3ErrorCode.H3_NO_ERROR)
     # Later input on the rejected stream is discarded unparsed, even garbage. (The peer's QUIC
     # has reset its side in answer to STOP_SENDING, so deliver it synthetically.)
     assert h.layer.handle_event(StreamDataReceived(b"\x04\x00" * 10, True, sid)) == []
@@ -557,109 +557,109 @@ def _set_capacity(capacity: int) -> bytes:
 
 CONNECTION_ERRORS = {
     # request streams (RFC 9114 4.1, 7.2)
-    "DATA before HEADERS": (_request(data_frame(b"x")), ErrorCode.H3_FRAME_UNEXPECTED),
+    "DATA before HEADERS": (_request(data_frame(b"x")), H3ErrorCode.H3_FRAME_UNEXPECTED),
     **{
         f"frame 0x{t:x} on a request stream": (
             _request(headers_frame(REQUEST) + frame(t, b"\x00")),
-            ErrorCode.H3_FRAME_UNEXPECTED,
+            H3ErrorCode.H3_FRAME_UNEXPECTED,
         )
         for t in (0x3, 0x4, 0x5, 0x7, 0xD, 0x2, 0x6, 0x8, 0x9)
     },
     "HEADERS after trailers": (
         _request(headers_frame(REQUEST) + headers_frame([(b"x", b"1")]) + headers_frame(REQUEST)),
-        ErrorCode.H3_FRAME_UNEXPECTED,
+        H3ErrorCode.H3_FRAME_UNEXPECTED,
     ),
     "DATA after trailers": (
         _request(headers_frame(REQUEST) + headers_frame([(b"x", b"1")]) + data_frame(b"z")),
-        ErrorCode.H3_FRAME_UNEXPECTED,
+        H3ErrorCode.H3_FRAME_UNEXPECTED,
     ),
     "frame truncated by the FIN": (
         _request(headers_frame(REQUEST) + data_frame(b"abcdef")[:-2]),
-        ErrorCode.H3_FRAME_ERROR,
+        H3ErrorCode.H3_FRAME_ERROR,
     ),
     "frame header truncated by the FIN": (
         _request(headers_frame(REQUEST) + b"\x00\x7f"),
-        ErrorCode.H3_FRAME_ERROR,
+        H3ErrorCode.H3_FRAME_ERROR,
     ),
     "QPACK dynamic table reference": (
         _request(frame(0x1, _dynamic_table_block())),
-        ErrorCode.QPACK_DECOMPRESSION_FAILED,
+        H3ErrorCode.QPACK_DECOMPRESSION_FAILED,
     ),
     "QPACK garbage": (
         _request(frame(0x1, b"\x00\x00\xff\xff")),
-        ErrorCode.QPACK_DECOMPRESSION_FAILED,
+        H3ErrorCode.QPACK_DECOMPRESSION_FAILED,
     ),
     # control stream (RFC 9114 6.2.1, 7.2.4)
     "first control frame not SETTINGS": (
         _uni(b"\x00" + frame(0x7, encode_uint_var(0))),
-        ErrorCode.H3_MISSING_SETTINGS,
+        H3ErrorCode.H3_MISSING_SETTINGS,
     ),
     "first control frame unknown": (
         _uni(b"\x00" + frame(GREASE, b"")),
-        ErrorCode.H3_MISSING_SETTINGS,
+        H3ErrorCode.H3_MISSING_SETTINGS,
     ),
     "DATA on the control stream": (
         _uni(control_stream(data_frame(b"x"))),
-        ErrorCode.H3_FRAME_UNEXPECTED,
+        H3ErrorCode.H3_FRAME_UNEXPECTED,
     ),
     "HEADERS on the control stream": (
         _uni(control_stream(headers_frame(REQUEST))),
-        ErrorCode.H3_FRAME_UNEXPECTED,
+        H3ErrorCode.H3_FRAME_UNEXPECTED,
     ),
-    "second SETTINGS": (_uni(control_stream(frame(0x4, b""))), ErrorCode.H3_FRAME_UNEXPECTED),
+    "second SETTINGS": (_uni(control_stream(frame(0x4, b""))), H3ErrorCode.H3_FRAME_UNEXPECTED),
     "second control stream": (
         _uni(control_stream()) + _uni(control_stream()),
-        ErrorCode.H3_STREAM_CREATION_ERROR,
+        H3ErrorCode.H3_STREAM_CREATION_ERROR,
     ),
-    "push stream from the peer": (_uni(b"\x01\x00"), ErrorCode.H3_STREAM_CREATION_ERROR),
+    "push stream from the peer": (_uni(b"\x01\x00"), H3ErrorCode.H3_STREAM_CREATION_ERROR),
     "second QPACK encoder stream": (
         _uni(b"\x02") + _uni(b"\x02"),
-        ErrorCode.H3_STREAM_CREATION_ERROR,
+        H3ErrorCode.H3_STREAM_CREATION_ERROR,
     ),
     "control stream closed": (
         _uni(control_stream(), fin=True),
-        ErrorCode.H3_CLOSED_CRITICAL_STREAM,
+        H3ErrorCode.H3_CLOSED_CRITICAL_STREAM,
     ),
-    "QPACK encoder stream closed": (_uni(b"\x02", fin=True), ErrorCode.H3_CLOSED_CRITICAL_STREAM),
+    "QPACK encoder stream closed": (_uni(b"\x02", fin=True), H3ErrorCode.H3_CLOSED_CRITICAL_STREAM),
     "repeated setting": (
         _uni(control_stream(settings=settings_payload((0x6, 1), (0x6, 1)))),
-        ErrorCode.H3_SETTINGS_ERROR,
+        H3ErrorCode.H3_SETTINGS_ERROR,
     ),
     **{
         f"HTTP/2 setting 0x{key:x}": (
             _uni(control_stream(settings=settings_payload((key, 1)))),
-            ErrorCode.H3_SETTINGS_ERROR,
+            H3ErrorCode.H3_SETTINGS_ERROR,
         )
         for key in (0x2, 0x3, 0x4, 0x5)
     },
     "truncated SETTINGS payload": (
         _uni(b"\x00" + frame(0x4, b"\x06")),
-        ErrorCode.H3_FRAME_ERROR,
+        H3ErrorCode.H3_FRAME_ERROR,
     ),
     "SETTINGS frame absurdly long": (
         _uni(b"\x00" + encode_uint_var(0x4) + encode_uint_var(1 << 30)),
-        ErrorCode.H3_EXCESSIVE_LOAD,
+        H3ErrorCode.H3_EXCESSIVE_LOAD,
     ),
     "GOAWAY frame absurdly long": (
         _uni(control_stream(encode_uint_var(0x7) + encode_uint_var(1 << 40))),
-        ErrorCode.H3_FRAME_ERROR,
+        H3ErrorCode.H3_FRAME_ERROR,
     ),
     "GOAWAY with trailing bytes": (
         _uni(control_stream(frame(0x7, b"\x04\x00"))),
-        ErrorCode.H3_FRAME_ERROR,
+        H3ErrorCode.H3_FRAME_ERROR,
     ),
     "GOAWAY identifier increased": (
         _uni(control_stream(frame(0x7, b"\x04"), frame(0x7, b"\x08"))),
-        ErrorCode.H3_ID_ERROR,
+        H3ErrorCode.H3_ID_ERROR,
     ),
     # QPACK streams (RFC 9204 4.2, 4.3, 4.4)
     "encoder stream sets a capacity": (
         _uni(b"\x02" + _set_capacity(4096)),
-        ErrorCode.QPACK_ENCODER_STREAM_ERROR,
+        H3ErrorCode.QPACK_ENCODER_STREAM_ERROR,
     ),
     "decoder stream acknowledges an unknown section": (
         _uni(b"\x03\x80"),
-        ErrorCode.QPACK_DECODER_STREAM_ERROR,
+        H3ErrorCode.QPACK_DECODER_STREAM_ERROR,
     ),
 }
 
@@ -689,13 +689,13 @@ def test_control_stream_reset_and_stop_sending_are_critical() -> None:
     h.send(sid, control_stream())
     h.peer.quic.reset_stream(sid, 0x100)
     h.pump()
-    assert h.closed_with() == ErrorCode.H3_CLOSED_CRITICAL_STREAM
+    assert h.closed_with() == H3ErrorCode.H3_CLOSED_CRITICAL_STREAM
 
     h = Harness()
     layer_control = h.layer_side.quic.get_next_available_stream_id(is_unidirectional=True) - 4
     h.peer.quic.stop_stream(layer_control, 0x100)
     h.pump()
-    assert h.closed_with() == ErrorCode.H3_CLOSED_CRITICAL_STREAM
+    assert h.closed_with() == H3ErrorCode.H3_CLOSED_CRITICAL_STREAM
 
 
 def test_zero_capacity_on_the_encoder_stream_and_stream_cancellation_are_fine() -> None:
@@ -750,7 +750,7 @@ def test_unknown_uni_stream_type_is_stopped_and_discarded() -> None:
     h = Harness()
     sid = h.next_uni_stream()
     h.send(sid, encode_uint_var(GREASE) + b"whatever" * 100)
-    assert h.stop_sending_seen(sid) == ErrorCode.H3_STREAM_CREATION_ERROR
+    assert h.stop_sending_seen(sid) == H3ErrorCode.H3_STREAM_CREATION_ERROR
     h.complete_request()
     assert h.closed_with() is None
 
@@ -826,9 +826,9 @@ def test_reset_stream_from_the_peer_is_stream_aborted_and_later_data_ignored() -
     h = Harness()
     sid = h.next_request_stream()
     h.send(sid, headers_frame(with_length(10)) + data_frame(b"abc"))
-    h.peer.quic.reset_stream(sid, ErrorCode.H3_REQUEST_CANCELLED)
+    h.peer.quic.reset_stream(sid, H3ErrorCode.H3_REQUEST_CANCELLED)
     h.pump()
-    assert h.of_stream(sid)[-1] == StreamAborted(sid, ErrorCode.H3_REQUEST_CANCELLED, True)
+    assert h.of_stream(sid)[-1] == StreamAborted(sid, H3ErrorCode.H3_REQUEST_CANCELLED, True)
     assert h.layer.handle_event(StreamDataReceived(data_frame(b"zz"), False, sid)) == []
     h.complete_request()
 
@@ -837,9 +837,9 @@ def test_stop_sending_from_the_peer_is_stream_aborted_and_sending_raises_stream_
     h = Harness()
     sid = h.next_request_stream()
     h.send(sid, headers_frame(REQUEST), fin=True)
-    h.peer.quic.stop_stream(sid, ErrorCode.H3_REQUEST_CANCELLED)
+    h.peer.quic.stop_stream(sid, H3ErrorCode.H3_REQUEST_CANCELLED)
     h.pump()
-    assert h.of_stream(sid)[-1] == StreamAborted(sid, ErrorCode.H3_REQUEST_CANCELLED, False)
+    assert h.of_stream(sid)[-1] == StreamAborted(sid, H3ErrorCode.H3_REQUEST_CANCELLED, False)
     with pytest.raises(StreamGone) as caught:
         h.layer.send_headers(sid, [(b":status", b"200")])
     assert caught.value.stream_id == sid
@@ -861,21 +861,21 @@ def test_our_reset_drops_input_and_later_sends_raise_stream_gone() -> None:
     h = Harness()
     sid = h.next_request_stream()
     h.send(sid, headers_frame(REQUEST))
-    h.layer.reset_stream(sid, ErrorCode.H3_REQUEST_REJECTED)
+    h.layer.reset_stream(sid, H3ErrorCode.H3_REQUEST_REJECTED)
     assert h.send(sid, data_frame(b"late"), fin=True) == []
     with pytest.raises(StreamGone):
         h.layer.send_data(sid, b"x", end_stream=True)
     resets = [e for e in h.peer_log if isinstance(e, StreamReset) and e.stream_id == sid]
-    assert [e.error_code for e in resets] == [ErrorCode.H3_REQUEST_REJECTED]
+    assert [e.error_code for e in resets] == [H3ErrorCode.H3_REQUEST_REJECTED]
 
 
 def test_stop_receiving_sends_stop_sending_and_drops_input() -> None:
     h = Harness()
     sid = h.next_request_stream()
     h.send(sid, headers_frame(REQUEST))
-    h.layer.stop_receiving(sid, ErrorCode.H3_NO_ERROR)
+    h.layer.stop_receiving(sid, H3ErrorCode.H3_NO_ERROR)
     assert h.send(sid, frame(0x4, b""), fin=True) == []  # would be a connection error if read
-    assert h.stop_sending_seen(sid) == ErrorCode.H3_NO_ERROR
+    assert h.stop_sending_seen(sid) == H3ErrorCode.H3_NO_ERROR
     h.layer.send_headers(sid, [(b":status", b"200")], end_stream=True)
     h.layer.forget(sid)
     assert h.layer.open_streams == 0
@@ -962,4 +962,4 @@ def test_empty_frames() -> None:
     assert summary(feed(layer, 0, [wire])) == (REQUEST, b"a", None, True)
     h = Harness()
     h.send(h.next_request_stream(), frame(0x1, b""), fin=True)
-    assert h.closed_with() == ErrorCode.QPACK_DECOMPRESSION_FAILED
+    assert h.closed_with() == H3ErrorCode.QPACK_DECOMPRESSION_FAILED
