@@ -330,8 +330,8 @@ async def test_pylon_sends_its_token_ids_and_replies_and_usage_stay_the_same(
     bodies: list[bytes | None] = []
     book = kv.book
 
-    def recording(plan: Any) -> Any:
-        booking = book(plan)
+    async def recording(plan: Any) -> Any:
+        booking = await book(plan)
         bodies.append(booking.body if isinstance(booking, KvBooking) else None)
         return booking
 
