@@ -387,7 +387,7 @@ def _check_target(target: bytes) -> None:
             "request target must be an origin-form path", code=ErrorCode.MALFORMED_REQUEST
         )
     # A fragment is never part of a request target (RFC 9112 3.2); engines drop it.
-    if b"#" in target or _AMBIGUOUS_PATH.search(target.split(b"?", 1)[0]):
+    if target.find(b"#") >= 0 or _AMBIGUOUS_PATH.search(target.split(b"?", 1)[0]):
         raise ContractError(
             "request path must not contain a fragment, dot or empty segments, a backslash, or "
             "percent-encoded separators, dots or controls",

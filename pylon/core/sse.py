@@ -73,7 +73,7 @@ def _last_boundary_end(buffer: bytes, old_length: int) -> int:
     a boundary the previous call did not see.
     """
     start = max(0, old_length - 3)
-    if b"\r" not in buffer:
+    if buffer.find(b"\r") < 0:  # (not `in`: bytes `in` builds a TypeError first, per chunk)
         found = buffer.rfind(b"\n\n", start)
         if found < 0:
             return 0

@@ -269,4 +269,11 @@ class Watchdog(Deadline):
 
     def arm_for(self, seconds: float, reason: str) -> None:
         self._reason = reason
-        self.arm(seconds)
+        # `Deadline.arm`, inlined: the relay re-arms once per block (per token, streaming).
+        deadline = self._loop.time() + seconds
+        self._deadline = deadline
+        handle = self._handle
+        if handle is None or self._due > deadline:
+            if handle is not None:
+                handle.cancel()
+            self._schedule(deadline)

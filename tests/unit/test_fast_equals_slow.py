@@ -772,3 +772,48 @@ def test_the_batched_counts_are_the_counts_one_request_at_a_time_across_batches(
             (("backend", "vllm"), ("model", "m"), ("status_class", "2xx"), ("transport", "h2")),
         )
     ] == len(records)
+
+
+# --- the watchdog's inlined arm vs Deadline.arm ---------------------------------------------------
+
+
+class _StillLoop:
+    """A loop whose clock the test sets, and which records what is scheduled (nothing runs)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.scheduled: list[float] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Handle:
+        self.scheduled.append(when)
+        return _Handle(self, when)
+
+
+class _Handle:
+    def __init__(self, loop: _StillLoop, when: float) -> None:
+        self.loop, self.when = loop, when
+
+    def cancel(self) -> None:
+        self.loop.scheduled.append(-self.when)  # a cancel, recorded in order
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 100), st.floats(0.001, 50)), min_size=1, max_size=12))
+def test_the_watchdogs_inlined_arm_is_deadline_arm(steps: list[tuple[float, float]]) -> None:
+    from pylon.proxy.exchange import Exchange, Watchdog
+    from pylon.timers import Deadline
+
+    fast_loop, slow_loop = _StillLoop(), _StillLoop()
+    exchange = Exchange("http1", 1, 0.0, None, fast_loop)  # type: ignore[arg-type]
+    fast, slow = Watchdog(exchange), Deadline(slow_loop)  # type: ignore[arg-type]
+    now = 0.0
+    for advance, seconds in steps:
+        now += advance
+        fast_loop.now = slow_loop.now = now
+        fast.arm_for(seconds, "reason")
+        slow.arm(seconds)
+        assert (fast._deadline, fast._due) == (slow._deadline, slow._due)
+        assert fast_loop.scheduled == slow_loop.scheduled
