@@ -24,11 +24,11 @@ class Phase(enum.Enum):
     DRAINING = "draining"  # SIGTERM: finish what is in flight, admit nothing new
 
 
-# `readiness` reasons (the JSON reason of `/ready`).
-DRAINING = "draining"
-ENGINE_NOT_READY = "engine_not_ready"
-NO_MODELS = "no_models"
-READY = "ready"
+# `readiness` reasons (the JSON reason of `/ready`; `Phase` names the phases themselves).
+NOT_READY_DRAINING = "draining"
+NOT_READY_ENGINE = "engine_not_ready"
+NOT_READY_NO_MODELS = "no_models"
+READY_REASON = "ready"
 
 
 class Lifecycle:
@@ -45,12 +45,12 @@ class Lifecycle:
         drain starts, `engine_not_ready` before the health gate passed, `no_models` while no
         model is published, else `ready`."""
         if self.phase is Phase.DRAINING:
-            return False, DRAINING
+            return False, NOT_READY_DRAINING
         if self.phase is Phase.STARTING:
-            return False, ENGINE_NOT_READY
+            return False, NOT_READY_ENGINE
         if not self.models.published:
-            return False, NO_MODELS
-        return True, READY
+            return False, NOT_READY_NO_MODELS
+        return True, READY_REASON
 
     @property
     def draining(self) -> bool:
