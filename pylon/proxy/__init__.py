@@ -1,7 +1,16 @@
-"""The proxy: admission (contract, auth, lifecycle), forwarding (plan, route, send) and relay.
+"""The proxy: admission (contract, auth, lifecycle, published model), the per-request
+`Exchange`, forwarding (plan, queue gate, book, attempt) and the relays.
 
-Transports reach it through two calls: `ProxyAdmission.admit` at headers time (via the intake)
-and `Proxy.handle` once the whole request arrived; `Proxy.reject` answers pylon's own problems.
+- `admission`: `ProxyAdmission`, which the stream table runs on a head before the intake.
+- `exchange`: `Exchange`, one per request: its record and the record's only writer, which tells
+  the queue entry, booking, span and observers each moment once, in order; `Watchdog`, its
+  engine-side clock.
+- `forwarding`: `Proxy.handle(exchange, request, body)`, the way out as one short script.
+- `relay`: the SSE relay and the raw one, each taking the exchange.
+- `sink`: what a transport offers for one response (`ResponseSink`), pylon's problem answers.
+
+Transports reach it through the stream table: admission at headers time, `Exchange.reject` for
+pylon's own answers, `Proxy.handle` once the whole request arrived.
 """
 
 from pylon.proxy.admission import ProxyAdmission
