@@ -37,7 +37,7 @@ import uvloop  # noqa: E402
 
 from pylon.core.blocks import block_hashes  # noqa: E402
 from pylon.core.kv_events import BlockStored, KvEventBatch, encode_message  # noqa: E402
-from router_ffi import SelectionCore, SelectRequest, TokenPrompt, CoreWorker  # noqa: E402
+from router_ffi import CoreWorker, SelectionCore, SelectRequest, TokenPrompt  # noqa: E402
 from router_ffi.hashing import hash_prompt  # noqa: E402
 
 BLOCK = 16
