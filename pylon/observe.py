@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 
 class Observer(ExchangeHooks, Protocol):
-    """The process's view of requests and connections: every moment of every exchange (the
-    `ExchangeHooks`, heard after the exchange's own subscribers), what the intake decided, and
-    connection- and process-level events. Implementations must be cheap and never raise: they
+    """The process's view of requests and connections: the moments of every exchange (the
+    `ExchangeHooks`, heard after the exchange's own subscribers; `output` only reaches the
+    subscribers that count output, so an observer never hears it), what the intake decided,
+    and connection- and process-level events. Implementations must be cheap and never raise: they
     run on the hot path, inside the event loop."""
 
     def admitted(self, record: RequestRecord) -> None:
