@@ -20,6 +20,9 @@ U64_MAX = 2**64 - 1
 MAX_REQUEST_ID_CHARS = 256
 MAX_MODEL_CHARS = 256
 HEALTH_PATH = b"/health"
+# Tokens a prompt may have beyond one per body byte (`check_input_tokens`): what an engine's chat
+# template adds around the messages (role markers, special tokens, a default system prompt).
+TEMPLATE_TOKENS = 1024
 
 # Visible ASCII only: ids end up in logs, metrics labels and engine request ids.
 _VISIBLE_ASCII = re.compile(rb"[\x21-\x7e]+")
@@ -284,6 +287,23 @@ def _parse_uint(
             f"invalid {name.decode()} header: expected an unsigned integer <= {maximum}", code=code
         )
     return value
+
+
+def check_input_tokens(request: TunnelRequest, body_size: int) -> None:
+    """Refuse an `x-input-tokens` the request cannot hold: every tokenizer pylon serves spends
+    at least one byte of text per prompt token (JSON only adds bytes), so a prompt has at most
+    `body_size + TEMPLATE_TOKENS` tokens. The claim feeds the shared queue table and throughput
+    estimate (`pylon.core.queue`): believed past that, one small request would stand for any
+    amount of work. Refused, not clamped: a count pylon changed would mean something else."""
+    claimed = request.input_tokens
+    if claimed is not None and claimed > body_size + TEMPLATE_TOKENS:
+        raise ContractError(
+            f"invalid x-input-tokens header: {claimed} is more than a {body_size}-byte body can "
+            f"hold (at most {body_size + TEMPLATE_TOKENS}: one token per byte plus "
+            f"{TEMPLATE_TOKENS} for the chat template)",
+            code=ErrorCode.INVALID_INPUT_TOKENS,
+            request_id=request.request_id,
+        )
 
 
 def _parse_routing_key(values: dict[bytes, list[bytes]]) -> str | None:

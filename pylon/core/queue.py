@@ -27,7 +27,9 @@ serves the priority pylon writes, normalised so that lower runs first; one level
 engine is told no priority (passthrough, `--no-derive-priority`).
 
 Input tokens of a request: `x-input-tokens` when the gateway sent it, else the body size over
-`BYTES_PER_TOKEN` (cheap, and the same unit on both sides of the division).
+`BYTES_PER_TOKEN` (cheap, and the same unit on both sides of the division). Either is bounded by
+the body: the proxy refuses a claim above `pylon.core.contract.check_input_tokens`' bound before
+the request gets here.
 
 Input throughput, per model: the input tokens of the requests whose first output marks the end of
 their prefill (event streams; embeddings at their response head), over the time at least one of
@@ -35,7 +37,11 @@ them was between dispatch and first output: the union of their prefill intervals
 prefills are not counted twice, as the reference's later fallback does. A sample is one busy
 period (or `MAX_SAMPLE_BUSY_S` of one that goes on), once it holds `MIN_SAMPLE_BUSY_S` and some
 tokens, so prefills that end together fall in one sample; the estimate is the ratio of sums over
-the last `WINDOW` samples, from the `MIN_SAMPLES`th on; before that, `initial_tps` (or unknown).
+the last `WINDOW` samples without the fastest and the slowest one (`trimmed_tps`), from the
+`MIN_SAMPLES`th on; before that, `initial_tps` (or unknown). A request's tokens fall in one sample
+only, so one request (a claim far from its real work, a prefill the engine held for a minute) can
+move the estimate no further than the other samples reach: it can neither zero the estimates nor
+blow them up.
 A busy period that ends without any output (the only request in it failed or was cancelled) is
 dropped, not counted as time without work.
 
@@ -55,13 +61,23 @@ from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.values import static_frozen
 
 BYTES_PER_TOKEN = 4  # body bytes per input token, when the gateway sent no x-input-tokens
-MIN_SAMPLES = 5  # samples before the measured throughput replaces the initial one
+MIN_SAMPLES = 5  # samples before the measured throughput replaces the initial one (>= 3: the
+# estimate drops two of them)
 WINDOW = 8  # samples the estimate is taken over
 MIN_SAMPLE_BUSY_S = 0.010  # busy time a sample needs at least
 MAX_SAMPLE_BUSY_S = 1.0  # a busy period that goes on is cut into samples of about this much
 DEFAULT_MAX_MODELS = 1024  # models tracked at once; requests for others are unknown (admitted)
 PREFILL_ONLY_PATHS = frozenset({"/v1/embeddings"})  # the response head ends their prefill
 _MAX_MS = 2**63 - 1  # estimates are capped here (a tiny throughput cannot overflow them)
+
+
+def trimmed_tps(tokens: list[float], busy: list[float]) -> float:
+    """The throughput of samples (`tokens[i]` input tokens over `busy[i]` > 0 seconds, at least
+    three): their ratio of sums without the fastest and the slowest sample, so the estimate
+    stays between the rates of the others whatever one sample says."""
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i] / busy[i])
+    kept = order[1:-1]
+    return sum(tokens[i] for i in kept) / sum(busy[i] for i in kept)
 
 
 def queue_ms(tokens: int, tps: float) -> int:
@@ -248,7 +264,9 @@ class ModelQueue:
         self._next = (self._next + 1) % WINDOW
         self._samples += 1
         if self._samples >= MIN_SAMPLES:
-            self.input_tps = sum(self._ring_tokens) / sum(self._ring_busy)
+            # Only the slots filled so far (the ring fills from the first one).
+            held = min(self._samples, WINDOW)
+            self.input_tps = trimmed_tps(self._ring_tokens[:held], self._ring_busy[:held])
 
     @property
     def samples(self) -> int:

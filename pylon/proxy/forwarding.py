@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import Protocol
 
-from pylon.core.contract import TraceContext, TunnelRequest
+from pylon.core.contract import TraceContext, TunnelRequest, check_input_tokens
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
@@ -91,6 +91,8 @@ class Proxy:
         """Carry an admitted request to the engine and the answer back."""
         try:
             if isinstance(request, TunnelRequest):
+                if request.input_tokens is not None:  # a claim the queue table would believe
+                    check_input_tokens(request, len(body))
                 plan = self._planner.plan(request, body)
                 entry = self._queue.admit(request, len(plan.body), plan.stream_requested)
                 exchange.planned(plan, request.input_tokens, entry)

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from mutations import auth, floods, head, http3, intake, lifecycle, limits, strip, timeouts, tls
+from mutations import (
+    auth,
+    claims,
+    floods,
+    head,
+    http3,
+    intake,
+    lifecycle,
+    limits,
+    strip,
+    timeouts,
+    tls,
+)
 from mutations.spec import Mutation
 
 SECURITY: list[Mutation] = [
@@ -22,6 +34,7 @@ SECURITY: list[Mutation] = [
     *floods.FLOOD_GUARDS,
     *floods.CONCURRENCY_CAPS,
     *limits.BODY_BUDGETS,
+    *claims.CLAIMS,
     *lifecycle.GATES,
     *lifecycle.DRAIN,
     *intake.MUTATIONS,

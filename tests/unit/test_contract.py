@@ -12,6 +12,7 @@ from pylon.core.contract import (
     U64_MAX,
     HealthRequest,
     TunnelRequest,
+    check_input_tokens,
     parse_request,
     parse_uint,
 )
@@ -165,6 +166,44 @@ def test_input_tokens_invalid(value: bytes) -> None:
 def test_duplicate_input_tokens_rejected() -> None:
     error = error_of([*BASE_HEADERS, (b"x-input-tokens", b"1"), (b"x-input-tokens", b"1")])
     assert error.code is ErrorCode.INVALID_INPUT_TOKENS
+
+
+# The template allowance, as docs/api-contract.md states it (independent of the constant).
+DOCUMENTED_TEMPLATE_TOKENS = 1024
+
+
+def claim_error(claimed: int, body_size: int) -> ContractError | None:
+    request = tunnel((b"x-input-tokens", str(claimed).encode()))
+    try:
+        check_input_tokens(request, body_size)
+    except ContractError as error:
+        return error
+    return None
+
+
+@given(st.integers(0, U64_MAX), st.integers(0, 64 * 2**20))
+def test_input_tokens_beyond_the_body_are_refused(claimed: int, body_size: int) -> None:
+    """A prompt has at most one token per body byte plus the template allowance: a claim is
+    believed up to that bound, exactly, and refused above it (never clamped)."""
+    error = claim_error(claimed, body_size)
+    if claimed <= body_size + DOCUMENTED_TEMPLATE_TOKENS:
+        assert error is None
+    else:
+        assert error is not None
+        assert error.code is ErrorCode.INVALID_INPUT_TOKENS and error.status == 400
+        assert error.request_id == "req-1"
+        assert "x-input-tokens" in error.detail and str(body_size) in error.detail
+
+
+def test_the_issue_claim_on_a_small_body_is_refused() -> None:
+    assert claim_error(U64_MAX, 80) is not None
+    assert claim_error(80 + DOCUMENTED_TEMPLATE_TOKENS, 80) is None
+    assert claim_error(80 + DOCUMENTED_TEMPLATE_TOKENS + 1, 80) is not None
+    assert claim_error(DOCUMENTED_TEMPLATE_TOKENS + 1, 0) is not None  # a GET claims nothing more
+
+
+def test_no_claim_is_nothing_to_check() -> None:
+    check_input_tokens(tunnel(), 0)
 
 
 # --- x-priority (u32) --------------------------------------------------------------------------

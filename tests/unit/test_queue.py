@@ -26,6 +26,7 @@ from pylon.core.queue import (
     QueueTable,
     Result,
     queue_ms,
+    trimmed_tps,
 )
 from pylon.core.record import RequestRecord
 from pylon.core.sanitize import sanitize_request_headers
@@ -447,6 +448,73 @@ def test_embeddings_measure_at_their_head() -> None:
         dispatch(entry, float(i))
         output(entry, i + 0.05, True)
         release(entry, i + 0.05)
+    assert queue.table.input_tps("m") == pytest.approx(1000.0)
+
+
+# --- one outlier sample ------------------------------------------------------------------------
+
+# (tokens, busy seconds) of one sample that says anything: a claim from 1 token to 2**64 - 1,
+# a prefill from 10 ms to a minute.
+outlier_sample = st.tuples(st.integers(1, 2**64 - 1), st.floats(0.01, 60.0))
+honest_rates = st.lists(st.floats(500.0, 2000.0), min_size=MIN_SAMPLES, max_size=3 * WINDOW)
+
+
+@FAST
+@given(honest_rates, outlier_sample, st.integers(0, 3 * WINDOW))
+def test_one_outlier_sample_stays_within_the_others(
+    rates: list[float], outlier: tuple[int, float], at: int
+) -> None:
+    """However far one sample is from the rest (one request's claim, one prefill the engine
+    held), the estimate stays between the other samples' rates, at every step."""
+    queue = admission(initial_tps=None)
+    clock = 0.0
+    at = min(at, len(rates))
+    samples: list[tuple[int, float]] = [(round(rate * 0.1), 0.1) for rate in rates]
+    samples.insert(at, outlier)
+    for index, (tokens, busy) in enumerate(samples):
+        run_one(queue, tokens, clock, clock + busy)
+        clock += busy + 1.0
+        tps = queue.table.input_tps("m")
+        if index + 1 < MIN_SAMPLES:
+            assert tps is None
+            continue
+        assert tps is not None
+        honest = [round(r * 0.1) / 0.1 for r in rates]
+        assert min(honest) * (1 - 1e-9) <= tps <= max(honest) * (1 + 1e-9)
+
+
+@given(
+    st.lists(st.tuples(st.floats(1.0, 1e6), st.floats(0.01, 1.0)), min_size=3, max_size=WINDOW),
+    outlier_sample,
+)
+def test_trimmed_throughput_drops_the_extremes(
+    samples: list[tuple[float, float]], outlier: tuple[int, float]
+) -> None:
+    rates = [tokens / busy for tokens, busy in samples]
+    mixed = [*samples, (float(outlier[0]), outlier[1])]
+    tps = trimmed_tps([t for t, _ in mixed], [b for _, b in mixed])
+    assert min(rates) * (1 - 1e-9) <= tps <= max(rates) * (1 + 1e-9)
+
+
+def test_the_issue_outlier_cannot_zero_the_next_estimates() -> None:
+    """A request claiming 2**64 - 1 tokens (had it been believed) ends its prefill in 10 ms: the
+    next requests' estimates still follow the honest 1000 tokens/s."""
+    queue = admission(initial_tps=None)
+    for i in range(MIN_SAMPLES):
+        run_one(queue, 100, float(i), i + 0.1)
+    run_one(queue, 2**64 - 1, 10.0, 10.01)
+    assert queue.table.input_tps("m") == pytest.approx(1000.0)
+    waiting = admit(queue, tokens=500)
+    estimate = queue.table.estimate_ms("m", waiting.level)
+    assert estimate is not None and 500 <= estimate <= 501  # (float busy times round up)
+
+
+def test_one_held_prefill_cannot_blow_up_the_next_estimates() -> None:
+    """One request of 1 token the engine held for a minute: the estimates do not become hours."""
+    queue = admission(initial_tps=None)
+    for i in range(MIN_SAMPLES):
+        run_one(queue, 100, float(i), i + 0.1)
+    run_one(queue, 1, 10.0, 70.0)
     assert queue.table.input_tps("m") == pytest.approx(1000.0)
 
 
