@@ -29,7 +29,10 @@ _OWS = b" \t"
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _HIGH_WATER = 256 * 1024  # buffered, unconsumed response bytes before we stop reading
 # The engine's response head (status line and fields), as Envoy bounds it (60 KiB): a larger one
-# is a broken or hostile engine, answered 502 instead of being buffered and relayed.
+# is a broken or hostile engine, answered 502 instead of being buffered and relayed. The same cap
+# bounds the bytes between two body pieces (chunk framing, trailers): llhttp's callbacks deliver
+# a field only once it has ended (httptools buffers a value until then), so the cap is counted
+# on the bytes as they arrive, per read, not on what the callbacks deliver.
 MAX_RESPONSE_HEAD = 60 * 1024
 # Linux only; elsewhere None and the delayed-ACK push below is skipped.
 _TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
@@ -179,6 +182,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_parser",
         "_paused",
         "_sock",
+        "_stray",
         "_until_close",
         "attempt",
         "closed",
@@ -205,6 +209,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._paused = False
         self._until_close = False
         self._head_bytes = 0
+        # Bytes received since the current attempt's last body piece (its head, interim heads,
+        # chunk framing, trailers): what llhttp may be holding; over MAX_RESPONSE_HEAD, a 502.
+        self._stray = 0
         self._final = False  # the current attempt's final (non-1xx) response has ended
         self._sock: socket.socket | None = None  # for the delayed-ACK push (Linux)
 
@@ -215,6 +222,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.attempt = attempt
         self.received = False
         self._final = False
+        self._stray = 0
         assert self.transport is not None
         self.transport.write(frame_request(plan, self.upstream))
         return attempt
@@ -250,15 +258,31 @@ class UpstreamConnection(asyncio.Protocol):
             # is out of step, and whatever it says next cannot be trusted as an answer.
             self.abort()
             return
+        attempt = self.attempt
+        body_before = attempt._buffered
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._break(UpstreamBroken("engine switched protocols (101), which pylon never asks"))
+            return
         except httptools.HttpParserError as exc:
             self._break(UpstreamBroken(f"engine sent a malformed response: {exc}"))
+            return
+        if attempt._buffered != body_before:  # (`take` does not run inside `feed_data`)
+            self._stray = 0
         else:
-            if first and not self._final and self._sock is not None:
-                self._ack_now()
+            self._stray += len(data)
+            if self._stray > MAX_RESPONSE_HEAD and not self._final:
+                self._over_cap(attempt)
+                return
+        if first and not self._final and self._sock is not None:
+            self._ack_now()
+
+    def _over_cap(self, attempt: Attempt) -> None:
+        """More than MAX_RESPONSE_HEAD bytes arrived without a body byte: a head (or chunk
+        framing, or trailers) that llhttp would go on buffering. Cut the engine off."""
+        where = "head" if attempt.status == 0 else "framing between body pieces"
+        self._break(UpstreamBroken(f"engine response {where} over {MAX_RESPONSE_HEAD} bytes"))
 
     def _ack_now(self) -> None:
         """The response goes on after its first read (a stream): acknowledge now what arrived,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from mutations.anchors import Never, ReplaceExpr, ReplaceStatements
 from mutations.spec import (
+    CONNECTION,
     ERRORS_T,
+    FAULTS_T,
     H2L_T,
     H3ISO_T,
     H3L_T,
@@ -18,6 +20,7 @@ from mutations.spec import (
     INTAKE_T,
     POOL,
     POOL_T,
+    PROBE,
     SAME,
     SSE,
     STREAMS,
@@ -216,5 +219,24 @@ ENGINE_SIDE = [
         "an engine's SSE event may grow without bound",
         Never(SSE, "SseSplitter._keep", "len(self._pending) > self.max_event_bytes"),
         {"core": (f"{ERRORS_T}::test_oversized_sse_event_ends_the_stream",)},
+    ),
+    Mutation(
+        "engine response head cap",
+        "head bytes counted only as llhttp delivers fields, not per read",
+        Never(
+            CONNECTION,
+            "UpstreamConnection.data_received",
+            "self._stray > MAX_RESPONSE_HEAD and not self._final",
+        ),
+        {
+            **per_transport(f"{FAULTS_T}::test_one_huge_engine_header_line_is_a_502_before_*"),
+            "core": (f"{FAULTS_T}::test_one_huge_engine_trailer_line_cuts_the_stream_*",),
+        },
+    ),
+    Mutation(
+        "engine response head cap",
+        "the probe counts head bytes only as llhttp delivers fields, not per read",
+        Never(PROBE, "_OneResponse.data_received", "self._stray > MAX_RESPONSE_HEAD"),
+        {"core": (f"{FAULTS_T}::test_the_probe_counts_one_huge_header_line_as_it_arrives",)},
     ),
 ]

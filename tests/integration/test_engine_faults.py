@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+import socket
+import struct
+import tracemalloc
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 from aioquic.h3.connection import ErrorCode
 
+from pylon.core.upstream import Upstream
+from pylon.upstream.probe import FetchError, fetch
 from tests.h3client import request_headers
 from tests.integration.conftest import read_request
 from tests.stack import MODEL, NO_BRINGUP, PROTOCOLS, Stack, StackFactory
@@ -22,14 +27,27 @@ BODY = json.dumps({"model": MODEL, "messages": [], "max_tokens": 2}).encode()
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """A reply written piece by piece, each piece drained before the next (so the engine holds
+    one piece, not the whole reply); `then`: how the engine ends it."""
+
+    pieces: Callable[[], Iterator[bytes]]
+    then: str = "keep"  # "keep" the socket, "close" it (FIN), "reset" it (RST)
+
+
+Script = list[bytes | Pieces | None]
+
+
 @dataclass
 class ScriptedEngine:
     """Answers each request with the next scripted bytes; `None` = stall (keep the socket)."""
 
-    script: list[bytes | None]
+    script: Script
     port: int = 0
     connections: int = 0
     closed: int = 0
+    sent: int = 0  # bytes of `Pieces` replies written (and drained)
     answered: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -38,7 +56,9 @@ class ScriptedEngine:
             while True:
                 await read_request(reader)
                 reply = self.script.pop(0) if self.script else OK
-                if reply is not None:
+                if isinstance(reply, Pieces):
+                    await self._write_pieces(reply, writer)
+                elif reply is not None:
                     writer.write(reply)
                     await writer.drain()
                 self.answered.set()
@@ -48,12 +68,25 @@ class ScriptedEngine:
             self.closed += 1
             writer.close()
 
+    async def _write_pieces(self, reply: Pieces, writer: asyncio.StreamWriter) -> None:
+        for piece in reply.pieces():
+            writer.write(piece)
+            await writer.drain()
+            self.sent += len(piece)
+        if reply.then == "reset":
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            raise ConnectionResetError
+        if reply.then == "close":
+            raise ConnectionResetError  # (the handler's `finally` closes: a FIN)
+
 
 @pytest.fixture
-async def engine() -> AsyncIterator[Callable[[list[bytes | None]], object]]:
+async def engine() -> AsyncIterator[Callable[[Script], object]]:
     servers: list[asyncio.Server] = []
 
-    async def factory(script: list[bytes | None]) -> ScriptedEngine:
+    async def factory(script: Script) -> ScriptedEngine:
         scripted = ScriptedEngine(script)
         server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
         scripted.port = server.sockets[0].getsockname()[1]
@@ -67,8 +100,8 @@ async def engine() -> AsyncIterator[Callable[[list[bytes | None]], object]]:
 
 async def stack_before(
     make_stack: StackFactory,
-    engine: Callable[[list[bytes | None]], object],
-    script: list[bytes | None],
+    engine: Callable[[Script], object],
+    script: Script,
     **settings: object,
 ) -> tuple[Stack, ScriptedEngine]:
     scripted = await engine(script)  # type: ignore[misc]
@@ -84,7 +117,7 @@ def headers(request_id: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_an_engine_switching_protocols_is_502(
     make_stack: StackFactory,
-    engine: Callable[[list[bytes | None]], object],
+    engine: Callable[[Script], object],
     protocol: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -102,7 +135,7 @@ async def test_an_engine_switching_protocols_is_502(
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_an_oversized_engine_response_head_is_502(
-    make_stack: StackFactory, engine: Callable[[list[bytes | None]], object], protocol: str
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str
 ) -> None:
     huge = b"HTTP/1.1 200 OK\r\n" + b"".join(
         b"x-filler-%d: %s\r\n" % (i, b"v" * 1000) for i in range(80)
@@ -116,7 +149,7 @@ async def test_an_oversized_engine_response_head_is_502(
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_bytes_beyond_the_response_never_reach_the_client(
-    make_stack: StackFactory, engine: Callable[[list[bytes | None]], object], protocol: str
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str
 ) -> None:
     surplus = b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nsurplus!"
     stack, scripted = await stack_before(make_stack, engine, [OK + surplus])
@@ -130,7 +163,7 @@ async def test_bytes_beyond_the_response_never_reach_the_client(
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_body_that_stalls_after_the_head_is_cut_on_the_gap_timeout(
-    make_stack: StackFactory, engine: Callable[[list[bytes | None]], object], protocol: str
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str
 ) -> None:
     stalled = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"
     gap = 0.3
@@ -167,7 +200,7 @@ async def send_expecting_a_cut(stack: Stack, protocol: str, request_id: str) -> 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_engine_retry_metadata_under_an_underscore_spelling_is_not_relayed(
-    make_stack: StackFactory, engine: Callable[[list[bytes | None]], object], protocol: str
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str
 ) -> None:
     twins = (
         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx_stargate_retryable: true\r\n"
@@ -178,3 +211,84 @@ async def test_engine_retry_metadata_under_an_underscore_spelling_is_not_relayed
     assert reply.status == 200
     names = {name.lower().replace("_", "-") for name in reply.headers}
     assert not {n for n in names if n.startswith("x-stargate-")}
+
+
+HUGE = 8 * 1024 * 1024  # one header value, 140 times the 60 KiB head cap
+PIECE = 64 * 1024
+
+
+def one_huge_header_line() -> Iterator[bytes]:
+    yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-huge: "
+    for _ in range(HUGE // PIECE):
+        yield b"v" * PIECE
+    yield b"\r\ncontent-length: 2\r\n\r\n{}"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_one_huge_engine_header_line_is_a_502_before_it_is_buffered(
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str
+) -> None:
+    """The head cap holds for one endless field too: llhttp's callbacks see a value only once
+    it ends, so pylon counts the head's bytes as they arrive and cuts the engine off at the
+    cap, with the documented 502, long before the engine has sent its 8 MiB line, and holding
+    a small fraction of it."""
+    stack, scripted = await stack_before(make_stack, engine, [Pieces(one_huge_header_line)])
+    tracemalloc.start()
+    try:
+        reply = await stack.send(protocol, CHAT, headers("huge-1"), BODY)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert reply.status == 502, reply
+    assert reply.json()["code"] == "upstream_protocol_error"
+    assert "x-huge" not in reply.headers
+    # Cut off before the line ended (what was sent beyond the cap sat in the kernel's buffers).
+    assert scripted.sent < HUGE, scripted.sent
+    # Everything this process allocated meanwhile (pylon, the client, the engine's one piece):
+    # far below the line's size.
+    assert peak < HUGE // 4, peak
+
+
+def one_huge_trailer_line() -> Iterator[bytes]:
+    yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    yield b"2\r\n{}\r\n0\r\nx-huge-trailer: "
+    for _ in range(HUGE // PIECE):
+        yield b"v" * PIECE
+    yield b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_one_huge_engine_trailer_line_cuts_the_stream_before_it_is_buffered(
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str
+) -> None:
+    """After the body, the bytes up to the next body piece (here: trailers) are held to the
+    same cap as the head: the relayed response is cut, never completed, and the engine is cut
+    off long before its 8 MiB trailer ends."""
+    stack, scripted = await stack_before(make_stack, engine, [Pieces(one_huge_trailer_line)])
+    tracemalloc.start()
+    try:
+        await send_expecting_a_cut(stack, protocol, "trailer-1")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert scripted.sent < HUGE, scripted.sent
+    assert peak < HUGE // 4, peak
+
+
+async def test_the_probe_counts_one_huge_header_line_as_it_arrives(
+    engine: Callable[[Script], object],
+) -> None:
+    """The health gate's and model discovery's probe (`pylon.upstream.probe.fetch`) holds its
+    head to the same cap, counted per read: a `too_large` failure, not 8 MiB buffered."""
+    scripted = await engine([Pieces(one_huge_header_line)])  # type: ignore[misc]
+    assert isinstance(scripted, ScriptedEngine)
+    upstream = Upstream.from_url(f"http://127.0.0.1:{scripted.port}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(FetchError) as failure:
+            await fetch(upstream, "/v1/models", timeout=10, max_body=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert failure.value.reason == "too_large"
+    assert peak < HUGE // 4, peak
