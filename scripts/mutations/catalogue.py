@@ -28,5 +28,6 @@ SECURITY: list[Mutation] = [
     *strip.REQUEST_STRIP,
     *strip.RESPONSE_STRIP,
     *limits.ENGINE_SIDE,
+    *limits.TRUNCATION,
     *http3.QPACK,
 ]

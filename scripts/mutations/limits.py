@@ -3,7 +3,7 @@ and what an engine can make pylon hold (connections, an SSE event)."""
 
 from __future__ import annotations
 
-from mutations.anchors import Never, ReplaceExpr, ReplaceStatements
+from mutations.anchors import Always, Never, ReplaceExpr, ReplaceStatements
 from mutations.spec import (
     CONNECTION,
     ERRORS_T,
@@ -238,5 +238,22 @@ ENGINE_SIDE = [
         "the probe counts head bytes only as llhttp delivers fields, not per read",
         Never(PROBE, "_OneResponse.data_received", "self._stray > MAX_RESPONSE_HEAD"),
         {"core": (f"{FAULTS_T}::test_the_probe_counts_one_huge_header_line_as_it_arrives",)},
+    ),
+]
+
+# A response the engine cut short must never reach a client as a complete one.
+_CUT = f"{FAULTS_T}::test_a_truncated_engine_body_is_never_complete_for_any_client"
+TRUNCATION = [
+    Mutation(
+        "truncation framing",
+        "HTTP/1.1 with connection: close gets a close-delimited body (a cut reads as whole)",
+        ReplaceExpr(HTTP1, "Http1Responder.start", "not self._http10", "self._keep_alive"),
+        {"http1": (f"{_CUT}[chunked-http1-close]", f"{_CUT}[chunked-mid-chunk-http1-close]")},
+    ),
+    Mutation(
+        "truncation framing",
+        "a cut close-delimited HTTP/1.0 body ends in a FIN, not a reset",
+        Always(HTTP1, "Http1Responder.abort", "self._chunked or self._length or self._is_head"),
+        {"http1": (f"{FAULTS_T}::test_an_http10_client_sees_a_cut_body_as_a_reset_and_a_whole_*",)},
     ),
 ]

@@ -16,7 +16,9 @@ import httpx
 import pytest
 from aioquic.h3.connection import ErrorCode
 
+from pylon.core.record import RequestRecord
 from pylon.core.upstream import Upstream
+from pylon.observe import LogObserver
 from pylon.upstream.probe import FetchError, fetch
 from tests.h3client import request_headers
 from tests.integration.conftest import read_request
@@ -292,3 +294,188 @@ async def test_the_probe_counts_one_huge_header_line_as_it_arrives(
         tracemalloc.stop()
     assert failure.value.reason == "too_large"
     assert peak < HUGE // 4, peak
+
+
+# Every way a client reaches pylon: HTTP/1.1 kept alive, HTTP/1.1 with `connection: close` (the
+# response then ends the connection), HTTP/2, HTTP/3.
+CLIENTS = ("http1", "http1-close", "h2", "h3")
+JSON_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+# Engine responses cut short: each promises more than it sends, then the engine closes (FIN).
+TRUNCATED = {
+    "content-length": JSON_HEAD + b'content-length: 100\r\n\r\n{"abc"',
+    "chunked": JSON_HEAD + b'transfer-encoding: chunked\r\n\r\n6\r\n{"abc"\r\n',
+    "chunked-mid-chunk": JSON_HEAD + b'transfer-encoding: chunked\r\n\r\n64\r\n{"abc"',
+}
+# Without a length or chunking, the body runs to the engine's close (RFC 9112 6.3): a FIN ends it.
+CLOSE_DELIMITED = JSON_HEAD + b"\r\n" + b'{"abc": 1}'
+
+
+class Records(LogObserver):
+    """The record of every exchange, as observers (logs, metrics) read it at its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done: list[RequestRecord] = []
+        self.ended = asyncio.Event()
+
+    def complete(self, record: RequestRecord) -> None:
+        super().complete(record)
+        self.done.append(record)
+        self.ended.set()
+
+    async def last(self) -> RequestRecord:
+        async with asyncio.timeout(5):
+            await self.ended.wait()
+        return self.done[-1]
+
+
+@dataclass
+class Answer:
+    status: int
+    body: bytes
+    complete: bool  # the client read a complete response (False: cut, by framing or a reset)
+
+
+async def ask(stack: Stack, client: str, request_id: str, body: bytes = BODY) -> Answer:
+    """One request as `client` (see CLIENTS) and what that client can tell of the answer."""
+    fields = headers(request_id)
+    if client == "h3":
+        async with stack.connect() as h3:
+            wire = request_headers("POST", CHAT, fields, body)
+            response = await h3.send(wire, body).wait(10)
+        assert response.reset_code in (None, ErrorCode.H3_INTERNAL_ERROR), response.reset_code
+        return Answer(response.status or 0, response.body, response.reset_code is None)
+    if client == "http1-close":
+        fields.append(("connection", "close"))
+    protocol = "h2" if client == "h2" else "http1"
+    url = f"{stack.pylon_url}{CHAT}"
+    async with (
+        httpx.AsyncClient(http1=protocol == "http1", http2=protocol == "h2") as http,
+        http.stream("POST", url, headers=fields, content=body) as r,
+    ):
+        got = bytearray()
+        try:
+            async for piece in r.aiter_raw():
+                got += piece
+        except httpx.RemoteProtocolError:
+            # An HTTP/1.1 body short of its content-length or of its last chunk, a reset
+            # connection, an HTTP/2 RST_STREAM.
+            return Answer(r.status_code, bytes(got), complete=False)
+        return Answer(r.status_code, bytes(got), complete=True)
+
+
+def pieces_then(reply: bytes, then: str) -> Pieces:
+    return Pieces(lambda: iter((reply,)), then)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("framing", sorted(TRUNCATED))
+async def test_a_truncated_engine_body_is_never_complete_for_any_client(
+    make_stack: StackFactory, engine: Callable[[Script], object], client: str, framing: str
+) -> None:
+    """An engine that promises more body than it sends and closes: the client gets the head
+    and the bytes that came, and a response it can tell is cut (HTTP/1.1: short of its
+    content-length or its last chunk, also with `connection: close`; HTTP/2 and HTTP/3: the
+    stream reset), never a clean end; the record says how it ended."""
+    records = Records()
+    script: Script = [pieces_then(TRUNCATED[framing], "close")]
+    stack, _ = await stack_before(make_stack, engine, script, observer=records)
+    answer = await ask(stack, client, "cut-1")
+    assert answer.status == 200
+    assert not answer.complete, answer
+    assert answer.body in (b"", b'{"abc"'), answer  # (HTTP/3: a reset may overtake the data)
+    record = await records.last()
+    assert (record.status, record.outcome) == (200, "upstream_broken_mid_body")
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_close_delimited_engine_body_ends_at_the_engines_fin(
+    make_stack: StackFactory, engine: Callable[[Script], object], client: str
+) -> None:
+    """Without a length or chunking, the engine's body ends where its connection does (RFC 9112
+    6.3): a FIN is its legitimate end, and the client gets a complete response (re-framed as
+    its transport frames an unknown length)."""
+    records = Records()
+    script: Script = [pieces_then(CLOSE_DELIMITED, "close")]
+    stack, _ = await stack_before(make_stack, engine, script, observer=records)
+    answer = await ask(stack, client, "fin-1")
+    assert (answer.status, answer.body, answer.complete) == (200, b'{"abc": 1}', True)
+    record = await records.last()
+    assert (record.status, record.outcome) == (200, "ok")
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_close_delimited_engine_body_ended_by_a_reset_is_cut(
+    make_stack: StackFactory, engine: Callable[[Script], object], client: str
+) -> None:
+    """The same body ended by a reset (RST) instead of a FIN is cut short: never complete."""
+    records = Records()
+    script: Script = [pieces_then(CLOSE_DELIMITED, "reset")]
+    stack, _ = await stack_before(make_stack, engine, script, observer=records)
+    answer = await ask(stack, client, "rst-1")
+    assert not answer.complete, answer
+    record = await records.last()
+    assert record.outcome in ("upstream_broken_mid_body", "upstream_protocol_error"), record
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_truncated_event_stream_ends_in_an_error_event_and_an_error_outcome(
+    make_stack: StackFactory, engine: Callable[[Script], object], client: str
+) -> None:
+    """An event stream the engine cuts (its chunked body short of its last chunk): the client
+    gets the events that came and pylon's terminal `event: error`, in a response that ends
+    cleanly (the error is in the stream, where an SSE client reads it); never a stream that
+    just ends as if complete. The record says `upstream_protocol_error`."""
+    records = Records()
+    event = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+    cut = SSE_HEAD + b"transfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n" % (len(event), event)
+    stack, _ = await stack_before(make_stack, engine, [pieces_then(cut, "close")], observer=records)
+    streamed = json.dumps({"model": MODEL, "messages": [], "stream": True}).encode()
+    answer = await ask(stack, client, "sse-1", streamed)
+    assert answer.status == 200
+    assert answer.body.startswith(event), answer
+    assert b"event: error" in answer.body, answer
+    record = await records.last()
+    assert (record.status, record.outcome) == (200, "upstream_protocol_error")
+
+
+async def ask_http10(stack: Stack, request_id: str) -> tuple[bytes, bool]:
+    """One HTTP/1.0 request on a raw socket: everything read, and whether the connection ended
+    with a FIN (True) or a reset (False)."""
+    host, port = stack.pylon_address
+    reader, writer = await asyncio.open_connection(host, port)
+    head = b"POST %b HTTP/1.0\r\nhost: pylon\r\nx-request-id: %b\r\nx-model: %b\r\n" % (
+        CHAT.encode(),
+        request_id.encode(),
+        MODEL.encode(),
+    )
+    writer.write(head + b"content-length: %d\r\n\r\n%b" % (len(BODY), BODY))
+    got = bytearray()
+    try:
+        async with asyncio.timeout(10):
+            while piece := await reader.read(65536):
+                got += piece
+    except ConnectionResetError:
+        return bytes(got), False
+    finally:
+        writer.close()
+    return bytes(got), True
+
+
+async def test_an_http10_client_sees_a_cut_body_as_a_reset_and_a_whole_one_as_a_fin(
+    make_stack: StackFactory, engine: Callable[[Script], object]
+) -> None:
+    """HTTP/1.0 has no chunked coding: a body of unknown length ends with the connection. A
+    whole one ends with a FIN; one the engine cut ends with a reset (RST), which no HTTP/1.0
+    client reads as a complete answer."""
+    cut = pieces_then(TRUNCATED["chunked"], "close")
+    whole = pieces_then(CLOSE_DELIMITED, "close")
+    stack, _ = await stack_before(make_stack, engine, [cut, whole])
+    got, fin = await ask_http10(stack, "h10-cut")
+    assert got.startswith(b"HTTP/1.1 200 "), got
+    assert b"transfer-encoding" not in got.lower()
+    assert not fin, "a cut body ended with a FIN, as a complete one does"
+    got, fin = await ask_http10(stack, "h10-whole")
+    assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b'\r\n\r\n{"abc": 1}'), got
+    assert fin
