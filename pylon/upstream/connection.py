@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, cast
 import httptools
 
 from pylon.core.http import Header
+from pylon.timers import Deadline
 
 if TYPE_CHECKING:
     from pylon.core.plan import ForwardPlan
@@ -179,6 +180,8 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "_final",
         "_head_bytes",
+        "_head_clock",
+        "_head_timeout",
         "_parser",
         "_paused",
         "_sock",
@@ -195,9 +198,18 @@ class UpstreamConnection(asyncio.Protocol):
         "upstream",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: Upstream) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        upstream: Upstream,
+        head_timeout: float | None = None,
+    ) -> None:
         self.loop = loop
         self.upstream = upstream
+        # Every attempt's response head is due within `head_timeout` of its request: one
+        # movable deadline per connection (arming stores a float), not a timer per request.
+        self._head_timeout = head_timeout or 0.0
+        self._head_clock = None if head_timeout is None else Deadline(loop, self._head_overdue)
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.attempt: Attempt | None = None
@@ -225,6 +237,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._stray = 0
         assert self.transport is not None
         self.transport.write(frame_request(plan, self.upstream))
+        if self._head_clock is not None:
+            self._head_clock.arm(self._head_timeout)
         return attempt
 
     def end_attempt(self) -> bool:
@@ -307,6 +321,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._head_clock is not None:
+            self._head_clock.cancel()
+            self._head_clock = None  # it refers back to this connection: no cycle left
         if self.attempt is None:
             return
         if self._until_close and exc is None:
@@ -348,6 +365,8 @@ class UpstreamConnection(asyncio.Protocol):
         if 100 <= status < 200:
             return  # an interim response; the real one follows
         attempt.status = status
+        if self._head_clock is not None:
+            self._head_clock.disarm()
         self.keep_alive = self._parser.should_keep_alive()
         self._until_close = delimited_by_close(status, attempt.headers)
         attempt._head_complete()
@@ -385,6 +404,13 @@ class UpstreamConnection(asyncio.Protocol):
             # Raised inside llhttp's callback: parsing stops, feed_data raises, we break.
             self._break(UpstreamBroken(f"engine response head over {MAX_RESPONSE_HEAD} bytes"))
             raise _HeadTooLarge
+
+    def _head_overdue(self) -> None:
+        attempt = self.attempt
+        if attempt is not None and attempt.status == 0:
+            # The engine still has the request: closing the connection is how it hears that
+            # pylon gave up (the stale-connection retry does not apply: not an UpstreamBroken).
+            self._break(UpstreamTimeout(f"no response head within {self._head_timeout:g} s"))
 
     # --- flow control, used by Attempt ---
     def pause_reading(self) -> None:

@@ -18,6 +18,7 @@ SECURITY: list[Mutation] = [
     *timeouts.STALL_CLOCK,
     *timeouts.HEAD_TIMER,
     *timeouts.IDLE_TIMERS,
+    *timeouts.ENGINE_TIMERS,
     *floods.RAPID_RESET,
     *floods.FLOOD_GUARDS,
     *floods.CONCURRENCY_CAPS,

@@ -51,6 +51,7 @@ class ScriptedEngine:
     closed: int = 0
     sent: int = 0  # bytes of `Pieces` replies written (and drained)
     answered: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # a connection ended
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -68,6 +69,7 @@ class ScriptedEngine:
             pass
         finally:
             self.closed += 1
+            self.gone.set()
             writer.close()
 
     async def _write_pieces(self, reply: Pieces, writer: asyncio.StreamWriter) -> None:
@@ -479,3 +481,36 @@ async def test_an_http10_client_sees_a_cut_body_as_a_reset_and_a_whole_one_as_a_
     got, fin = await ask_http10(stack, "h10-whole")
     assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b'\r\n\r\n{"abc": 1}'), got
     assert fin
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_an_engine_that_never_sends_its_head_is_a_504_on_the_head_timeout(
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str, stream: bool
+) -> None:
+    """Every request's response head is due within --response-head-timeout of its dispatch, a
+    whole response's as a stream's (whose first output has its own, here longer, timeout): the
+    client gets the 504 `upstream_timeout`, and the engine's connection is closed, so the
+    engine hears that pylon gave up."""
+    timeout = 0.3
+    records = Records()
+    stack, scripted = await stack_before(
+        make_stack,
+        engine,
+        [None],
+        observer=records,
+        response_head_timeout=timeout,
+        first_output_timeout=60,
+    )
+    body = json.dumps({"model": MODEL, "messages": [], "stream": stream}).encode()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reply = await stack.send(protocol, CHAT, headers("head-1"), body)
+    assert loop.time() - started < 10 * timeout  # on the head timeout, not a later one
+    assert reply.status == 504, reply
+    assert reply.json()["code"] == "upstream_timeout"
+    assert reply.json()["request_id"] == "head-1"
+    record = await records.last()
+    assert (record.status, record.outcome) == (504, "upstream_timeout")
+    async with asyncio.timeout(5):
+        await scripted.gone.wait()  # the engine sees its connection close
