@@ -8,6 +8,7 @@ from mutations.spec import (
     CONNECTION,
     ERRORS_T,
     FAULTS_T,
+    FORWARDING,
     H2L_T,
     H3ISO_T,
     H3L_T,
@@ -21,6 +22,7 @@ from mutations.spec import (
     POOL,
     POOL_T,
     PROBE,
+    RELAY,
     SAME,
     SSE,
     STREAMS,
@@ -255,5 +257,33 @@ TRUNCATION = [
         "a cut close-delimited HTTP/1.0 body ends in a FIN, not a reset",
         Always(HTTP1, "Http1Responder.abort", "self._chunked or self._length or self._is_head"),
         {"http1": (f"{FAULTS_T}::test_an_http10_client_sees_a_cut_body_as_a_reset_and_a_whole_*",)},
+    ),
+    Mutation(
+        "truncation framing",
+        "a body the engine broke ends cleanly instead of being cut (relay_raw)",
+        ReplaceStatements(
+            RELAY,
+            "relay_raw",
+            """
+            sink.abort()
+            error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+            """,
+            """
+            sink.end()
+            error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+            """,
+        ),
+        per_transport(_CUT),
+    ),
+    Mutation(
+        "truncation framing",
+        "a cut response's record keeps outcome ok",
+        ReplaceStatements(
+            FORWARDING,
+            "Proxy._forward",
+            "exchange.failed(cut.error, cut.outcome, after_head=True)",
+            "pass",
+        ),
+        {"core": (f"{_CUT}[*]",)},
     ),
 ]
