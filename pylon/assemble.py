@@ -70,6 +70,7 @@ def pool_options(settings: Settings) -> PoolOptions:
         max_idle=settings.upstream_max_idle,
         max_connections=settings.upstream_max_connections,
         queue_timeout=settings.upstream_queue_timeout,
+        head_timeout=settings.response_head_timeout,
     )
 
 

@@ -149,6 +149,8 @@ class Proxy:
         """
         attempt: Attempt | None = None
         try:
+            # Every request's head is due within --response-head-timeout (the upstream
+            # connection's own clock); a stream's also within the first-output timeout.
             if plan.stream_requested:
                 timeout = self._relay.first_output_timeout
                 exchange.clock().arm_for(timeout, "no response head in time")

@@ -12,11 +12,20 @@ CR/LF and NUL; `pylon.core.head.http1_head` adds the rest. A request pylon refus
 it whole gets its problem response and a close, since the rest of its bytes cannot be framed.
 Two timers bound idle clients: a head must arrive within the stall timeout (slowloris), and a
 kept-alive connection with nothing in flight is closed after the idle timeout.
+
+A response the proxy cannot complete (the engine cut its body) must never read as complete: a
+body of unknown length goes chunked to every HTTP/1.1 client, `connection: close` or not, so a
+cut one lacks its last chunk; a known length stays declared, so a cut one is short of it. Only an
+HTTP/1.0 client gets a body that ends with the connection, and a cut one ends in a reset (RST),
+not a FIN.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from collections.abc import Sequence
 from http import HTTPStatus
 from typing import NoReturn, cast
@@ -44,6 +53,8 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # reset (closing a socket with unread input sends RST, which can destroy the answer in flight).
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 1024 * 1024
+# SO_LINGER on, timeout 0: closing the socket sends RST instead of FIN (a cut, not an end).
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
 class _StopParsing(Exception):
@@ -72,8 +83,8 @@ class Http1Connection(asyncio.Protocol):
         self._body_left: int | None = None
         self._ended = False
         self._continue_owed = False
-        # per admitted request, until its response starts: (keep-alive, HEAD)
-        self._framing: dict[int, tuple[bool, bool]] = {}
+        # per admitted request, until its response starts: (keep-alive, HEAD, HTTP/1.0)
+        self._framing: dict[int, tuple[bool, bool, bool]] = {}
         self._closing = False
         self._refused = False  # parsing stopped: the answer is out or waits its turn
         self._lingering = -1  # bytes dropped since the lingering close began; -1 = not lingering
@@ -158,7 +169,7 @@ class Http1Connection(asyncio.Protocol):
             self._stop(error)
         # HTTP/1.0 has no chunked framing: its streamed responses end by closing.
         keep_alive = parser.should_keep_alive() and not http10
-        self._framing[stream.id] = (keep_alive, head.method == b"HEAD")
+        self._framing[stream.id] = (keep_alive, head.method == b"HEAD", http10)
         self._body_left = head.content_length
         self._table.head(stream, head, ended=False)
         if stream.intake.state is REJECTED:
@@ -199,15 +210,16 @@ class Http1Connection(asyncio.Protocol):
 
     # --- Framing (used by the table) ---
     def response_sink(self, stream: Stream, request: AdmittedRequest) -> ResponseSink:
-        keep_alive, is_head = self._framing.pop(stream.id, (False, False))
+        keep_alive, is_head, http10 = self._framing.pop(stream.id, (False, False, False))
         # Draining: this response is the connection's last (it says `connection: close`).
-        return Http1Responder(self, keep_alive and self._lifecycle.phase is not DRAINING, is_head)
+        keep_alive = keep_alive and self._lifecycle.phase is not DRAINING
+        return Http1Responder(self, keep_alive, is_head, http10)
 
     def reject_sink(self, stream: Stream) -> ResponseSink:
         # The rest of this request cannot be framed any more: answer, then close.
         self._framing.pop(stream.id, None)
         self._closing = True
-        return Http1Responder(self, keep_alive=False, is_head=False)
+        return Http1Responder(self, keep_alive=False, is_head=False, http10=False)
 
     def stream_done(self, stream: Stream, crashed: bool) -> None:
         if crashed:
@@ -365,17 +377,32 @@ class Http1Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
+    def reset(self) -> None:
+        """Abort with a reset (RST): for a body that ends with the connection, whose FIN would
+        read as its complete end."""
+        transport = self._transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already gone: nothing more to tell
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        self.abort()
+
 
 class Http1Responder:
-    """`ResponseSink` for one HTTP/1.1 response: content-length or chunked framing."""
+    """`ResponseSink` for one HTTP/1.1 response: content-length or chunked framing (HTTP/1.0:
+    a body of unknown length ends with the connection)."""
 
-    __slots__ = ("_chunked", "_conn", "_is_head", "_keep_alive")
+    __slots__ = ("_chunked", "_conn", "_http10", "_is_head", "_keep_alive", "_length")
 
-    def __init__(self, conn: Http1Connection, keep_alive: bool, is_head: bool) -> None:
+    def __init__(
+        self, conn: Http1Connection, keep_alive: bool, is_head: bool, http10: bool
+    ) -> None:
         self._conn = conn
         self._keep_alive = keep_alive
         self._is_head = is_head
+        self._http10 = http10
         self._chunked = False
+        self._length = False  # a content-length was declared
 
     @property
     def paused(self) -> bool:
@@ -386,9 +413,12 @@ class Http1Responder:
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         if content_length is not None:
+            self._length = True
             parts.append(b"content-length: %d\r\n" % content_length)
-        elif not self._is_head and status not in (204, 304) and self._keep_alive:
-            # (Not kept alive, e.g. HTTP/1.0: the body simply ends when the connection does.)
+        elif not self._is_head and status not in (204, 304) and not self._http10:
+            # Chunked also when the connection closes after it: only a last chunk tells a
+            # complete body from a cut one. (HTTP/1.0 has no chunked: its body ends with the
+            # connection, and `abort` resets it.)
             self._chunked = True
             parts.append(b"transfer-encoding: chunked\r\n")
         if not self._keep_alive:
@@ -414,4 +444,7 @@ class Http1Responder:
             self._conn.close()
 
     def abort(self) -> None:
-        self._conn.abort()
+        if self._chunked or self._length or self._is_head:
+            self._conn.abort()  # a missing last chunk, or bytes short of the length, say it
+        else:
+            self._conn.reset()  # the body ends with the connection: a FIN would complete it

@@ -16,6 +16,14 @@ class TimeoutSettings(BaseModel):
     output_gap_timeout: float = Field(
         30.0, gt=0, description="seconds allowed between events", json_schema_extra=group(TIMEOUTS)
     )
+    response_head_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds from writing a request to the engine until its response head "
+        "(a whole response's head comes after generation); a 504 upstream_timeout after it. "
+        "A stream also has --first-output-timeout",
+        json_schema_extra=group(TIMEOUTS),
+    )
     client_send_timeout: float = Field(
         30.0,
         gt=0,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, cast
 import httptools
 
 from pylon.core.http import Header
+from pylon.timers import Deadline
 
 if TYPE_CHECKING:
     from pylon.core.plan import ForwardPlan
@@ -29,7 +30,10 @@ _OWS = b" \t"
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 _HIGH_WATER = 256 * 1024  # buffered, unconsumed response bytes before we stop reading
 # The engine's response head (status line and fields), as Envoy bounds it (60 KiB): a larger one
-# is a broken or hostile engine, answered 502 instead of being buffered and relayed.
+# is a broken or hostile engine, answered 502 instead of being buffered and relayed. The same cap
+# bounds the bytes between two body pieces (chunk framing, trailers): llhttp's callbacks deliver
+# a field only once it has ended (httptools buffers a value until then), so the cap is counted
+# on the bytes as they arrive, per read, not on what the callbacks deliver.
 MAX_RESPONSE_HEAD = 60 * 1024
 # Linux only; elsewhere None and the delayed-ACK push below is skipped.
 _TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
@@ -176,9 +180,12 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "_final",
         "_head_bytes",
+        "_head_clock",
+        "_head_timeout",
         "_parser",
         "_paused",
         "_sock",
+        "_stray",
         "_until_close",
         "attempt",
         "closed",
@@ -191,9 +198,18 @@ class UpstreamConnection(asyncio.Protocol):
         "upstream",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, upstream: Upstream) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        upstream: Upstream,
+        head_timeout: float | None = None,
+    ) -> None:
         self.loop = loop
         self.upstream = upstream
+        # Every attempt's response head is due within `head_timeout` of its request: one
+        # movable deadline per connection (arming stores a float), not a timer per request.
+        self._head_timeout = head_timeout or 0.0
+        self._head_clock = None if head_timeout is None else Deadline(loop, self._head_overdue)
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.attempt: Attempt | None = None
@@ -205,6 +221,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._paused = False
         self._until_close = False
         self._head_bytes = 0
+        # Bytes received since the current attempt's last body piece (its head, interim heads,
+        # chunk framing, trailers): what llhttp may be holding; over MAX_RESPONSE_HEAD, a 502.
+        self._stray = 0
         self._final = False  # the current attempt's final (non-1xx) response has ended
         self._sock: socket.socket | None = None  # for the delayed-ACK push (Linux)
 
@@ -215,8 +234,11 @@ class UpstreamConnection(asyncio.Protocol):
         self.attempt = attempt
         self.received = False
         self._final = False
+        self._stray = 0
         assert self.transport is not None
         self.transport.write(frame_request(plan, self.upstream))
+        if self._head_clock is not None:
+            self._head_clock.arm(self._head_timeout)
         return attempt
 
     def end_attempt(self) -> bool:
@@ -250,15 +272,31 @@ class UpstreamConnection(asyncio.Protocol):
             # is out of step, and whatever it says next cannot be trusted as an answer.
             self.abort()
             return
+        attempt = self.attempt
+        body_before = attempt._buffered
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._break(UpstreamBroken("engine switched protocols (101), which pylon never asks"))
+            return
         except httptools.HttpParserError as exc:
             self._break(UpstreamBroken(f"engine sent a malformed response: {exc}"))
+            return
+        if attempt._buffered != body_before:  # (`take` does not run inside `feed_data`)
+            self._stray = 0
         else:
-            if first and not self._final and self._sock is not None:
-                self._ack_now()
+            self._stray += len(data)
+            if self._stray > MAX_RESPONSE_HEAD and not self._final:
+                self._over_cap(attempt)
+                return
+        if first and not self._final and self._sock is not None:
+            self._ack_now()
+
+    def _over_cap(self, attempt: Attempt) -> None:
+        """More than MAX_RESPONSE_HEAD bytes arrived without a body byte: a head (or chunk
+        framing, or trailers) that llhttp would go on buffering. Cut the engine off."""
+        where = "head" if attempt.status == 0 else "framing between body pieces"
+        self._break(UpstreamBroken(f"engine response {where} over {MAX_RESPONSE_HEAD} bytes"))
 
     def _ack_now(self) -> None:
         """The response goes on after its first read (a stream): acknowledge now what arrived,
@@ -283,6 +321,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._head_clock is not None:
+            self._head_clock.cancel()
+            self._head_clock = None  # it refers back to this connection: no cycle left
         if self.attempt is None:
             return
         if self._until_close and exc is None:
@@ -324,6 +365,8 @@ class UpstreamConnection(asyncio.Protocol):
         if 100 <= status < 200:
             return  # an interim response; the real one follows
         attempt.status = status
+        if self._head_clock is not None:
+            self._head_clock.disarm()
         self.keep_alive = self._parser.should_keep_alive()
         self._until_close = delimited_by_close(status, attempt.headers)
         attempt._head_complete()
@@ -361,6 +404,13 @@ class UpstreamConnection(asyncio.Protocol):
             # Raised inside llhttp's callback: parsing stops, feed_data raises, we break.
             self._break(UpstreamBroken(f"engine response head over {MAX_RESPONSE_HEAD} bytes"))
             raise _HeadTooLarge
+
+    def _head_overdue(self) -> None:
+        attempt = self.attempt
+        if attempt is not None and attempt.status == 0:
+            # The engine still has the request: closing the connection is how it hears that
+            # pylon gave up (the stale-connection retry does not apply: not an UpstreamBroken).
+            self._break(UpstreamTimeout(f"no response head within {self._head_timeout:g} s"))
 
     # --- flow control, used by Attempt ---
     def pause_reading(self) -> None:

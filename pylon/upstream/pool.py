@@ -60,6 +60,9 @@ class PoolOptions:
     queue_timeout: float | None = None
     """Seconds a request waits for a free connection (`--upstream-queue-timeout`); None: the
     connect timeout."""
+    head_timeout: float | None = None
+    """Seconds from writing a request until the engine's response head
+    (`--response-head-timeout`); None: no limit (tests only)."""
 
 
 class UpstreamPool:
@@ -73,6 +76,7 @@ class UpstreamPool:
         self._max_connections = options.max_connections
         queue_timeout = options.queue_timeout
         self._queue_timeout = options.connect_timeout if queue_timeout is None else queue_timeout
+        self._head_timeout = options.head_timeout
         # Keyed by the upstream's label (one per host, port and base path): a str hashes in C, an
         # Upstream in Python, and the pool looks upstreams up twice per request.
         self._upstreams: dict[str, _PerUpstream] = {}
@@ -162,7 +166,9 @@ class UpstreamPool:
         try:
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(
-                    lambda: UpstreamConnection(self.loop, upstream), upstream.host, upstream.port
+                    lambda: UpstreamConnection(self.loop, upstream, self._head_timeout),
+                    upstream.host,
+                    upstream.port,
                 ),
                 self._connect_timeout,
             )

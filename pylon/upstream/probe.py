@@ -55,6 +55,7 @@ class _OneResponse(asyncio.Protocol):
         "_max_body",
         "_parser",
         "_status",
+        "_stray",
         "_until_close",
         "done",
         "transport",
@@ -69,6 +70,7 @@ class _OneResponse(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
         self._body = bytearray()
+        self._stray = 0  # bytes since the last body piece: what llhttp may be holding
         self._until_close = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -77,12 +79,23 @@ class _OneResponse(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.done.done():
             return
+        body_before = len(self._body)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail("protocol", "the engine switched protocols")
         except httptools.HttpParserError as exc:
             self._fail("protocol", f"malformed response: {exc}")
+        # Counted per read, as the pool's connections count it: httptools holds a field until
+        # it ends, so one endless header line (or trailer) never reaches `on_header`.
+        if len(self._body) != body_before:
+            self._stray = 0
+            return
+        self._stray += len(data)
+        if self._stray > MAX_RESPONSE_HEAD:
+            self._fail("too_large", f"response head or framing over {MAX_RESPONSE_HEAD} bytes")
+            if self.transport is not None:
+                self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.done.done():

@@ -30,6 +30,7 @@ SECURITY: list[Mutation] = [
     *timeouts.STALL_CLOCK,
     *timeouts.HEAD_TIMER,
     *timeouts.IDLE_TIMERS,
+    *timeouts.ENGINE_TIMERS,
     *floods.RAPID_RESET,
     *floods.FLOOD_GUARDS,
     *floods.CONCURRENCY_CAPS,
@@ -41,5 +42,6 @@ SECURITY: list[Mutation] = [
     *strip.REQUEST_STRIP,
     *strip.RESPONSE_STRIP,
     *limits.ENGINE_SIDE,
+    *limits.TRUNCATION,
     *http3.QPACK,
 ]

@@ -3,9 +3,12 @@ and what an engine can make pylon hold (connections, an SSE event)."""
 
 from __future__ import annotations
 
-from mutations.anchors import Never, ReplaceExpr, ReplaceStatements
+from mutations.anchors import Always, Never, ReplaceExpr, ReplaceStatements
 from mutations.spec import (
+    CONNECTION,
     ERRORS_T,
+    FAULTS_T,
+    FORWARDING,
     H2L_T,
     H3ISO_T,
     H3L_T,
@@ -18,6 +21,8 @@ from mutations.spec import (
     INTAKE_T,
     POOL,
     POOL_T,
+    PROBE,
+    RELAY,
     SAME,
     SSE,
     STREAMS,
@@ -216,5 +221,69 @@ ENGINE_SIDE = [
         "an engine's SSE event may grow without bound",
         Never(SSE, "SseSplitter._keep", "len(self._pending) > self.max_event_bytes"),
         {"core": (f"{ERRORS_T}::test_oversized_sse_event_ends_the_stream",)},
+    ),
+    Mutation(
+        "engine response head cap",
+        "head bytes counted only as llhttp delivers fields, not per read",
+        Never(
+            CONNECTION,
+            "UpstreamConnection.data_received",
+            "self._stray > MAX_RESPONSE_HEAD and not self._final",
+        ),
+        {
+            **per_transport(f"{FAULTS_T}::test_one_huge_engine_header_line_is_a_502_before_*"),
+            "core": (f"{FAULTS_T}::test_one_huge_engine_trailer_line_cuts_the_stream_*",),
+        },
+    ),
+    Mutation(
+        "engine response head cap",
+        "the probe counts head bytes only as llhttp delivers fields, not per read",
+        Never(PROBE, "_OneResponse.data_received", "self._stray > MAX_RESPONSE_HEAD"),
+        {"core": (f"{FAULTS_T}::test_the_probe_counts_one_huge_header_line_as_it_arrives",)},
+    ),
+]
+
+# A response the engine cut short must never reach a client as a complete one.
+_CUT = f"{FAULTS_T}::test_a_truncated_engine_body_is_never_complete_for_any_client"
+TRUNCATION = [
+    Mutation(
+        "truncation framing",
+        "HTTP/1.1 with connection: close gets a close-delimited body (a cut reads as whole)",
+        ReplaceExpr(HTTP1, "Http1Responder.start", "not self._http10", "self._keep_alive"),
+        {"http1": (f"{_CUT}[chunked-http1-close]", f"{_CUT}[chunked-mid-chunk-http1-close]")},
+    ),
+    Mutation(
+        "truncation framing",
+        "a cut close-delimited HTTP/1.0 body ends in a FIN, not a reset",
+        Always(HTTP1, "Http1Responder.abort", "self._chunked or self._length or self._is_head"),
+        {"http1": (f"{FAULTS_T}::test_an_http10_client_sees_a_cut_body_as_a_reset_and_a_whole_*",)},
+    ),
+    Mutation(
+        "truncation framing",
+        "a body the engine broke ends cleanly instead of being cut (relay_raw)",
+        ReplaceStatements(
+            RELAY,
+            "relay_raw",
+            """
+            sink.abort()
+            error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+            """,
+            """
+            sink.end()
+            error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+            """,
+        ),
+        per_transport(_CUT),
+    ),
+    Mutation(
+        "truncation framing",
+        "a cut response's record keeps outcome ok",
+        ReplaceStatements(
+            FORWARDING,
+            "Proxy._forward",
+            "exchange.failed(cut.error, cut.outcome, after_head=True)",
+            "pass",
+        ),
+        {"core": (f"{_CUT}[*]",)},
     ),
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from mutations.anchors import Always, InsertBefore, Never, ReplaceExpr, ReplaceStatements
 from mutations.spec import (
+    CONNECTION,
+    FAULTS_T,
     H1_T,
     H2L_T,
     H2TLS_T,
@@ -15,6 +17,7 @@ from mutations.spec import (
     INTAKE,
     STREAMS,
     Mutation,
+    per_transport,
     table_limits,
 )
 
@@ -136,5 +139,27 @@ IDLE_TIMERS = [
         "QUIC idle timeout ignored",
         ReplaceExpr(HTTP3, "Http3Server.__init__", "options.idle_timeout", "3600.0"),
         {"h3": (f"{H3ISO_T}::test_idle_connection_is_closed",)},
+    ),
+]
+
+
+# What pylon waits for from an engine: every request's response head.
+_HEAD_504 = f"{FAULTS_T}::test_an_engine_that_never_sends_its_head_is_a_504_on_the_head_timeout"
+ENGINE_TIMERS = [
+    Mutation(
+        "engine response head deadline",
+        "the head clock expires and fails nothing",
+        Never(
+            CONNECTION,
+            "UpstreamConnection._head_overdue",
+            "attempt is not None and attempt.status == 0",
+        ),
+        per_transport(_HEAD_504),
+    ),
+    Mutation(
+        "engine response head deadline",
+        "the head clock is never armed",
+        Never(CONNECTION, "UpstreamConnection.begin", "self._head_clock is not None"),
+        per_transport(_HEAD_504),
     ),
 ]

@@ -284,6 +284,7 @@ TOPIC_FIELDS = {
     TIMEOUTS: (
         "first_output_timeout",
         "output_gap_timeout",
+        "response_head_timeout",
         "client_send_timeout",
         "upstream_connect_timeout",
         "upstream_idle_timeout",
