@@ -17,6 +17,7 @@ from pylon.core.errors import ErrorCode, QueueMismatchError, problem_body
 from pylon.core.queue import (
     BYTES_PER_TOKEN,
     GONE,
+    MIN_SAMPLE_BUSY_S,
     MIN_SAMPLES,
     PENDING,
     WINDOW,
@@ -454,8 +455,9 @@ def test_embeddings_measure_at_their_head() -> None:
 # --- one outlier sample ------------------------------------------------------------------------
 
 # (tokens, busy seconds) of one sample that says anything: a claim from 1 token to 2**64 - 1,
-# a prefill from 10 ms to a minute.
-outlier_sample = st.tuples(st.integers(1, 2**64 - 1), st.floats(0.01, 60.0))
+# a prefill from just over 10 ms (MIN_SAMPLE_BUSY_S, below which no sample is taken; the clock's
+# float sums must not round it under) to a minute.
+outlier_sample = st.tuples(st.integers(1, 2**64 - 1), st.floats(MIN_SAMPLE_BUSY_S * 1.01, 60.0))
 honest_rates = st.lists(st.floats(500.0, 2000.0), min_size=MIN_SAMPLES, max_size=3 * WINDOW)
 
 
