@@ -167,7 +167,7 @@ class HealthChecker:
         if ok:
             worker.failures = 0
             worker.passes += 1
-            if worker.in_rotation:
+            if worker.checks_pass:
                 return
             if not worker.ever_in_rotation:
                 fleet.set_in_rotation(worker, True)
@@ -185,7 +185,7 @@ class HealthChecker:
         self._observer.process_event(
             "worker_health_probe", worker=worker.label, path=self._path, result=result
         )
-        if worker.in_rotation and worker.failures >= self._eject_after:
+        if worker.checks_pass and worker.failures >= self._eject_after:
             fleet.set_in_rotation(worker, False)
             self._observer.process_event(
                 "worker_ejected",

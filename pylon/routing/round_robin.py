@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pylon.core.plan import ForwardPlan
 from pylon.routing import Booking, NoWorker, Router
-from pylon.routing.fleet import Fleet, WorkerBooking
+from pylon.routing.fleet import Fleet, WorkerBooking, elsewhere
 
 POLICY = "round-robin"
 
@@ -33,7 +33,14 @@ class RoundRobinRouter:
             raise no_worker(self._fleet)
         index = self._next % len(in_rotation)
         self._next = index + 1
-        return WorkerBooking(in_rotation[index], POLICY)
+        return WorkerBooking(in_rotation[index], POLICY, self._fleet.passive)
+
+    def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
+        others = elsewhere(self._fleet, failed)
+        if not others:
+            return None
+        # The turn stays where `book` left it: a move does not skip anyone's turn.
+        return WorkerBooking(others[self._next % len(others)], POLICY, self._fleet.passive)
 
 
 _: type[Router] = RoundRobinRouter
