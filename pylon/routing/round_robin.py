@@ -10,11 +10,13 @@ POLICY = "round-robin"
 
 
 def no_worker(fleet: Fleet) -> NoWorker:
-    """What a router raises when no worker is in rotation (every one failed its health checks)."""
+    """What a router raises when no worker is in rotation (health checks failed: passive health
+    never ejects the last one)."""
     count = len(fleet.workers)
     return NoWorker(
         f"no engine worker can take the request: none of the {count} "
-        f"worker{'s' if count != 1 else ''} passes its health checks now"
+        f"worker{'s' if count != 1 else ''} is in rotation now (health checks fail, or its "
+        "answers did)"
     )
 
 
