@@ -177,10 +177,10 @@ class Proxy:
                             other.upstream, other.headers, trace, other.body
                         )
                         continue
-                if fresh:
-                    exchange.retried(attempt)
+                if exchange.dispatched_at is None:
+                    exchange.dispatched(attempt)  # after a move: the first one written
                 else:
-                    exchange.dispatched(attempt)  # after a move: the first written attempt
+                    exchange.retried(attempt)  # one written already: never a second dispatch
                 try:
                     await attempt.head
                     break

@@ -8,6 +8,7 @@ not reach it is moved, once, to another worker; with no other worker it is a ret
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -187,3 +188,30 @@ async def test_a_request_no_worker_can_be_reached_for_is_a_retryable_503(
     assert fleet.observer.finished["nobody"].attempts == workers - 1
     assert len(fleet.observer.of("upstream_moved")) == workers - 1
     assert sum(fleet.routing.active_bookings().values()) == 0
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "least-loaded"])
+async def test_under_concurrent_load_the_failing_worker_gets_no_more_than_n_plus_in_flight(
+    make_fleet: FleetFactory, routing: str
+) -> None:
+    """The issue's case: the 500 worker answers at once, so it always looks idle to
+    least-loaded (without passive health it drew 91-96% of the requests). With it, the worker
+    gets the failures that eject it and at most the requests already on their way to it."""
+    clients, each, failures = 4, 25, 5
+    fleet = await make_fleet(
+        workers=2,
+        routing=routing,
+        mock={"ttft_ms": 5, "num_tokens": 4},
+        worker_outlier_failures=failures,
+        worker_outlier_ejection=3600.0,
+        worker_outlier_max_ejection=3600.0,
+    )
+    await fleet.control(1, "faults", [{"status": 500}])
+
+    async def client(c: int) -> list[int]:
+        return await statuses(fleet, f"c{c}", each)
+
+    got = [status for part in await asyncio.gather(*map(client, range(clients))) for status in part]
+    assert len(got) == clients * each
+    assert failures <= got.count(500) <= failures + clients - 1
+    assert len(await fleet.inference_records(1)) == got.count(500)

@@ -331,6 +331,32 @@ async def test_a_worker_that_cannot_be_reached_moves_the_request_and_its_booking
     assert h.sink.status == 200 and h.queue_is_empty()
 
 
+async def test_a_stale_connection_whose_retry_cannot_connect_moves_without_a_second_dispatch() -> (
+    None
+):
+    h = Harness()
+    other = Upstream.from_url("http://worker2.test:8000")
+    h.router.others.append(other)
+    h.pool.idle.append(ScriptedEngine(h.loop))
+    h.pool.refusals.append(UpstreamConnectError("cannot connect to engine: refused"))
+    exchange, task = h.start()
+    stale = await h.pool.written()
+    stale.close()  # the engine never read it; the new connection to it is refused
+    engine = await h.pool.written()
+    assert engine.connection.upstream == other
+    engine.respond()
+    engine.chunk(event("a") + DONE)
+    engine.end()
+    await task
+
+    assert h.pool.sends == [True, False]
+    # The stale try, the refused connection, the try on the other worker: one dispatch.
+    assert exchange.attempts == 3 and h.log.of("observer").count("dispatched") == 1
+    assert h.log.of("booking") == ["dispatched", "rejected:upstream_unavailable"]
+    assert h.log.of("booking2") == ["response_head:200", "first_output", "output(1)", "complete:ok"]
+    assert h.sink.status == 200 and h.queue_is_empty()
+
+
 async def test_a_request_no_other_worker_can_take_is_answered_unreached() -> None:
     h = Harness(retry=RetryPolicy(local_connect_failures_retryable=True))
     h.router.others.append(Upstream.from_url("http://worker2.test:8000"))
