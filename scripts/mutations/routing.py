@@ -5,7 +5,7 @@ worker goes to another, or is a retryable 503)."""
 from __future__ import annotations
 
 from mutations.anchors import Always, DropOperand, Never, ReplaceExpr, ReplaceStatements
-from mutations.spec import ASSEMBLE, FORWARDING, Mutation
+from mutations.spec import ASSEMBLE, FORWARDING, Mutation, per_transport
 
 OUTLIER = "pylon/routing/outlier.py"
 PASSIVE = "pylon/routing/passive.py"
@@ -87,7 +87,10 @@ CONNECT_MOVE = [
         "connect-failure move",
         "a request that reached no worker is never moved to another",
         Never(FORWARDING, "Proxy._forward", "not moved and not isinstance(exc, UpstreamBusy)"),
-        {"core": (_DEAD, _MOVES)},
+        {
+            "core": (_DEAD, _MOVES),
+            **per_transport(f"{_PASSIVE_T}::test_the_move_on_every_transport"),
+        },
     ),
     Mutation(
         "connect-failure move",

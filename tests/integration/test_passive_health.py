@@ -9,13 +9,20 @@ not reach it is moved, once, to another worker; with no other worker it is a ret
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
+import orjson
 import pytest
 
-from tests.fleet import FleetFactory, FleetStack
+from pylon.core.plan import ForwardPlan
+from pylon.routing import Booking
+from pylon.routing.fleet import Fleet
+from pylon.routing.round_robin import RoundRobinRouter
+from pylon.routing.spec import parse_worker_spec
+from tests.fleet import FleetFactory, FleetStack, RoutingObserver
 from tests.router_ffi.fake_native import FakeNative
-from tests.stack import MODEL
+from tests.stack import MODEL, PROTOCOLS, StackFactory
 
 CHAT = "/v1/chat/completions"
 
@@ -215,3 +222,43 @@ async def test_under_concurrent_load_the_failing_worker_gets_no_more_than_n_plus
     assert len(got) == clients * each
     assert failures <= got.count(500) <= failures + clients - 1
     assert len(await fleet.inference_records(1)) == got.count(500)
+
+
+class LateRouter:
+    """Round-robin over a fleet given once the stack runs (the engine's URL is known then)."""
+
+    def __init__(self) -> None:
+        self.router: RoundRobinRouter | None = None
+
+    async def book(self, plan: ForwardPlan) -> Booking:
+        assert self.router is not None
+        return await self.router.book(plan)
+
+    def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
+        assert self.router is not None
+        return self.router.elsewhere(plan, failed)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_the_move_on_every_transport(make_stack: StackFactory, protocol: str) -> None:
+    """A round-robin over a dead worker (a closed port) first and the stack's engine: whatever
+    the client speaks, the request booked on the dead worker is answered by the other."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    observer, late = RoutingObserver(), LateRouter()
+    stack = await make_stack("dynamo", observer=observer, router=late)
+    specs = [parse_worker_spec(f"url={url}") for url in (dead, stack.mock.base_url)]
+    fleet = Fleet.from_specs(specs, None)
+    for worker in fleet.workers:
+        fleet.set_in_rotation(worker, True)
+    late.router = RoundRobinRouter(fleet)
+    headers = [("x-request-id", f"moved-{protocol}"), ("x-model", MODEL)]
+    reply = await stack.send(protocol, CHAT, headers, orjson.dumps(chat(0)))
+    assert reply.status == 200, reply.body
+    await observer.wait_done(1)
+    record = observer.finished[f"moved-{protocol}"]
+    assert (record.attempts, record.worker, record.outcome) == (2, fleet.workers[1].label, "ok")
+    assert [worker.active for worker in fleet.workers] == [0, 0]
+    [moved] = observer.of("upstream_moved")
+    assert (moved["worker"], moved["to"]) == (fleet.workers[0].label, fleet.workers[1].label)
