@@ -21,6 +21,7 @@ from pylon.routing.fleet import Fleet
 from pylon.routing.round_robin import RoundRobinRouter
 from pylon.routing.spec import parse_worker_spec
 from tests.fleet import FleetFactory, FleetStack, RoutingObserver
+from tests.integration.test_tracing import SpanWaiter
 from tests.router_ffi.fake_native import FakeNative
 from tests.stack import MODEL, PROTOCOLS, StackFactory
 
@@ -246,8 +247,8 @@ async def test_the_move_on_every_transport(make_stack: StackFactory, protocol: s
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    observer, late = RoutingObserver(), LateRouter()
-    stack = await make_stack("dynamo", observer=observer, router=late)
+    observer, late, spans = RoutingObserver(), LateRouter(), SpanWaiter()
+    stack = await make_stack("dynamo", observer=observer, router=late, span_exporter=spans)
     specs = [parse_worker_spec(f"url={url}") for url in (dead, stack.mock.base_url)]
     fleet = Fleet.from_specs(specs, None)
     for worker in fleet.workers:
@@ -262,3 +263,7 @@ async def test_the_move_on_every_transport(make_stack: StackFactory, protocol: s
     assert [worker.active for worker in fleet.workers] == [0, 0]
     [moved] = observer.of("upstream_moved")
     assert (moved["worker"], moved["to"]) == (fleet.workers[0].label, fleet.workers[1].label)
+    # The span names the worker that served it, and the attempts it took.
+    span = (await spans.span(f"moved-{protocol}")).attributes
+    assert span is not None
+    assert (span["pylon.worker"], span["pylon.attempts"]) == (fleet.workers[1].label, 2)
