@@ -15,8 +15,8 @@ def no_worker(fleet: Fleet) -> NoWorker:
     count = len(fleet.workers)
     return NoWorker(
         f"no engine worker can take the request: none of the {count} "
-        f"worker{'s' if count != 1 else ''} is in rotation now (health checks fail, or its "
-        "answers did)"
+        f"worker{'s' if count != 1 else ''} is in rotation now (failed health checks, or "
+        "ejected for failing answers)"
     )
 
 
