@@ -116,7 +116,7 @@ def routing_options(settings: Settings) -> RoutingOptions:
             consecutive=settings.worker_outlier_failures,
             base_ejection=settings.worker_outlier_ejection,
             max_ejection=settings.worker_outlier_max_ejection,
-            max_ejected_share=settings.worker_outlier_max_ejected_percent / 100,
+            max_ejected_share=settings.worker_outlier_max_percent / 100,
         ),
     )
 

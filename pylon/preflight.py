@@ -220,7 +220,7 @@ _WORKER_HEALTH_TUNING = (
     "worker_outlier_failures",
     "worker_outlier_ejection",
     "worker_outlier_max_ejection",
-    "worker_outlier_max_ejected_percent",
+    "worker_outlier_max_percent",
 )
 
 

@@ -67,7 +67,7 @@ class OutlierOptions:
     max_ejection: float
     """The longest ejection, however often it repeats (`--worker-outlier-max-ejection`)."""
     max_ejected_share: float
-    """The share of the fleet ejected at once, 0..1 (`--worker-outlier-max-ejected-percent`);
+    """The share of the fleet ejected at once, 0..1 (`--worker-outlier-max-percent`);
     at least one worker, never the last one in rotation."""
 
 

@@ -93,7 +93,7 @@ class RoutingSettings(BaseModel):
         "--worker-outlier-ejection)",
         json_schema_extra=group(ROUTING),
     )
-    worker_outlier_max_ejected_percent: float = Field(
+    worker_outlier_max_percent: float = Field(
         50.0,
         gt=0,
         le=100,

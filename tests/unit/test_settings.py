@@ -256,7 +256,7 @@ TOPIC_FIELDS = {
         "worker_outlier_failures",
         "worker_outlier_ejection",
         "worker_outlier_max_ejection",
-        "worker_outlier_max_ejected_percent",
+        "worker_outlier_max_percent",
         "kv_overlap_weight",
         "kv_token_data",
     ),
