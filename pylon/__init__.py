@@ -55,7 +55,8 @@ Glossary (one word per concept, in code, logs and docs):
 - upstream: where an attempt goes (`Upstream`: host, port, base path); the target is only the
   request-target (path and query).
 - attempt: one try of an exchange on one upstream connection (`pylon.upstream.Attempt`); a
-  stale-connection retry is a second attempt of the same exchange.
+  stale-connection retry is a second attempt of the same exchange, and so is a move: a request
+  whose worker could not be reached at all, sent to another worker.
 - dispatch: the moment the exchange's first attempt is written to the engine.
 - queue gate: the check that refuses (429) a request that would queue here longer than the
   gateway expected (`QueueGate`); queue entry: an exchange's place in its model's queue table
@@ -64,5 +65,6 @@ Glossary (one word per concept, in code, logs and docs):
   exchange's terminal moment; reservation: the native selection core's own claim, which a `kv`
   booking holds (`router_ffi.Reservation`).
 - worker: an engine instance pylon routes to (`--worker`, `pylon.routing.fleet.Worker`); worker
-  in rotation: one whose health checks pass now, the only ones routers choose from.
+  in rotation: one whose health checks pass now and whose real answers have not ejected it
+  (passive health, `pylon.routing.outlier`), the only ones routers choose from.
 """

@@ -2,7 +2,8 @@
 
 Nothing below this layer reads Settings: every component takes its own options, and the
 functions here are the one place they are built from it (`ingress_limits`, `pool_options`,
-`relay_limits`, `quic_options`, `routing_options`, `bring_up_options`, `tracing_options`).
+`relay_limits`, `retry_policy`, `quic_options`, `routing_options`, `bring_up_options`,
+`tracing_options`).
 `build_core` then assembles the transport-neutral parts every listener shares (lifecycle,
 observers, metrics, admission, pool, router, tracer, queue gate, proxy) into a `Core`;
 `pylon.run.start` hands it to the listeners (`pylon.listeners`).
@@ -11,7 +12,7 @@ observers, metrics, admission, pool, router, tracer, queue gate, proxy) into a `
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pylon.adapters import build_adapter
@@ -21,6 +22,7 @@ from pylon.bringup import BringUpOptions
 from pylon.core.intake import IngressLimits
 from pylon.core.plan import Planner
 from pylon.core.queue import QueueGate, QueueTable
+from pylon.core.retry import RetryPolicy
 from pylon.core.upstream import Upstream
 from pylon.lifecycle import Lifecycle
 from pylon.metrics import MetricsObserver
@@ -29,6 +31,7 @@ from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
 from pylon.routing.build import KvOptions, RoutingOptions
 from pylon.routing.health import HealthCheckOptions
+from pylon.routing.outlier import OutlierOptions
 from pylon.server.budget import BodyBudget
 from pylon.server.streams import Ingress
 from pylon.settings import Settings
@@ -110,7 +113,24 @@ def routing_options(settings: Settings) -> RoutingOptions:
             readmit_after=settings.worker_readmit_after,
         ),
         kv=kv_options(settings) if mode == "kv" else None,
+        outlier=OutlierOptions(
+            consecutive=settings.worker_outlier_failures,
+            base_ejection=settings.worker_outlier_ejection,
+            max_ejection=settings.worker_outlier_max_ejection,
+            max_ejected_share=settings.worker_outlier_max_percent / 100,
+        ),
     )
+
+
+def retry_policy(settings: Settings) -> RetryPolicy:
+    """How pylon marks what it answers for the gateway. With `--routing` other than off, an
+    engine connect failure is always retryable: it reaches the client only when no other worker
+    could take the request, and no engine saw it (`--local-connect-failures-retryable` is for
+    the one `--upstream`)."""
+    policy = settings.retry_policy
+    if settings.routing != "off" and not policy.local_connect_failures_retryable:
+        policy = replace(policy, local_connect_failures_retryable=True)
+    return policy
 
 
 def kv_options(settings: Settings) -> KvOptions:
@@ -204,7 +224,7 @@ def build_core(
         pool=pool,
         observer=observer,
         relay=relay_limits(settings),
-        retry=settings.retry_policy,
+        retry=retry_policy(settings),
         tracer=tracer,
         queue=queue,
     )
@@ -234,7 +254,7 @@ def _metrics(settings: Settings) -> MetricsObserver | None:
     return MetricsObserver(
         settings.backend,
         priority_ceiling=settings.priority_ceiling,
-        local_connect_retryable=settings.local_connect_failures_retryable,
+        local_connect_retryable=retry_policy(settings).local_connect_failures_retryable,
     )
 
 

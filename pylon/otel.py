@@ -97,6 +97,10 @@ class OtelSpan(ExchangeHooks):
             span.end()
             return
         attributes: dict[str, AttributeValue] = {"pylon.outcome": record.outcome or "unknown"}
+        if record.attempts > 1 and record.worker is not None:
+            # A retry (a stale connection, or a move to another worker): where it was served.
+            attributes["pylon.worker"] = record.worker
+            attributes["pylon.attempts"] = record.attempts
         if record.dispatched_at is not None:
             span.add_event("pylon.dispatched", timestamp=self._ns(record.dispatched_at))
         if record.first_byte_at is not None:  # the engine answered: its status

@@ -217,6 +217,10 @@ _WORKER_HEALTH_TUNING = (
     "worker_health_timeout",
     "worker_eject_after",
     "worker_readmit_after",
+    "worker_outlier_failures",
+    "worker_outlier_ejection",
+    "worker_outlier_max_ejection",
+    "worker_outlier_max_percent",
 )
 
 
@@ -267,6 +271,12 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
     if settings.routing == "off":
         for name in _WORKER_HEALTH_TUNING:
             ignored(name, "--routing off: there are no workers to check")
+    elif not settings.local_connect_failures_retryable:
+        ignored(
+            "local_connect_failures_retryable",
+            f"--routing {settings.routing}: a request no worker could be reached for is always "
+            "retryable (no engine saw it)",
+        )
     if settings.routing != "kv":
         ignored("kv_overlap_weight", "only --routing kv weighs cached prefixes")
     return warnings

@@ -9,7 +9,8 @@ the observers: logs and metrics):
           \\--------------- rejected (instead of complete) ----------/
 
 - `dispatched`: the first attempt's request was written to the engine (a stale-connection
-  retry is a second attempt of the same exchange, not a second dispatch: `record.attempts`);
+  retry is a second attempt of the same exchange, not a second dispatch: `record.attempts`;
+  a request moved from a worker it could not reach is dispatched once, to the second);
 - `response_head`: the engine's response head arrived (`record.status`);
 - `first_output`: prefill is over: the first output event of a stream, or the head of a whole
   response (`record.ends_prefill`: it ended a successful prefill, so it measures throughput);
@@ -18,7 +19,8 @@ the observers: logs and metrics):
 - `complete`: the exchange is over, however it ended (`record.outcome`); the terminal moment of
   every exchange that reached the engine or was booked;
 - `rejected`: pylon answered with its own problem before any engine saw the request (the
-  terminal moment instead of `complete`).
+  terminal moment instead of `complete`); a booking also hears it when its worker could not
+  be reached and the exchange moves to another worker's booking (`Exchange.rebooked`).
 
 Any moment after `dispatched` may be skipped (an engine that never answers has no head), but
 none repeats, none comes out of order, and exactly one terminal moment ends every exchange. A
@@ -72,7 +74,9 @@ class RequestRecord:
         self.first_byte_at: float | None = None  # the engine's response head went to the client
         self.first_output_at: float | None = None  # the first output (event or body) arrived
         self.done_at: float | None = None
-        self.attempts = 0  # attempts written to the engine (2: a stale-connection retry)
+        # Attempts made (2: a stale-connection retry, or a move from a worker that could not be
+        # reached at all to another).
+        self.attempts = 0
         self.ends_prefill = False  # the first output ended a successful prefill
         self.request_id: str | None = None
         self.model: str | None = None

@@ -193,8 +193,22 @@ METRICS: tuple[MetricSpec, ...] = (
         "pylon_router_worker_healthy",
         "gauge",
         ("worker",),
-        "1 while the worker is in rotation (its health checks pass), 0 while it is ejected (or not "
-        "in rotation yet)",
+        "1 while the worker is in rotation (its health checks pass and passive health has not "
+        "ejected it), 0 while it is ejected (or not in rotation yet)",
+    ),
+    MetricSpec(
+        "pylon_router_worker_ejected",
+        "gauge",
+        ("worker",),
+        "1 while passive health holds the worker out of rotation (its real answers kept failing), "
+        "0 otherwise",
+    ),
+    MetricSpec(
+        "pylon_router_worker_ejections_total",
+        "counter",
+        ("worker", "reason"),
+        "times passive health took the worker out of rotation, by the failure that did it: "
+        "`status_5xx`, `connect_failure`, `broken`, `timeout`",
     ),
     MetricSpec(
         "pylon_router_decisions_total",

@@ -128,10 +128,12 @@ def queue_families(counts: Counts) -> Iterator[Metric]:
 
 
 def routing_families(counts: Counts) -> Iterator[Metric]:
-    """The workers' bookings, health, decisions and KV-event faults, and the kv selects'
-    latencies (empty families with --routing off)."""
+    """The workers' bookings, health, passive ejections, decisions and KV-event faults, and
+    the kv selects' latencies (empty families with --routing off)."""
     active = _gauge("pylon_router_active_bookings")
     healthy = _gauge("pylon_router_worker_healthy")
+    ejected = _gauge("pylon_router_worker_ejected")
+    ejections: dict[tuple[str, str], int] = {}
     decisions: dict[tuple[str, str], int] = {}
     faults: dict[tuple[str, str], int] = {}
     select = _histogram("pylon_router_select_seconds")
@@ -140,6 +142,9 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
         for worker in snapshot.workers:
             active.add_metric([worker.label], worker.active)
             healthy.add_metric([worker.label], 1 if worker.in_rotation else 0)
+            ejected.add_metric([worker.label], 1 if worker.ejected else 0)
+            for reason, count in worker.ejections.items():
+                ejections[(worker.label, reason)] = count
             for policy, count in worker.decisions.items():
                 decisions[(worker.label, policy)] = count
             for kind, count in worker.kv_faults.items():
@@ -150,6 +155,8 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
             select.add_metric([snapshot.policy], buckets, latencies[-1])
     yield active
     yield healthy
+    yield ejected
+    yield _counter("pylon_router_worker_ejections_total", ejections)
     yield _counter("pylon_router_decisions_total", decisions)
     yield _counter("pylon_router_kv_event_faults_total", faults)
     yield select

@@ -155,10 +155,24 @@ class Exchange(RequestRecord):
         if not booking.quiet:  # a booking with nothing to account hears nothing
             self.subscribe(booking, booking.counts_output)
 
+    def rebooked(self, booking: Booking, other: Booking, error: PylonError) -> None:
+        """`booking`'s worker could not be reached (`error`): the engine never saw the request.
+        That booking is released as not served (its terminal moment, `rejected`: it stops
+        hearing this exchange), the failed try counts as an attempt, and `other`, a booking on
+        another worker, takes its place."""
+        if not booking.quiet:
+            self._hooks = tuple(hook for hook in self._hooks if hook is not booking)
+            output = self._output = tuple(hook for hook in self._output if hook is not booking)
+            self.counts_output = bool(output)
+            booking.rejected(self, error)
+        self.attempts += 1
+        self.booked(other)
+
     def dispatched(self, attempt: Attempt) -> None:
-        """The first attempt was written to the engine: the exchange's dispatch."""
+        """The first attempt was written to the engine: the exchange's dispatch (after a move to
+        another worker, the first one written)."""
         self.attempt = attempt
-        self.attempts = 1
+        self.attempts += 1
         self.dispatched_at = self._loop.time()
         for hook in self._hooks:
             hook.dispatched(self)

@@ -32,7 +32,7 @@ from pylon.proxy.relay import (
     relay_sse,
 )
 from pylon.proxy.sink import echo_request_id, send_problem
-from pylon.routing import NoWorker, Router
+from pylon.routing import Booking, NoWorker, Router
 from pylon.tracing import ExchangeTracer
 from pylon.upstream import (
     Attempt,
@@ -105,10 +105,7 @@ class Proxy:
             exchange.booked(booking)
             # The span (when tracing) carries its own trace context to the engine.
             trace = None if self._tracer is None else self._trace(exchange, request, plan)
-            plan = exchange.plan = plan.routed(
-                booking.upstream, booking.headers, trace, booking.body
-            )
-            await self._forward(exchange, plan)
+            await self._forward(exchange, plan, booking, trace)
         except PylonError as error:  # answered before any engine saw the request
             exchange.reject(exchange.sink, error)
         except NoWorker as exc:
@@ -140,33 +137,54 @@ class Proxy:
         exchange.subscribe(span)
         return span.trace
 
-    async def _forward(self, exchange: Exchange, plan: ForwardPlan) -> None:
-        """Attempt the plan, wait for the response head, relay the response.
+    async def _forward(
+        self,
+        exchange: Exchange,
+        unrouted: ForwardPlan,
+        booking: Booking,
+        trace: TraceContext | None,
+    ) -> None:
+        """Attempt the plan on the booked worker, wait for the response head, relay the response.
 
         A request written into a kept-alive connection that the engine had just closed (no
         response byte at all) gets a second attempt on a new connection: the engine never read
-        the first. (One coroutine, not one per step: this runs for every request.)
+        the first. A request whose worker could not be reached at all (refused, reset before
+        the request was written) moves, once, to another worker the router books: no engine
+        saw it. (One coroutine, not one per step: this runs for every request.)
         """
         attempt: Attempt | None = None
+        plan = exchange.plan = unrouted.routed(
+            booking.upstream, booking.headers, trace, booking.body
+        )
         try:
             # Every request's head is due within --response-head-timeout (the upstream
             # connection's own clock); a stream's also within the first-output timeout.
             if plan.stream_requested:
                 timeout = self._relay.first_output_timeout
                 exchange.clock().arm_for(timeout, "no response head in time")
-            fresh = False
+            fresh = moved = False
             while True:
                 attempt = None if fresh else self._pool.send_idle(plan)
                 if attempt is None:
                     try:
                         attempt = await self._pool.send(plan, fresh=fresh)
                     except UpstreamConnectError as exc:
-                        self._answer_connect_failure(exchange, exc)
-                        return
-                if fresh:
-                    exchange.retried(attempt)
+                        other = None
+                        if not moved and not isinstance(exc, UpstreamBusy):
+                            other = self._router.elsewhere(unrouted, booking)
+                        if other is None:
+                            self._answer_connect_failure(exchange, exc)
+                            return
+                        self._moved(exchange, booking, other, exc)
+                        booking, moved, fresh = other, True, False
+                        plan = exchange.plan = unrouted.routed(
+                            other.upstream, other.headers, trace, other.body
+                        )
+                        continue
+                if exchange.dispatched_at is None:
+                    exchange.dispatched(attempt)  # after a move: the first one written
                 else:
-                    exchange.dispatched(attempt)
+                    exchange.retried(attempt)  # one written already: never a second dispatch
                 try:
                     await attempt.head
                     break
@@ -202,6 +220,23 @@ class Proxy:
         finally:
             if attempt is not None:
                 self._pool.finish(attempt)
+
+    def _moved(
+        self, exchange: Exchange, booking: Booking, other: Booking, exc: UpstreamConnectError
+    ) -> None:
+        """The booked worker could not be reached: the exchange moves to `other`'s worker (the
+        first booking is released as not served, one attempt counted)."""
+        error = UpstreamError(
+            str(exc), code=ErrorCode.UPSTREAM_UNAVAILABLE, request_id=exchange.request_id
+        )
+        exchange.rebooked(booking, other, error)
+        self._observer.process_event(
+            "upstream_moved",
+            request_id=exchange.request_id,
+            worker=booking.worker,
+            to=other.worker,
+            detail=str(exc),
+        )
 
     def _answer_connect_failure(self, exchange: Exchange, exc: UpstreamConnectError) -> None:
         busy = isinstance(exc, UpstreamBusy)

@@ -8,7 +8,8 @@ terminal moment: success, engine error, timeout, client cancel and shutdown all 
 - `SingleUpstream` (`--routing off`, one `--upstream`, today's behaviour) is the default.
 - `spec`: `--worker SPEC` parsed into a frozen `WorkerSpec`.
 - `fleet`: the configured workers, which of them are in rotation (healthy), their bookings in
-  flight; `health`: the active health checks that eject and return to rotation workers.
+  flight; `health`: the active health checks that eject and return to rotation workers;
+  `outlier`: passive health, the same rotation fed by the workers' real answers.
 - `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol;
   `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts).
 - `build`: `build_routing(options, ...)`, the routing parts for `pylon.run.start`; the `kv`
@@ -93,6 +94,12 @@ class Router(Protocol):
         connection to the chosen worker is the pool's job."""
         ...
 
+    def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
+        """A booking on another worker than `failed`'s, for a request that provably never
+        reached it (the connection was refused or reset before any byte was written); None
+        when no other worker in rotation can take it. At once, never a wait."""
+        ...
+
 
 class StaticBooking(ExchangeHooks):
     """A booking with nothing to account: one fixed upstream, shared by every request."""
@@ -118,6 +125,9 @@ class SingleUpstream:
 
     async def book(self, plan: ForwardPlan) -> Booking:
         return self._booking
+
+    def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
+        return None  # the one engine
 
 
 _: type[Router] = SingleUpstream

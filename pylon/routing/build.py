@@ -21,6 +21,8 @@ from pylon.routing import PromptTokenizer, Router
 from pylon.routing.fleet import Fleet, WorkerView
 from pylon.routing.health import HealthChecker, HealthCheckOptions
 from pylon.routing.least_loaded import LeastLoadedRouter
+from pylon.routing.outlier import OutlierOptions
+from pylon.routing.passive import PassiveHealth
 from pylon.routing.round_robin import RoundRobinRouter
 from pylon.startup import StartupError
 
@@ -60,6 +62,8 @@ class RoutingOptions:
     """How each worker is checked, taken out of rotation and brought back."""
     kv: KvOptions | None = None
     """The `kv` router's options; None for the other modes."""
+    outlier: OutlierOptions | None = None
+    """Passive health: when the workers' real answers eject them; None: never."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,13 +140,19 @@ async def build_routing(
     mode = options.mode
     fleet = Fleet.from_specs(options.workers, options.frontend)
     checks = HealthChecker(fleet, options.health, observer=observer)
+    closers: list[Callable[[], Awaitable[None]]] = []
+    if options.outlier is not None:
+        passive = PassiveHealth(fleet, options.outlier, observer)
+        if passive.detector.enabled:  # off: 0 failures, or a fleet of one worker
+            fleet.passive = passive
+            closers.append(passive.aclose)
     if mode == "round-robin":
-        return Routing(mode, RoundRobinRouter(fleet), fleet, checks)
+        return Routing(mode, RoundRobinRouter(fleet), fleet, checks, _closers=closers)
     if mode == "least-loaded":
-        return Routing(mode, LeastLoadedRouter(fleet), fleet, checks)
+        return Routing(mode, LeastLoadedRouter(fleet), fleet, checks, _closers=closers)
     assert options.kv is not None and tokenizer is not None, "kv needs its options and tokenizer"
     kv = await build_kv_router(options.kv, fleet, observer, tokenizer, native=native)
-    return Routing(mode, kv, fleet, checks, kv, _closers=[kv.aclose])
+    return Routing(mode, kv, fleet, checks, kv, _closers=[*closers, kv.aclose])
 
 
 async def build_kv_router(

@@ -11,23 +11,32 @@ A `Worker` is built once from its `WorkerSpec`:
 `Fleet` holds them in spec order, the tuple of those in rotation (what routers choose from; rebuilt
 only when health changes it, so a choice reads one tuple) and each worker's bookings in flight
 (`Worker.active`, counted by the bookings themselves). `WorkerBooking` is the booking of the
-load-aware routers: it counts itself on its worker from booking to release, exactly once.
+load-aware routers: it counts itself on its worker from booking to release, exactly once, and
+tells the fleet's passive health (`pylon.routing.outlier`) how the worker answered.
+
+The rotation state, one truth for routers, readiness and metrics: a worker is in rotation when
+its active health checks admit it (`Worker.checks_pass`, set by `Fleet.set_in_rotation`) and
+its real answers have not ejected it (`Worker.outlier.ejected`, set by `Fleet.set_ejected`).
+Read it as `Fleet.in_rotation` (a tuple), `Worker.in_rotation`, `Fleet.views()`, and hear its
+changes with `Fleet.on_change`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from pylon.core.http import Header
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.upstream import Upstream
+from pylon.routing.outlier import OutlierState
 from pylon.routing.spec import WorkerSpec
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
+    from pylon.routing import Booking
 
 INSTANCE_PIN_HEADER = b"x-dynamo-worker-instance-id"
 
@@ -37,7 +46,9 @@ class Worker:
 
     __slots__ = (
         "active",
+        "checks_pass",
         "decisions",
+        "ejections",
         "ever_in_rotation",
         "failures",
         "headers",
@@ -46,6 +57,7 @@ class Worker:
         "kv_faults",
         "label",
         "last_result",
+        "outlier",
         "passes",
         "spec",
         "upstream",
@@ -63,7 +75,10 @@ class Worker:
         self.decisions: dict[str, int] = {}  # bookings made, by the policy that chose it
         # KV-event stream faults seen (`kv` routing): gap, regressed, malformed.
         self.kv_faults: dict[str, int] = {}
-        self.in_rotation = False  # routers may choose it (health checks decide)
+        self.in_rotation = False  # routers may choose it: checks pass and not ejected
+        self.checks_pass = False  # the active health checks admit it
+        self.outlier = OutlierState()  # passive health: its real answers (`outlier.ejected`)
+        self.ejections: dict[str, int] = {}  # passive ejections so far, by reason
         self.ever_in_rotation = False
         self.failures = 0  # consecutive failed health checks
         self.passes = 0  # consecutive passed health checks
@@ -71,6 +86,18 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"Worker({self.label!r}, in_rotation={self.in_rotation}, active={self.active})"
+
+
+class AnswerReport(Protocol):
+    """Where bookings tell how their worker answered (`pylon.routing.passive.PassiveHealth`)."""
+
+    def answered(self, worker: Worker, status: int) -> None:
+        """A response head with `status` arrived."""
+        ...
+
+    def unanswered(self, worker: Worker, outcome: str) -> None:
+        """The exchange ended (or moved) with no response head, as `outcome` says."""
+        ...
 
 
 def make_worker(spec: WorkerSpec, index: int, frontend: Upstream | None) -> Worker:
@@ -91,6 +118,8 @@ class Fleet:
         self.in_rotation: tuple[Worker, ...] = ()
         self._changed: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
+        # Passive health, when on (`pylon.routing.build` sets it): the bookings report to it.
+        self.passive: AnswerReport | None = None
 
     @classmethod
     def from_specs(cls, specs: Sequence[WorkerSpec], frontend: Upstream | None) -> Fleet:
@@ -101,11 +130,22 @@ class Fleet:
         self._listeners.append(listener)
 
     def set_in_rotation(self, worker: Worker, in_rotation: bool) -> None:
+        """The active health checks' verdict: `worker` passes them (or no longer does)."""
+        worker.checks_pass = in_rotation
+        if in_rotation:
+            worker.ever_in_rotation = True
+        self._rotate(worker)
+
+    def set_ejected(self, worker: Worker, ejected: bool) -> None:
+        """Passive health's verdict: `worker`'s real answers eject it (or it returns)."""
+        worker.outlier.ejected = ejected
+        self._rotate(worker)
+
+    def _rotate(self, worker: Worker) -> None:
+        in_rotation = worker.checks_pass and not worker.outlier.ejected
         if worker.in_rotation == in_rotation:
             return
         worker.in_rotation = in_rotation
-        if in_rotation:
-            worker.ever_in_rotation = True
         self.in_rotation = tuple(w for w in self.workers if w.in_rotation)
         for listener in self._listeners:
             listener()
@@ -130,6 +170,8 @@ class Fleet:
                 worker.active,
                 dict(worker.decisions),
                 dict(worker.kv_faults),
+                worker.outlier.ejected,
+                dict(worker.ejections),
             )
             for worker in self.workers
         )
@@ -168,6 +210,15 @@ class WorkerView:
     active: int  # bookings in flight
     decisions: dict[str, int]  # bookings made so far, by policy
     kv_faults: dict[str, int]  # KV-event stream faults so far, by kind
+    ejected: bool = False  # passive health holds it out of rotation now
+    ejections: dict[str, int] = field(default_factory=dict)  # passive ejections, by reason
+
+
+def elsewhere(fleet: Fleet, failed: Booking) -> tuple[Worker, ...]:
+    """The workers in rotation a request that could not reach `failed`'s worker may go to:
+    those behind another upstream (`instance-id=` workers share their frontend's)."""
+    label = failed.upstream.label
+    return tuple(w for w in fleet.in_rotation if w.upstream.label != label)
 
 
 def count_decision(worker: Worker, policy: str) -> None:
@@ -178,15 +229,17 @@ def count_decision(worker: Worker, policy: str) -> None:
 class WorkerBooking(ExchangeHooks):
     """A request in flight on one worker (the round-robin and least-loaded routers' booking);
     `policy` names the router that chose it (counted per worker). Released by the exchange's
-    terminal moment, exactly once."""
+    terminal moment, exactly once; on the way it tells the fleet's passive health how the
+    worker answered (`AnswerReport`)."""
 
-    __slots__ = ("_released", "_worker", "headers", "upstream", "worker")
+    __slots__ = ("_passive", "_released", "_worker", "headers", "upstream", "worker")
     counts_output = False
     quiet = False
     body = None
 
-    def __init__(self, worker: Worker, policy: str) -> None:
+    def __init__(self, worker: Worker, policy: str, passive: AnswerReport | None) -> None:
         self._worker = worker
+        self._passive = passive
         self.upstream = worker.upstream
         self.headers = worker.headers
         self.worker = worker.label
@@ -194,10 +247,27 @@ class WorkerBooking(ExchangeHooks):
         worker.active += 1
         count_decision(worker, policy)
 
-    def complete(self, record: RequestRecord, error: PylonError | None = None) -> None:
-        """The exchange is over: the worker carries one request less (idempotent)."""
+    def response_head(self, record: RequestRecord) -> None:
+        passive = self._passive
+        if passive is not None:
+            passive.answered(self._worker, record.status)
+
+    def complete(self, record: RequestRecord) -> None:
+        """The exchange is over: the worker carries one request less (idempotent); an exchange
+        that ended with no response head is judged by its outcome."""
         if not self._released:
             self._released = True
             self._worker.active -= 1
+            passive = self._passive
+            if passive is not None and record.first_byte_at is None:
+                passive.unanswered(self._worker, record.outcome)
 
-    rejected = complete
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        """Released without the worker having seen the request (see `Exchange.rebooked`):
+        judged by the error that sent it elsewhere."""
+        if not self._released:
+            self._released = True
+            self._worker.active -= 1
+            passive = self._passive
+            if passive is not None:
+                passive.unanswered(self._worker, error.code.value)

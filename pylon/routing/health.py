@@ -9,8 +9,10 @@ the Dynamo frontend: a 2xx that lists `instances` (Dynamo's `/health` does, with
 Per worker (`pylon.routing.fleet.Worker`): a 2xx passes, anything else (a status, no connection,
 a timeout) fails. A worker starts out of rotation and enters it with its first pass (so the
 first round at start decides); afterwards `eject_after` consecutive failures eject it and
-`readmit_after` consecutive passes bring it back. Routers only choose workers in rotation; a
-request when none is in rotation gets 503 `no_worker` (retryable) without touching any engine.
+`readmit_after` consecutive passes bring it back. Passive health (`pylon.routing.outlier`,
+`pylon.routing.passive`) ejects workers from the same rotation by their real answers: a worker
+is in rotation while both let it. Routers only choose workers in rotation; a request when none
+is in rotation gets 503 `no_worker` (retryable) without touching any engine.
 
 Reported to the `Observer` as process events (their published names): `worker_admitted` (a
 worker enters rotation the first time),
@@ -167,7 +169,7 @@ class HealthChecker:
         if ok:
             worker.failures = 0
             worker.passes += 1
-            if worker.in_rotation:
+            if worker.checks_pass:
                 return
             if not worker.ever_in_rotation:
                 fleet.set_in_rotation(worker, True)
@@ -185,7 +187,7 @@ class HealthChecker:
         self._observer.process_event(
             "worker_health_probe", worker=worker.label, path=self._path, result=result
         )
-        if worker.in_rotation and worker.failures >= self._eject_after:
+        if worker.checks_pass and worker.failures >= self._eject_after:
             fleet.set_in_rotation(worker, False)
             self._observer.process_event(
                 "worker_ejected",

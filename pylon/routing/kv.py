@@ -45,7 +45,7 @@ from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.routing import Booking, NoWorker, PromptTokenizer, Router
-from pylon.routing.fleet import Fleet, Worker, count_decision
+from pylon.routing.fleet import AnswerReport, Fleet, Worker, count_decision
 from pylon.routing.kv_watch import KvEventWatch
 from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.round_robin import no_worker
@@ -79,7 +79,16 @@ class KvBooking(ExchangeHooks):
     reservation (`first_output` -> prefill complete, `output` -> output tokens, the terminal
     moment -> free)."""
 
-    __slots__ = ("_released", "_reservation", "_worker", "body", "headers", "upstream", "worker")
+    __slots__ = (
+        "_passive",
+        "_released",
+        "_reservation",
+        "_worker",
+        "body",
+        "headers",
+        "upstream",
+        "worker",
+    )
     counts_output = True
     quiet = False
 
@@ -89,8 +98,10 @@ class KvBooking(ExchangeHooks):
         reservation: Reservation,
         headers: tuple[Header, ...],
         body: bytes | None = None,
+        passive: AnswerReport | None = None,
     ) -> None:
         self._worker = worker
+        self._passive = passive
         self._reservation = reservation
         self.upstream = worker.upstream
         self.headers = headers
@@ -104,21 +115,37 @@ class KvBooking(ExchangeHooks):
     def reservation(self) -> Reservation:
         return self._reservation
 
+    def response_head(self, record: RequestRecord) -> None:
+        passive = self._passive
+        if passive is not None:
+            passive.answered(self._worker, record.status)
+
     def first_output(self, record: RequestRecord) -> None:
         self._reservation.prefill_complete()
 
     def output(self, record: RequestRecord, count: int) -> None:
         self._reservation.output_tokens(count)
 
-    def complete(self, record: RequestRecord, error: PylonError | None = None) -> None:
+    def complete(self, record: RequestRecord) -> None:
         """The exchange is over: free the reservation (idempotent; a no-op after the core's
-        shutdown)."""
+        shutdown); an exchange that ended with no response head is judged by its outcome."""
         if not self._released:
             self._released = True
             self._worker.active -= 1
             self._reservation.free()
+            passive = self._passive
+            if passive is not None and record.first_byte_at is None:
+                passive.unanswered(self._worker, record.outcome)
 
-    rejected = complete
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        """Released without the worker having seen the request (`Exchange.rebooked`)."""
+        if not self._released:
+            self._released = True
+            self._worker.active -= 1
+            self._reservation.free()
+            passive = self._passive
+            if passive is not None:
+                passive.unanswered(self._worker, error.code.value)
 
 
 class KvRouter:
@@ -221,7 +248,12 @@ class KvRouter:
             headers = headers + ranks[reservation.selection.dp_rank]
         if token_data is not None and not carry:
             token_data.want(plan.model)
-        return KvBooking(worker, reservation, headers, body)
+        return KvBooking(worker, reservation, headers, body, self._fleet.passive)
+
+    def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
+        """Least-loaded over the other workers: the move is rare, and the prompt's cache
+        view was the failed worker's."""
+        return self._fallback.elsewhere(plan, failed)
 
     async def _prompt_tokens(
         self, plan: ForwardPlan, carry: bool

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pylon.core.plan import ForwardPlan
 from pylon.routing import Booking, Router
-from pylon.routing.fleet import Fleet, Worker, WorkerBooking
+from pylon.routing.fleet import Fleet, Worker, WorkerBooking, elsewhere
 from pylon.routing.round_robin import no_worker
 
 POLICY = "least-loaded"
@@ -49,7 +49,14 @@ class LeastLoadedRouter:
             raise no_worker(self._fleet)
         index = least_loaded(in_rotation, self._next)
         self._next = index + 1
-        return WorkerBooking(in_rotation[index], POLICY)
+        return WorkerBooking(in_rotation[index], POLICY, self._fleet.passive)
+
+    def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
+        others = elsewhere(self._fleet, failed)
+        if not others:
+            return None
+        index = least_loaded(others, self._next)
+        return WorkerBooking(others[index], POLICY, self._fleet.passive)
 
 
 _: type[Router] = LeastLoadedRouter

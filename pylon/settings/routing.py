@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, Field, PlainSerializer, field_validator
+from pydantic import BaseModel, Field, PlainSerializer, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from pylon.routing.spec import WorkerSpec, WorkerSpecError, parse_worker_spec, worker_from_table
@@ -68,6 +68,40 @@ class RoutingSettings(BaseModel):
         "worker is admitted at start after its first passed check)",
         json_schema_extra=group(ROUTING, "CHECKS"),
     )
+    worker_outlier_failures: int = Field(
+        5,
+        ge=0,
+        le=1000,
+        description="passive health: failed answers in a row (5xx other than 503, no "
+        "connection, a broken or timed-out exchange) that take a worker out of routing for a "
+        "while, even though its health checks pass; 0 = never",
+        json_schema_extra=group(ROUTING, "FAILURES"),
+    )
+    worker_outlier_ejection: float = Field(
+        10.0,
+        gt=0,
+        le=86400,
+        description="seconds the first passive ejection lasts; each ejection after it without "
+        "a success in between lasts twice as long",
+        json_schema_extra=group(ROUTING),
+    )
+    worker_outlier_max_ejection: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="seconds the longest passive ejection lasts (at least "
+        "--worker-outlier-ejection)",
+        json_schema_extra=group(ROUTING),
+    )
+    worker_outlier_max_percent: float = Field(
+        50.0,
+        gt=0,
+        le=100,
+        allow_inf_nan=False,
+        description="the most of the workers passive health ejects at once, in percent (at "
+        "least one, never the last one in rotation)",
+        json_schema_extra=group(ROUTING, "PERCENT"),
+    )
     kv_overlap_weight: float | None = Field(
         None,
         ge=0,
@@ -111,6 +145,14 @@ class RoutingSettings(BaseModel):
             except WorkerSpecError as exc:
                 raise ValueError(str(exc)) from None
         return tuple(specs)
+
+    @model_validator(mode="after")
+    def _outlier_ejection_bounded(self) -> Self:
+        if self.worker_outlier_max_ejection < self.worker_outlier_ejection:
+            raise ValueError(
+                "--worker-outlier-max-ejection must be at least --worker-outlier-ejection"
+            )
+        return self
 
     @field_validator("worker_health_path")
     @classmethod

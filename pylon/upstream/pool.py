@@ -180,6 +180,13 @@ class UpstreamPool:
         except BaseException:
             self._closed(pool)
             raise
+        if conn.closed:
+            # Reset between the handshake and the write: not a byte of the request left pylon.
+            self._closed(pool)
+            raise UpstreamConnectError(
+                f"cannot connect to engine at {upstream.label}: reset before the request was "
+                "written"
+            )
         return conn
 
     async def _wait_for_connection(self, pool: _PerUpstream) -> UpstreamConnection | None:

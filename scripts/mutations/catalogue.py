@@ -11,6 +11,7 @@ from mutations import (
     intake,
     lifecycle,
     limits,
+    routing,
     strip,
     timeouts,
     tls,
@@ -44,4 +45,6 @@ SECURITY: list[Mutation] = [
     *limits.ENGINE_SIDE,
     *limits.TRUNCATION,
     *http3.QPACK,
+    *routing.PASSIVE_HEALTH,
+    *routing.CONNECT_MOVE,
 ]

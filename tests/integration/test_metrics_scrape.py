@@ -45,6 +45,8 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     # With --routing other than off (empty families otherwise: tests/integration/test_routing.py)
     "pylon_router_active_bookings": ("gauge", frozenset({"worker"})),
     "pylon_router_worker_healthy": ("gauge", frozenset({"worker"})),
+    "pylon_router_worker_ejected": ("gauge", frozenset({"worker"})),
+    "pylon_router_worker_ejections": ("counter", frozenset({"worker", "reason"})),
     "pylon_router_decisions": ("counter", frozenset({"worker", "policy"})),
     "pylon_router_select_seconds": ("histogram", frozenset({"policy"})),
     "pylon_router_kv_event_faults": ("counter", frozenset({"worker", "kind"})),

@@ -72,6 +72,9 @@ class RecordingRouter:
             self.upstream, self.lives.setdefault(rid, []), self.tokens.setdefault(rid, [])
         )
 
+    def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
+        return None  # one target
+
 
 class RecordingObserver(LogObserver):
     def __init__(self) -> None:

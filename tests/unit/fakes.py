@@ -403,8 +403,10 @@ class RecordingBooking(RecordingHooks):
     quiet = False
     body = None
 
-    def __init__(self, log: Moments, upstream: Upstream, counts_output: bool) -> None:
-        super().__init__(log, "booking")
+    def __init__(
+        self, log: Moments, upstream: Upstream, counts_output: bool, who: str = "booking"
+    ) -> None:
+        super().__init__(log, who)
         self.upstream = upstream
         self.worker = upstream.label
         self.headers: tuple[Header, ...] = ((b"x-worker-pin", b"7"),)
@@ -431,12 +433,23 @@ class RecordingRouter:
         self._counts_output = counts_output
         self.refuse = refuse
         self.plans: list[ForwardPlan] = []
+        # Where `elsewhere` books a request its worker could not take, in turn (none left:
+        # no other worker); each such booking records as `booking2`, `booking3`, ...
+        self.others: list[Upstream] = []
+        self.moved: list[tuple[ForwardPlan, str]] = []  # (plan, the failed booking's worker)
 
     async def book(self, plan: ForwardPlan) -> Booking:
         self.plans.append(plan)
         if self.refuse is not None:
             raise self.refuse
         return RecordingBooking(self._log, self._upstream, self._counts_output)
+
+    def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
+        self.moved.append((plan, failed.worker))
+        if not self.others:
+            return None
+        who = f"booking{len(self.moved) + 1}"
+        return RecordingBooking(self._log, self.others.pop(0), self._counts_output, who)
 
 
 _router: type[Router] = RecordingRouter

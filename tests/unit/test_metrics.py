@@ -275,7 +275,15 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
     )
     workers = (
         WorkerView("w0", in_rotation=True, active=2, decisions={"kv": 5}, kv_faults={"gap": 1}),
-        WorkerView("w1", in_rotation=False, active=0, decisions={}, kv_faults={}),
+        WorkerView(
+            "w1",
+            in_rotation=False,
+            active=0,
+            decisions={},
+            kv_faults={},
+            ejected=True,
+            ejections={"status_5xx": 2, "connect_failure": 1},
+        ),
     )
     select = (4, 1, 0, 0.0125)  # counts per bound, +Inf, sum
     metrics.routing_snapshot = lambda: RoutingSnapshot("kv", workers, (0.001, 0.01), select)

@@ -210,6 +210,21 @@ def test_worker_health_flags_without_routing_are_named() -> None:
     assert events(routed) == []
 
 
+def test_passive_health_flags_without_routing_and_the_connect_switch_with_it_are_named() -> None:
+    assert events(settings(worker_outlier_failures=2, worker_outlier_ejection=1.0)) == [
+        ("setting_ignored", "worker_outlier_failures"),
+        ("setting_ignored", "worker_outlier_ejection"),
+    ]
+    workers = {"routing": "least-loaded", "worker": ["url=http://127.0.0.1:9001"]}
+    assert events(settings(**workers, worker_outlier_failures=2)) == []
+    assert events(settings(**workers, local_connect_failures_retryable=False)) == [
+        ("setting_ignored", "local_connect_failures_retryable")
+    ]
+    assert events(settings(**workers, local_connect_failures_retryable=True)) == []
+    with pytest.raises(SettingsError, match="--worker-outlier-max-ejection must be at least"):
+        settings(**workers, worker_outlier_ejection=60, worker_outlier_max_ejection=30)
+
+
 def test_the_kv_overlap_weight_is_for_kv_routing_only() -> None:
     assert ("setting_ignored", "kv_overlap_weight") in events(settings(kv_overlap_weight=8))
     weighted = kv_settings("/", kv_overlap_weight=8)

@@ -24,6 +24,7 @@ from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import Planner
 from pylon.core.queue import GONE, QueueGate, QueuePolicy, QueueTable
 from pylon.core.retry import RETRY_AFTER_MS, RETRY_REASON, RETRYABLE, RetryPolicy
+from pylon.core.upstream import Upstream
 from pylon.proxy import Proxy, RelayLimits
 from pylon.proxy.exchange import Exchange
 from pylon.routing import NoWorker
@@ -31,6 +32,7 @@ from pylon.upstream import UpstreamBusy, UpstreamConnectError
 
 from .fakes import (
     SSE_HEAD,
+    UPSTREAM,
     ClockedLoop,
     FakePool,
     Moments,
@@ -301,6 +303,83 @@ async def test_a_connect_failure_is_a_503_problem_and_the_exchange_completes(
     ]
     assert (exchange.status, exchange.outcome, exchange.attempts) == (503, code, 0)
     assert exchange.dispatched_at is None and h.pool.finished == [] and h.queue_is_empty()
+
+
+async def test_a_worker_that_cannot_be_reached_moves_the_request_and_its_booking() -> None:
+    h = Harness()
+    other = Upstream.from_url("http://worker2.test:8000")
+    h.router.others.append(other)
+    h.pool.refusals.append(UpstreamConnectError("cannot connect to engine: refused"))
+    exchange, task = h.start()
+    engine = await h.pool.written()
+    engine.respond()
+    engine.chunk(event("a") + DONE)
+    engine.end()
+    await task
+
+    # The second attempt went to the other worker, with the other booking's pin, once.
+    assert [plan.upstream for plan, _ in h.router.moved] == [None]  # the unrouted plan
+    assert h.router.moved[0][1] == UPSTREAM.label
+    assert engine.connection.upstream == other and h.pool.sends == [False, False]
+    assert b"x-worker-pin: 7" in engine.request and engine.request.count(b"x-worker-pin") == 1
+    assert (exchange.attempts, exchange.worker, exchange.outcome) == (2, other.label, "ok")
+    # The first booking is released as not served; the second hears the exchange from its
+    # dispatch on, in the first one's place.
+    assert h.log.of("booking") == ["rejected:upstream_unavailable"]
+    assert h.log.of("booking2") == [*MOMENTS[:3], "output(1)", "complete:ok"]
+    assert h.log.of("observer")[:2] == ["admitted", "dispatched"]
+    assert h.sink.status == 200 and h.queue_is_empty()
+
+
+async def test_a_stale_connection_whose_retry_cannot_connect_moves_without_a_second_dispatch() -> (
+    None
+):
+    h = Harness()
+    other = Upstream.from_url("http://worker2.test:8000")
+    h.router.others.append(other)
+    h.pool.idle.append(ScriptedEngine(h.loop))
+    h.pool.refusals.append(UpstreamConnectError("cannot connect to engine: refused"))
+    exchange, task = h.start()
+    stale = await h.pool.written()
+    stale.close()  # the engine never read it; the new connection to it is refused
+    engine = await h.pool.written()
+    assert engine.connection.upstream == other
+    engine.respond()
+    engine.chunk(event("a") + DONE)
+    engine.end()
+    await task
+
+    assert h.pool.sends == [True, False]
+    # The stale try, the refused connection, the try on the other worker: one dispatch.
+    assert exchange.attempts == 3 and h.log.of("observer").count("dispatched") == 1
+    assert h.log.of("booking") == ["dispatched", "rejected:upstream_unavailable"]
+    assert h.log.of("booking2") == ["response_head:200", "first_output", "output(1)", "complete:ok"]
+    assert h.sink.status == 200 and h.queue_is_empty()
+
+
+async def test_a_request_no_other_worker_can_take_is_answered_unreached() -> None:
+    h = Harness(retry=RetryPolicy(local_connect_failures_retryable=True))
+    h.router.others.append(Upstream.from_url("http://worker2.test:8000"))
+    h.pool.refusals += [UpstreamConnectError("refused"), UpstreamConnectError("refused too")]
+    exchange, task = h.start()
+    await task
+
+    # Moved once, never twice: the second refusal is the answer.
+    assert len(h.router.moved) == 1
+    assert (h.sink.status, h.sink.problem()["code"]) == (503, "upstream_unavailable")
+    assert h.sink.header(RETRYABLE) == b"true"
+    assert h.log.of("booking") == ["rejected:upstream_unavailable"]
+    assert h.log.of("booking2") == ["complete:upstream_unavailable"]
+    assert exchange.attempts == 1 and h.queue_is_empty()
+
+
+async def test_a_busy_pool_is_not_moved() -> None:
+    h = Harness()
+    h.router.others.append(Upstream.from_url("http://worker2.test:8000"))
+    h.pool.refusals.append(UpstreamBusy("all busy"))
+    _, task = h.start()
+    await task
+    assert h.router.moved == [] and h.sink.problem()["code"] == "upstream_busy"
 
 
 # --- a kept-alive connection the engine had just closed -------------------------------------------

@@ -60,6 +60,32 @@ def checker(
     return HealthChecker(fleet, options, observer=observer, fetch=answers)
 
 
+async def test_passing_checks_never_bring_back_a_worker_its_answers_ejected() -> None:
+    """One rotation, two voices: the checks pass, passive health holds it out; each can take
+    it out, and it is back only when both let it."""
+    fleet = fleet_of("url=http://a:1", "url=http://b:1")
+    answers, events = Answers(), EventObserver()
+    checks = checker(fleet, answers, events)
+    await checks.check_once()
+    worker = fleet.workers[0]
+    fleet.set_ejected(worker, True)  # what passive health does
+    for _ in range(3):
+        await checks.check_once()
+    assert not worker.in_rotation and worker.checks_pass
+    assert [w.label for w in fleet.in_rotation] == ["http://b:1"]
+    assert events.of("worker_readmitted") == []  # no line per passed check
+    answers.now["a:1"] = 503
+    for _ in range(3):
+        await checks.check_once()
+    assert not worker.checks_pass and len(events.of("worker_ejected")) == 1
+    fleet.set_ejected(worker, False)  # its ejection is over: the checks still hold it out
+    assert not worker.in_rotation
+    answers.now["a:1"] = 200
+    for _ in range(2):
+        await checks.check_once()
+    assert worker.in_rotation and len(fleet.in_rotation) == 2
+
+
 async def test_admission_at_start_ejection_after_n_and_readmission_after_m() -> None:
     fleet = fleet_of("url=http://a:1", "url=http://b:1")
     answers, events = Answers(), EventObserver()
@@ -162,7 +188,7 @@ def admit_all(fleet: Fleet) -> None:
 async def test_round_robin_cycles_the_admitted_and_refuses_when_none_is() -> None:
     fleet = fleet_of("url=http://a:1", "url=http://b:1", "url=http://c:1")
     router = RoundRobinRouter(fleet)
-    with pytest.raises(NoWorker, match="none of the 3 workers passes its health checks"):
+    with pytest.raises(NoWorker, match="none of the 3 workers is in rotation now"):
         await router.book(PLAN)
     admit_all(fleet)
     bookings = [await router.book(PLAN) for _ in range(4)]
