@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from mutations import auth, floods, head, http3, intake, lifecycle, limits, strip, timeouts, tls
+from mutations import (
+    auth,
+    endpoints,
+    floods,
+    head,
+    http3,
+    intake,
+    lifecycle,
+    limits,
+    strip,
+    timeouts,
+    tls,
+)
 from mutations.spec import Mutation
 
 SECURITY: list[Mutation] = [
@@ -29,4 +41,5 @@ SECURITY: list[Mutation] = [
     *strip.RESPONSE_STRIP,
     *limits.ENGINE_SIDE,
     *http3.QPACK,
+    *endpoints.MUTATIONS,
 ]

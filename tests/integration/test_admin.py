@@ -155,18 +155,101 @@ async def test_bounded_requests(monkeypatch: pytest.MonkeyPatch) -> None:
         assert (status, body["code"]) == (408, "request_timeout")
 
 
-async def test_connections_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admin, "MAX_CONNECTIONS", 2)
-    async with bare_admin(Lifecycle()) as server:
+async def test_silent_connections_at_the_cap_never_starve_the_probes() -> None:
+    """The cap's worth of connections that never speak: `/live` and `/ready` still answer at
+    once (the least recently active connection is evicted for the new one)."""
+    lifecycle = Lifecycle()
+    lifecycle.mark_ready()
+    lifecycle.models.apply(["m"])
+    async with bare_admin(lifecycle) as server:
         host, port = server.address.rsplit(":", 1)
-        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        held = [
+            await asyncio.open_connection(host, int(port)) for _ in range(admin.MAX_CONNECTIONS)
+        ]
         async with asyncio.timeout(5):
-            while server.connections < 2:  # accepted on the loop: wait for both
+            while server.connections < admin.MAX_CONNECTIONS:  # accepted on the loop
                 await asyncio.sleep(0)
-        status, _, body = problem_of(await raw_exchange(host, int(port), b""))
-        assert (status, body["code"]) == (503, "too_many_connections")
+        async with httpx.AsyncClient(timeout=5) as client:
+            for path in ("/live", "/ready", "/live", "/ready"):
+                reply = await client.get(f"http://{server.address}{path}")
+                assert reply.status_code == 200, (path, reply.text)
+        assert server.connections <= admin.MAX_CONNECTIONS
+        assert server.evicted >= 1
+        # The evicted ones are the oldest silent ones: their reads end.
+        reader, _ = held[0]
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""
         for _, writer in held:
             writer.close()
+
+
+class CountingRoutes(AdminRoutes):
+    """Counts the answers, to see how many one loop turn computes."""
+
+    answers = 0
+
+    def answer(self, method: str, target: str, accept: str) -> admin.Answer:
+        self.answers += 1
+        return super().answer(method, target, accept)
+
+
+async def test_pipelined_flood_that_never_reads_holds_neither_the_loop_nor_memory() -> None:
+    """2,000 pipelined `GET /metrics` in one write, never read: one request answered per loop
+    turn, nothing parsed while the write buffer is over its high-water mark, and what the
+    connection holds stays bounded (not 2,000 answers)."""
+    routes = CountingRoutes(Lifecycle(), MetricsObserver("dynamo").registry)
+    one_answer = len(routes.metrics("").body) + 256
+    server = AdminServer(routes)
+    await server.start("127.0.0.1:0")
+    loop = asyncio.get_running_loop()
+    most_per_turn = 0
+    longest_gap = 0.0
+    stop = asyncio.Event()
+
+    async def probe() -> None:  # a tick every loop turn: answers and time between two ticks
+        nonlocal most_per_turn, longest_gap
+        seen, at = routes.answers, loop.time()
+        while not stop.is_set():
+            await asyncio.sleep(0)
+            now = loop.time()
+            most_per_turn = max(most_per_turn, routes.answers - seen)
+            longest_gap = max(longest_gap, now - at)
+            seen, at = routes.answers, now
+
+    ticking = asyncio.create_task(probe())
+    try:
+        host, port = server.address.rsplit(":", 1)
+        flood = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n" * 2000
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(flood)
+        connection = next(iter(server._connections), None)
+        async with asyncio.timeout(20):  # until the client's unread answers pause the writes
+            while connection is None or not connection._writing_paused:
+                await asyncio.sleep(0.005)
+                connection = next(iter(server._connections), None)
+        answered = routes.answers
+        for _ in range(50):  # paused means paused: no more answers are computed
+            await asyncio.sleep(0)
+        assert routes.answers == answered < 2000
+        assert most_per_turn == 1, most_per_turn
+        # What the stuck connection holds: the high-water mark, one answer, the unread requests.
+        high = connection._transport.get_write_buffer_limits()[1]  # type: ignore[union-attr]
+        assert server.buffered() <= high + one_answer + len(flood)
+        # The longest loop gap is a few answers' work, not the flood's (2,000 answers).
+        started = loop.time()
+        for _ in range(20):
+            routes.metrics("")
+        per_answer = (loop.time() - started) / 20
+        assert longest_gap < max(100 * per_answer, 0.25), (longest_gap, per_answer)
+        writer.close()
+        async with asyncio.timeout(5):
+            while server.connections:
+                await asyncio.sleep(0.005)
+        assert server.buffered() == 0
+    finally:
+        stop.set()
+        await ticking
+        server.close()
 
 
 async def test_an_empty_admin_listen_disables_it(make_stack: StackFactory) -> None:

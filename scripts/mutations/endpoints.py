@@ -1,0 +1,54 @@
+"""Operator endpoints: the admin listener's bounds under floods (one pipelined request at a
+time, nothing parsed while writes are paused, eviction at the connection cap) and readiness
+that follows the engine and the fleet."""
+
+from __future__ import annotations
+
+from mutations.anchors import ReplaceExpr, ReplaceStatements
+from mutations.spec import Mutation
+
+ADMIN = "pylon/admin.py"
+ADMIN_T = "tests/integration/test_admin.py"
+
+_FLOOD = f"{ADMIN_T}::test_pipelined_flood_that_never_reads_holds_neither_the_loop_nor_memory"
+_CAP = f"{ADMIN_T}::test_silent_connections_at_the_cap_never_starve_the_probes"
+
+ADMIN_FLOODS = [
+    Mutation(
+        "admin flood",
+        "every pipelined request in a read answered in one loop turn",
+        ReplaceExpr(
+            ADMIN,
+            "AdminConnection._advance",
+            "not self._answered and not self._writing_paused and not self._closing",
+            "not self._writing_paused and not self._closing",
+        ),
+        {"core": (_FLOOD,)},
+    ),
+    Mutation(
+        "admin flood",
+        "requests parsed while the client does not read its answers",
+        ReplaceStatements(
+            ADMIN, "AdminConnection.pause_writing", "self._writing_paused = True", ""
+        ),
+        {"core": (_FLOOD,)},
+    ),
+    Mutation(
+        "admin connection cap",
+        "silent connections at the cap starve the probes (the new one is refused)",
+        ReplaceStatements(
+            ADMIN,
+            "AdminServer.add",
+            """
+            oldest = next(iter(self._connections))
+            del self._connections[oldest]
+            self.evicted += 1
+            oldest.close()
+            """,
+            "connection.close()\nreturn",
+        ),
+        {"core": (_CAP,)},
+    ),
+]
+
+MUTATIONS = [*ADMIN_FLOODS]
