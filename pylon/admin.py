@@ -3,8 +3,8 @@ tunnel ports and without tunnel auth.
 
 - `GET /metrics`: Prometheus text, or OpenMetrics when the `Accept` header asks for it.
 - `GET /live`: 200 while the event loop runs (this answer is produced on it).
-- `GET /ready`: 200 when `Lifecycle.readiness()` says ready, else 503 with its reason; a drain
-  flips it to 503 at once.
+- `GET /ready`: 200 when `Lifecycle.readiness()` says ready, else 503 with its reason (and, for
+  an engine fault, a `detail`); a drain flips it to 503 at once.
 
 Small and bounded, on httptools (the parser pylon's HTTP/1.1 listener uses): GET and HEAD only
 (405 otherwise), no request body (413), a request head of at most `MAX_HEAD_BYTES` in at most
@@ -96,7 +96,11 @@ class AdminRoutes:
 
     def ready(self, _accept: str) -> Answer:
         ready, reason = self._lifecycle.readiness()
-        body = orjson.dumps({"ready": ready, "reason": reason})
+        detail = self._lifecycle.readiness_detail()
+        answer: dict[str, object] = {"ready": ready, "reason": reason}
+        if detail is not None:
+            answer["detail"] = detail
+        body = orjson.dumps(answer)
         return Answer(200 if ready else 503, _JSON, body)
 
     def metrics(self, accept: str) -> Answer:

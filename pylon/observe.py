@@ -115,6 +115,7 @@ _WARNING_EVENTS = frozenset(
         "forced_stop",
         "tracing_error",
         "worker_ejected",
+        "engine_waiting",
         "kv_routing_failed",
         "kv_router_error",
         "kv_events_gap",
@@ -265,6 +266,11 @@ class LogObserver(QuietMoments):
         if kind == "model_discovery_poll":  # every few seconds: only a failure is news
             if fields.get("outcome") == "ok":
                 self._log.debug(kind, **fields)
+            else:
+                self._log.warning(kind, **fields)
+        elif kind == "readiness_changed":  # losing readiness is news, regaining it less so
+            if fields.get("ready"):
+                self._log.info(kind, **fields)
             else:
                 self._log.warning(kind, **fields)
         elif kind in _WARNING_EVENTS:

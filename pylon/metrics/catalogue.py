@@ -171,6 +171,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "models published now (static --model set or the last good discovery poll)",
     ),
     MetricSpec(
+        "pylon_ready",
+        "gauge",
+        (),
+        "1 while /ready answers 200, else 0 (the readiness_changed line says why)",
+    ),
+    MetricSpec(
         "pylon_tls_certificate_expiry_timestamp_seconds",
         "gauge",
         (),

@@ -90,6 +90,7 @@ class MetricsObserver(QuietMoments):
         self._queue_decisions: dict[tuple[str], int] = {}
         self._discovery_polls: dict[tuple[str, str], int] = {}
         self._models_published = 0
+        self._ready = 0  # what /ready answers now (1: 200); pylon starts not ready
         # Set once the queue table exists (`pylon.assemble.build_core`): read at scrape time only.
         self.queue_snapshot: Callable[[], Iterable[QueueSnapshot]] | None = None
         # Set by `pylon.run.start` with --routing other than off: read at scrape time only.
@@ -248,6 +249,8 @@ class MetricsObserver(QuietMoments):
             self._models_published += 1
         elif kind == "model_retired":
             self._models_published -= 1
+        elif kind == "readiness_changed":
+            self._ready = 1 if fields.get("ready") else 0
 
     # --- the scrape ---
     def counts(self) -> Counts:
@@ -269,6 +272,7 @@ class MetricsObserver(QuietMoments):
             queue_decisions=self._queue_decisions,
             discovery_polls=self._discovery_polls,
             models_published=self._models_published,
+            ready=self._ready,
             tls_not_after=self._tls_not_after,
             tls_reloads=self._tls_reloads,
             queue=self.queue_snapshot() if self.queue_snapshot is not None else (),
