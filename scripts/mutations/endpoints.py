@@ -4,11 +4,16 @@ that follows the engine and the fleet."""
 
 from __future__ import annotations
 
-from mutations.anchors import ReplaceExpr, ReplaceStatements
+from mutations.anchors import Never, ReplaceExpr, ReplaceStatements
 from mutations.spec import Mutation
 
 ADMIN = "pylon/admin.py"
 ADMIN_T = "tests/integration/test_admin.py"
+BRINGUP = "pylon/bringup.py"
+LIFECYCLE = "pylon/lifecycle.py"
+RUN = "pylon/run.py"
+BRINGUP_T = "tests/integration/test_bringup_and_models.py"
+BRINGUP_UNIT_T = "tests/unit/test_bringup.py"
 
 _FLOOD = f"{ADMIN_T}::test_pipelined_flood_that_never_reads_holds_neither_the_loop_nor_memory"
 _CAP = f"{ADMIN_T}::test_silent_connections_at_the_cap_never_starve_the_probes"
@@ -51,4 +56,33 @@ ADMIN_FLOODS = [
     ),
 ]
 
-MUTATIONS = [*ADMIN_FLOODS]
+_ENGINE = f"{BRINGUP_T}::test_readiness_follows_the_engine_after_start_up"
+_FLEET = f"{BRINGUP_T}::test_readiness_follows_the_fleet_in_rotation"
+
+READINESS = [
+    Mutation(
+        "readiness",
+        "/ready stays 200 while an engine fault is known",
+        Never(LIFECYCLE, "Lifecycle.readiness", "self._engine_fault is not None"),
+        {"core": (_ENGINE, _FLEET)},
+    ),
+    Mutation(
+        "readiness",
+        "the engine's failed health checks after start-up never make pylon not ready",
+        Never(BRINGUP, "EngineWatch.apply", "self.failures >= self._fail_after"),
+        {
+            "core": (
+                _ENGINE,
+                f"{BRINGUP_UNIT_T}::test_the_engine_watch_sets_and_clears_the_engine_fault",
+            )
+        },
+    ),
+    Mutation(
+        "readiness",
+        "the fleet's in-rotation view never reaches readiness",
+        ReplaceStatements(RUN, "_follow_readiness", "fleet.on_change(rotation_changed)", ""),
+        {"core": (_FLEET,)},
+    ),
+]
+
+MUTATIONS = [*ADMIN_FLOODS, *READINESS]
