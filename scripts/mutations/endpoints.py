@@ -85,4 +85,26 @@ READINESS = [
     ),
 ]
 
-MUTATIONS = [*ADMIN_FLOODS, *READINESS]
+LOG_T = "tests/integration/test_log_lines.py"
+METRICS_OBSERVER = "pylon/metrics/observer.py"
+
+LABELS = [
+    Mutation(
+        "metric labels",
+        "a request refused at admission labelled by whatever x-model the client sent",
+        ReplaceExpr(
+            METRICS_OBSERVER,
+            "MetricsObserver.rejected",
+            "self._stats(model) if model in self._published else self._unpublished",
+            "self._stats(model)",
+        ),
+        {
+            "core": (
+                f"{LOG_T}::test_refusals_at_admission_carry_the_model_and_label_only_published_"
+                "ones[http1]",
+            )
+        },
+    ),
+]
+
+MUTATIONS = [*ADMIN_FLOODS, *READINESS, *LABELS]
