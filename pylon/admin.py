@@ -131,7 +131,8 @@ class AdminConnection(asyncio.Protocol):
         self._accept = b""
         self._head_bytes = 0
         self._headers = 0
-        # Bytes received and not fed to the parser yet: `_buffer[_fed:]`.
+        # Bytes received and not fed to the parser yet: `_buffer[_fed:]` (before them, up to 3
+        # bytes already fed, to find a head's end that a read split).
         self._buffer = b""
         self._fed = 0
         self._answered = False  # the last feed completed a request (and answered it)
@@ -147,8 +148,10 @@ class AdminConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
-        self._buffer = self._buffer[self._fed :] + data if self._buffer else data
-        self._fed = 0
+        # The last 3 bytes fed stay: a head's end split across two reads is still found.
+        keep = max(self._fed - 3, 0)
+        self._buffer = self._buffer[keep:] + data if self._buffer else data
+        self._fed -= keep
         self._advance()
 
     def _advance(self) -> None:
@@ -170,7 +173,8 @@ class AdminConnection(asyncio.Protocol):
             if not self._writing_paused:
                 self._next = self._loop.call_soon(self._advance)
         else:
-            self._buffer, self._fed = b"", 0
+            tail = self._buffer[-3:]
+            self._buffer, self._fed = tail, len(tail)
             if not self._writing_paused:
                 transport.resume_reading()
 
@@ -180,7 +184,7 @@ class AdminConnection(asyncio.Protocol):
         buffer, start = self._buffer, self._fed
         if start >= len(buffer):
             return False
-        end = buffer.find(b"\r\n\r\n", start)
+        end = buffer.find(b"\r\n\r\n", max(start - 3, 0))  # ends past `start` if found
         stop = len(buffer) if end < 0 else end + 4
         self._fed = stop
         try:

@@ -17,6 +17,7 @@ BRINGUP_UNIT_T = "tests/unit/test_bringup.py"
 
 _FLOOD = f"{ADMIN_T}::test_pipelined_flood_that_never_reads_holds_neither_the_loop_nor_memory"
 _CAP = f"{ADMIN_T}::test_silent_connections_at_the_cap_never_starve_the_probes"
+_CUTS = f"{ADMIN_T}::test_one_request_per_loop_turn_however_the_reads_cut_the_heads[*]"
 
 ADMIN_FLOODS = [
     Mutation(
@@ -28,7 +29,13 @@ ADMIN_FLOODS = [
             "not self._answered and not self._writing_paused and not self._closing",
             "not self._writing_paused and not self._closing",
         ),
-        {"core": (_FLOOD,)},
+        {"core": (_FLOOD, _CUTS)},
+    ),
+    Mutation(
+        "admin flood",
+        "a head's end split across two reads is missed (two requests answered in one turn)",
+        ReplaceExpr(ADMIN, "AdminConnection._feed_one", "max(start - 3, 0)", "start"),
+        {"core": (_CUTS,)},
     ),
     Mutation(
         "admin flood",

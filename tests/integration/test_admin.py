@@ -16,7 +16,7 @@ from prometheus_client.openmetrics.parser import (
 )
 
 from pylon import admin
-from pylon.admin import AdminRoutes, AdminServer
+from pylon.admin import AdminConnection, AdminRoutes, AdminServer
 from pylon.lifecycle import Lifecycle
 from pylon.metrics import MetricsObserver
 from pylon.observe import LogObserver
@@ -300,3 +300,61 @@ async def test_a_failing_collector_is_a_500_not_a_hang() -> None:
         assert reply.json()["code"] == "internal_error"
     finally:
         server.close()
+
+
+class FakeTransport(asyncio.Transport):
+    """What `AdminConnection` sees of a socket: the bytes written, reading paused or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.paused = False
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written.append(bytes(data))
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 30, 31, 33, 64, 1000])
+async def test_one_request_per_loop_turn_however_the_reads_cut_the_heads(piece: int) -> None:
+    """Pipelined heads arriving in reads of any size, a head's end split across two reads
+    included: each loop turn answers at most one, and every one is answered, in order."""
+    server = AdminServer(AdminRoutes(Lifecycle(), MetricsObserver("dynamo").registry))
+    connection = AdminConnection(server)
+    transport = FakeTransport()
+    connection.connection_made(transport)
+    one = b"GET /live HTTP/1.1\r\nhost: x\r\n\r\n"  # 31 bytes: the cuts fall everywhere
+    data = one * 40
+    reads = [data[i : i + piece] for i in range(0, len(data), piece)]
+    most = 0
+    async with asyncio.timeout(10):
+        while reads or len(transport.written) < 80:
+            before = len(transport.written)
+            if reads and not transport.paused:
+                connection.data_received(reads.pop(0))  # a read: its own loop turn
+            most = max(most, len(transport.written) - before)
+            before = len(transport.written)
+            await asyncio.sleep(0)  # one loop turn: the connection's next `_advance`
+            most = max(most, len(transport.written) - before)
+    assert most <= 2  # one answer: its head and its body
+    answers = b"".join(transport.written)
+    assert answers.count(b"HTTP/1.1 200 OK") == 40 and answers.endswith(b'{"live":true}')
+    connection.connection_lost(None)
