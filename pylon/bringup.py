@@ -14,6 +14,10 @@ and tunnel requests get `503 not_ready` (retryable).
    (`pylon.models` holds the pure rules: last good set kept on a failed poll, empty list retires
    everything, a generation per appearance).
 3. `Lifecycle.mark_ready()`.
+4. Afterwards (`--routing off`, with the gate), `EngineWatch` keeps checking the path that
+   passed, every `--upstream-health-check-interval` seconds: `ENGINE_UNHEALTHY_AFTER` failures
+   in a row set the lifecycle's engine fault (`/ready` 503 `engine_unhealthy`), the next 2xx
+   clears it. With a fleet, `pylon.run` feeds the fleet's in-rotation view to the lifecycle.
 
 With `--routing` other than off (a `Fleet` of workers), the gate is the workers' own active
 health checks (`pylon.routing.health`, already running): it passes as soon as one worker is
@@ -25,6 +29,8 @@ Everything is reported to the `Observer` as process events:
 
 - `engine_health_probe` (debug): one failed probe: `path`, `result`, `round`;
 - `engine_healthy`: the gate passed: `path`, `status`, `rounds`, `waited_s`;
+- `engine_waiting` (warning): the gate still waits, every `WAIT_REPORT_INTERVAL` seconds:
+  `upstream`, `waited_s`, `wait_s`, `rounds`, `last` (each path's, or worker's, last answer);
 - `engine_health_gate_failed` (error): the gate ran out: `detail` (the one line), `waited_s`,
   `rounds`, `last` ({path: last result});
 - `model_discovery_poll` (ok: debug, failed: warning): `outcome` (`ok` or `failed`), `reason`
