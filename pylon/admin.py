@@ -152,7 +152,8 @@ class AdminConnection(asyncio.Protocol):
         keep = max(self._fed - 3, 0)
         self._buffer = self._buffer[keep:] + data if self._buffer else data
         self._fed -= keep
-        self._advance()
+        if self._next is None:  # else the `_advance` already due takes these bytes in turn
+            self._advance()
 
     def _advance(self) -> None:
         """Feed the parser up to the end of one request head and answer it; what was pipelined
