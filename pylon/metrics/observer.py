@@ -135,9 +135,12 @@ class MetricsObserver(QuietMoments):
     # --- the Observer events ---
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         model = record.model
-        stats = self._models.get(model)
-        if stats is None:  # a first: a label of its own only for a model pylon publishes
-            stats = self._stats(model) if model in self._published else self._unpublished
+        # Refused at admission (`error.model`): the client's x-model, a label of its own only
+        # when pylon publishes it. A request admitted first had a published model already.
+        if error.model is not None and model not in self._published:
+            stats = self._unpublished
+        else:
+            stats = self._stats(model)
         stats.count(error.status, record.transport)
         self._mark(error.code.value, error.code.retryable)
         if record.stripped:

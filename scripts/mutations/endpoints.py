@@ -102,8 +102,8 @@ LABELS = [
         ReplaceExpr(
             METRICS_OBSERVER,
             "MetricsObserver.rejected",
-            "self._stats(model) if model in self._published else self._unpublished",
-            "self._stats(model)",
+            "error.model is not None and model not in self._published",
+            "False",
         ),
         {
             "core": (
