@@ -29,7 +29,8 @@ How a request flows (each layer only knows the one below it):
   starts the listeners and drains on SIGTERM (a second signal ends the drain at once).
 - Bring-up (`pylon.bringup`, `pylon.models`, `pylon.upstream.probe`): with the listeners up, the
   engine's health gate, then the published model set (static, or `/v1/models` polled, with a
-  generation per appearance); `Lifecycle.readiness()` says whether and why pylon is ready.
+  generation per appearance); `Lifecycle.readiness()` says whether and why pylon is ready (the
+  engine and the fleet in rotation included, after start-up).
 - Operations (`pylon.admin`, `pylon.metrics`): the admin listener (`/metrics`, `/live`,
   `/ready` from `Lifecycle.readiness()`), and the Prometheus metrics, an observer beside the
   log lines.

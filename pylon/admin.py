@@ -3,15 +3,21 @@ tunnel ports and without tunnel auth.
 
 - `GET /metrics`: Prometheus text, or OpenMetrics when the `Accept` header asks for it.
 - `GET /live`: 200 while the event loop runs (this answer is produced on it).
-- `GET /ready`: 200 when `Lifecycle.readiness()` says ready, else 503 with its reason; a drain
-  flips it to 503 at once.
+- `GET /ready`: 200 when `Lifecycle.readiness()` says ready, else 503 with its reason (and, for
+  an engine fault, a `detail`); a drain flips it to 503 at once.
 
 Small and bounded, on httptools (the parser pylon's HTTP/1.1 listener uses): GET and HEAD only
 (405 otherwise), no request body (413), a request head of at most `MAX_HEAD_BYTES` in at most
 `MAX_HEADERS` fields (431), `REQUEST_TIMEOUT` seconds to send a request (408), idle keep-alive
-connections closed after `IDLE_TIMEOUT`, at most `MAX_CONNECTIONS` at once (503). Every error
-is an RFC 9457 JSON problem. Answers are computed at once, on the loop, so pipelined requests
-are answered in order; a client that stops reading has reading paused until it catches up.
+connections closed after `IDLE_TIMEOUT`. Every error is an RFC 9457 JSON problem.
+
+No client holds the loop or grows pylon's memory (a flood of pipelined `/metrics` must not
+stall tunnel traffic): the parser is fed one request head at a time and one request is
+answered per loop turn, reading stays paused while pipelined bytes wait, and nothing is parsed
+while the transport's write buffer is over its high-water mark (`pause_writing`), so a client
+that pipelines and never reads holds at most that buffer, one answer and one read. At most
+`MAX_CONNECTIONS` connections at once: a new one evicts the least recently active, so that
+silent connections filling the cap never make `/live` and `/ready` unanswerable.
 """
 
 from __future__ import annotations
@@ -90,7 +96,11 @@ class AdminRoutes:
 
     def ready(self, _accept: str) -> Answer:
         ready, reason = self._lifecycle.readiness()
-        body = orjson.dumps({"ready": ready, "reason": reason})
+        detail = self._lifecycle.readiness_detail()
+        answer: dict[str, object] = {"ready": ready, "reason": reason}
+        if detail is not None:
+            answer["detail"] = detail
+        body = orjson.dumps(answer)
         return Answer(200 if ready else 503, _JSON, body)
 
     def metrics(self, accept: str) -> Answer:
@@ -121,40 +131,92 @@ class AdminConnection(asyncio.Protocol):
         self._accept = b""
         self._head_bytes = 0
         self._headers = 0
+        # Bytes received and not fed to the parser yet: `_buffer[_fed:]` (before them, up to 3
+        # bytes already fed, to find a head's end that a read split).
+        self._buffer = b""
+        self._fed = 0
+        self._answered = False  # the last feed completed a request (and answered it)
+        self._writing_paused = False
+        self._next: asyncio.Handle | None = None  # the next `_advance`, a loop turn later
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
-        if not self._server.add(self):
-            self._send(problem(503, "too_many_connections", "too many admin connections"), True)
-            return
+        self._server.add(self)
         self._arm(REQUEST_TIMEOUT)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        # The last 3 bytes fed stay: a head's end split across two reads is still found.
+        keep = max(self._fed - 3, 0)
+        self._buffer = self._buffer[keep:] + data if self._buffer else data
+        self._fed -= keep
+        if self._next is None:  # else the `_advance` already due takes these bytes in turn
+            self._advance()
+
+    def _advance(self) -> None:
+        """Feed the parser up to the end of one request head and answer it; what was pipelined
+        behind it waits, with reading paused, for the next loop turn (and for the write buffer
+        to drain below its high-water mark)."""
+        self._next = None
+        transport = self._transport
+        if transport is None or self._closing:
+            return
+        self._answered = False
+        while not self._answered and not self._writing_paused and not self._closing:
+            if not self._feed_one():
+                break
+        if self._closing:
+            return
+        if self._fed < len(self._buffer):
+            transport.pause_reading()
+            if not self._writing_paused:
+                self._next = self._loop.call_soon(self._advance)
+        else:
+            tail = self._buffer[-3:]
+            self._buffer, self._fed = tail, len(tail)
+            if not self._writing_paused:
+                transport.resume_reading()
+
+    def _feed_one(self) -> bool:
+        """Feed the next piece: through the next end of a head, or all that is buffered when
+        no head ends in it (a partial head, or a body, which is refused). False: nothing left."""
+        buffer, start = self._buffer, self._fed
+        if start >= len(buffer):
+            return False
+        end = buffer.find(b"\r\n\r\n", max(start - 3, 0))  # ends past `start` if found
+        stop = len(buffer) if end < 0 else end + 4
+        self._fed = stop
         try:
-            self._parser.feed_data(data)
+            self._parser.feed_data(buffer[start:stop])
         except httptools.HttpParserCallbackError:
             pass  # a callback answered and closed
         except httptools.HttpParserUpgrade:
             self._send(problem(400, "malformed_request", "protocol upgrade is not supported"), True)
         except httptools.HttpParserError as exc:
             self._send(problem(400, "malformed_request", f"malformed HTTP/1.1: {exc}"), True)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._next is not None:
+            self._next.cancel()
+        self._buffer = b""
         self._server.remove(self)
 
     def pause_writing(self) -> None:
+        """The client is not reading its answers: parse nothing more until it does."""
+        self._writing_paused = True
         if self._transport is not None and not self._closing:
             self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self._transport is not None and not self._closing:
-            self._transport.resume_reading()
+        self._writing_paused = False
+        if self._transport is not None and not self._closing and self._next is None:
+            self._next = self._loop.call_soon(self._advance)
 
     # --- httptools callbacks ---
     def on_message_begin(self) -> None:
@@ -189,6 +251,8 @@ class AdminConnection(asyncio.Protocol):
         except Exception as exc:  # a bug (a collector that failed): answered, never a hang
             answer = problem(500, "internal_error", f"{type(exc).__name__} while answering")
         keep_alive = bool(self._parser.should_keep_alive())
+        self._answered = True
+        self._server.touch(self)
         self._send(answer, not keep_alive, head_only=method == "HEAD")
         if keep_alive and not self._closing:
             self._arm(IDLE_TIMEOUT)
@@ -223,6 +287,12 @@ class AdminConnection(asyncio.Protocol):
             self._closing = True
             transport.close()
 
+    @property
+    def buffered(self) -> int:
+        transport = self._transport
+        written = transport.get_write_buffer_size() if transport is not None else 0
+        return written + len(self._buffer) - self._fed
+
     def close(self) -> None:
         """End the connection at once, whatever it was doing."""
         self._closing = True
@@ -252,22 +322,35 @@ class AdminConnection(asyncio.Protocol):
 
 
 class AdminServer:
-    """The listening socket and its connections (at most `MAX_CONNECTIONS`)."""
+    """The listening socket and its connections (at most `MAX_CONNECTIONS`, the least recently
+    active evicted first)."""
 
     def __init__(self, routes: AdminRoutes) -> None:
         self.routes = routes
-        self._connections: set[AdminConnection] = set()
+        # Least recently active first (connected, or last answered): the one a new one evicts.
+        self._connections: dict[AdminConnection, None] = {}
         self._server: asyncio.AbstractServer | None = None
         self.address = ""
+        self.evicted = 0
 
-    def add(self, connection: AdminConnection) -> bool:
-        if len(self._connections) >= MAX_CONNECTIONS:
-            return False
-        self._connections.add(connection)
-        return True
+    def add(self, connection: AdminConnection) -> None:
+        """Take `connection`; at the cap, the least recently active one is closed for it.
+        Refusing the new one instead would let silent connections starve the probes."""
+        while len(self._connections) >= MAX_CONNECTIONS:
+            oldest = next(iter(self._connections))
+            del self._connections[oldest]
+            self.evicted += 1
+            oldest.close()
+        self._connections[connection] = None
+
+    def touch(self, connection: AdminConnection) -> None:
+        """`connection` just completed a request: the last to be evicted now."""
+        if connection in self._connections:
+            del self._connections[connection]
+            self._connections[connection] = None
 
     def remove(self, connection: AdminConnection) -> None:
-        self._connections.discard(connection)
+        self._connections.pop(connection, None)
 
     async def start(self, listen: str) -> str:
         """Bind `listen` (HOST:PORT); returns the bound address. A failure to bind is a
@@ -294,3 +377,7 @@ class AdminServer:
     @property
     def connections(self) -> int:
         return len(self._connections)
+
+    def buffered(self) -> int:
+        """Bytes the connections hold now: answers not yet sent, requests not yet parsed."""
+        return sum(connection.buffered for connection in self._connections)

@@ -149,6 +149,7 @@ def bring_up_options(settings: Settings) -> BringUpOptions:
         health_wait=settings.upstream_health_wait,
         health_interval=settings.upstream_health_interval,
         health_timeout=settings.upstream_health_timeout,
+        health_check_interval=settings.upstream_health_check_interval,
         models=settings.model,
         discovery_interval=settings.model_discovery_interval,
         discovery_timeout=settings.model_discovery_timeout,

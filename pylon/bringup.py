@@ -14,6 +14,10 @@ and tunnel requests get `503 not_ready` (retryable).
    (`pylon.models` holds the pure rules: last good set kept on a failed poll, empty list retires
    everything, a generation per appearance).
 3. `Lifecycle.mark_ready()`.
+4. Afterwards (`--routing off`, with the gate), `EngineWatch` keeps checking the path that
+   passed, every `--upstream-health-check-interval` seconds: `ENGINE_UNHEALTHY_AFTER` failures
+   in a row set the lifecycle's engine fault (`/ready` 503 `engine_unhealthy`), the next 2xx
+   clears it. With a fleet, `pylon.run` feeds the fleet's in-rotation view to the lifecycle.
 
 With `--routing` other than off (a `Fleet` of workers), the gate is the workers' own active
 health checks (`pylon.routing.health`, already running): it passes as soon as one worker is
@@ -25,6 +29,8 @@ Everything is reported to the `Observer` as process events:
 
 - `engine_health_probe` (debug): one failed probe: `path`, `result`, `round`;
 - `engine_healthy`: the gate passed: `path`, `status`, `rounds`, `waited_s`;
+- `engine_waiting` (warning): the gate still waits, every `WAIT_REPORT_INTERVAL` seconds:
+  `upstream`, `waited_s`, `wait_s`, `rounds`, `last` (each path's, or worker's, last answer);
 - `engine_health_gate_failed` (error): the gate ran out: `detail` (the one line), `waited_s`,
   `rounds`, `last` ({path: last result});
 - `model_discovery_poll` (ok: debug, failed: warning): `outcome` (`ok` or `failed`), `reason`
@@ -43,6 +49,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pylon.lifecycle import NOT_READY_ENGINE_UNHEALTHY
 from pylon.models import CatalogChange, ModelCatalog, ModelListError, parse_model_list
 from pylon.upstream.probe import Fetch, FetchError, fetch
 
@@ -53,6 +60,8 @@ if TYPE_CHECKING:
     from pylon.routing.health import HealthChecker
 
 DEFAULT_HEALTH_PATHS = ("/health", "/v1/health/ready")
+WAIT_REPORT_INTERVAL = 10.0  # seconds between `engine_waiting` lines while the gate waits
+ENGINE_UNHEALTHY_AFTER = 2  # failed checks in a row after start-up that make pylon not ready
 MODELS_PATH = "/v1/models"
 MAX_HEALTH_BODY = 64 * 1024  # a health answer's body is read (to end the exchange), not kept
 MAX_MODEL_LIST_BYTES = 1024 * 1024
@@ -76,6 +85,9 @@ class BringUpOptions:
     """Seconds between rounds of probes (`--upstream-health-interval`)."""
     health_timeout: float
     """Seconds one probe may take (`--upstream-health-timeout`)."""
+    health_check_interval: float
+    """Seconds between the engine's health checks after start-up, which readiness follows
+    (`--upstream-health-check-interval`; `--routing off` only)."""
     models: tuple[str, ...]
     """The static model set (`--model`); empty: discover it from `/v1/models`."""
     discovery_interval: float
@@ -128,6 +140,7 @@ class HealthGate:
         deadline = started + self._wait
         last: dict[str, str] = {}
         rounds = 0
+        report_at = started + WAIT_REPORT_INTERVAL  # an `engine_waiting` line at most this often
         while True:
             rounds += 1
             for path in self._paths:
@@ -166,9 +179,19 @@ class HealthGate:
             left = deadline - clock()
             if left <= 0:
                 break
+            if clock() >= report_at:
+                report_at += WAIT_REPORT_INTERVAL
+                self._observer.process_event(
+                    "engine_waiting",
+                    upstream=self._target.label,
+                    waited_s=round(clock() - started, 3),
+                    wait_s=self._wait,
+                    rounds=rounds,
+                    last=_answers(last),
+                )
             await self._sleep(min(self._interval, left))
         waited = round(clock() - started, 3)
-        answers = "; ".join(f"{path}: {result}" for path, result in last.items())
+        answers = _answers(last)
         detail = (
             f"the engine at {self._target.label} answered none of its health paths with 2xx "
             f"within --upstream-health-wait {self._wait:g} s ({rounds} "
@@ -178,6 +201,80 @@ class HealthGate:
             "engine_health_gate_failed", detail=detail, waited_s=waited, rounds=rounds, last=last
         )
         raise EngineNotReady(detail)
+
+
+def _answers(last: dict[str, str]) -> str:
+    return "; ".join(f"{path}: {result}" for path, result in last.items())
+
+
+class EngineWatch:
+    """After start-up (`--routing off`, with the health gate): the engine's health, so that
+    readiness follows it. Every `interval` seconds one `GET` of the path that passed the gate,
+    within `timeout`; `fail_after` failures in a row set the engine fault (`/ready` 503
+    `engine_unhealthy`, with the last answer), the next 2xx clears it."""
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        path: str,
+        lifecycle: Lifecycle,
+        *,
+        interval: float,
+        timeout: float,
+        observer: Observer,
+        fail_after: int = ENGINE_UNHEALTHY_AFTER,
+        fetch: Fetch = fetch,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        self._target = upstream
+        self._path = path
+        self._lifecycle = lifecycle
+        self._interval = interval
+        self._timeout = timeout
+        self._observer = observer
+        self._fail_after = fail_after
+        self._fetch = fetch
+        self._sleep = sleep
+        self.failures = 0  # failed checks in a row
+        self.unhealthy = False
+
+    async def run(self) -> None:
+        """A check every `interval` seconds (the gate just passed: the first waits), until
+        cancelled."""
+        while True:
+            await self._sleep(self._interval)
+            await self.check_once()
+
+    async def check_once(self) -> None:
+        try:
+            reply = await self._fetch(
+                self._target, self._path, timeout=self._timeout, max_body=MAX_HEALTH_BODY
+            )
+        except FetchError as exc:
+            self.apply(False, exc.detail)
+            return
+        ok = 200 <= reply.status < 300
+        self.apply(ok, "ok" if ok else f"status {reply.status}")
+
+    def apply(self, ok: bool, result: str) -> None:
+        """One check's result: count it, and set or clear the engine fault when due."""
+        if ok:
+            self.failures = 0
+            if self.unhealthy:
+                self.unhealthy = False
+                self._lifecycle.set_engine(None)
+            return
+        self.failures += 1
+        self._observer.process_event(
+            "engine_health_probe", path=self._path, result=result, round=self.failures
+        )
+        if self.failures >= self._fail_after:
+            detail = (
+                f"the engine at {self._target.label} failed {self.failures} health checks in "
+                f"a row (GET {self._path}); last: {result}"
+            )
+            self.unhealthy = True
+            self._lifecycle.set_engine((NOT_READY_ENGINE_UNHEALTHY, detail))
 
 
 class ModelDiscovery:
@@ -344,7 +441,7 @@ async def _fleet_gate(wait: float, workers: HealthChecker, observer: Observer) -
     path = workers.path
     fleet = workers.fleet
     await workers.first_round()  # bounded by --worker-health-timeout
-    if fleet.in_rotation or await fleet.wait_in_rotation(started + wait - loop.time()):
+    if fleet.in_rotation or await _wait_in_rotation(workers, started, wait, observer):
         in_rotation = fleet.in_rotation
         observer.process_event(
             "engine_healthy",
@@ -370,3 +467,26 @@ async def _fleet_gate(wait: float, workers: HealthChecker, observer: Observer) -
         last=last,
     )
     raise EngineNotReady(detail)
+
+
+async def _wait_in_rotation(
+    workers: HealthChecker, started: float, wait: float, observer: Observer
+) -> bool:
+    """`Fleet.wait_in_rotation` until `started + wait`, with an `engine_waiting` line every
+    `WAIT_REPORT_INTERVAL` seconds meanwhile."""
+    loop = asyncio.get_running_loop()
+    fleet = workers.fleet
+    while True:
+        left = started + wait - loop.time()
+        if await fleet.wait_in_rotation(min(left, WAIT_REPORT_INTERVAL)):
+            return True
+        if left <= WAIT_REPORT_INTERVAL:
+            return False
+        observer.process_event(
+            "engine_waiting",
+            upstream=None,
+            waited_s=round(loop.time() - started, 3),
+            wait_s=wait,
+            rounds=workers.rounds,
+            last=fleet.describe_health(),
+        )

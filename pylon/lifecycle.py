@@ -7,7 +7,11 @@ told when the drain starts (HTTP/2 and HTTP/3 send GOAWAY, idle HTTP/1.1 keep-al
 
 `STARTING` lasts until the engine passed its health gate (and, with discovery, the first poll
 ran: `pylon.bringup`); `mark_ready` then moves to `READY`. Whether pylon is *ready for traffic*
-also needs a published model: `readiness` says both, with the reason.
+also needs a published model and, after start-up, an engine that still answers: `set_engine`
+records an engine fault (the single engine failing its health checks: `pylon.bringup.EngineWatch`;
+no routing worker in rotation: the fleet's in-rotation view, so every ejection, active or
+passive, counts). `readiness` says all of it, with the reason; `on_readiness` subscribers hear
+each change of it (the `readiness_changed` line, the `pylon_ready` gauge).
 """
 
 from __future__ import annotations
@@ -28,29 +32,64 @@ class Phase(enum.Enum):
 NOT_READY_DRAINING = "draining"
 NOT_READY_ENGINE = "engine_not_ready"
 NOT_READY_NO_MODELS = "no_models"
+NOT_READY_ENGINE_UNHEALTHY = "engine_unhealthy"  # the engine fails its health checks
+NOT_READY_NO_WORKER = "no_worker_in_rotation"  # every routing worker is out of rotation
 READY_REASON = "ready"
+
+ReadinessListener = Callable[[bool, str, str | None], None]
 
 
 class Lifecycle:
-    __slots__ = ("_listeners", "models", "phase")
+    __slots__ = ("_engine_fault", "_last", "_listeners", "_readiness_listeners", "models", "phase")
 
     def __init__(self, phase: Phase = Phase.STARTING, models: ModelCatalog | None = None) -> None:
         self.phase = phase
         self.models = models if models is not None else ModelCatalog()
         # A dict as an ordered set: connections come and go, so removal must be O(1).
         self._listeners: dict[Callable[[], None], None] = {}
+        self._engine_fault: tuple[str, str] | None = None  # (reason, detail) after start-up
+        self._readiness_listeners: list[ReadinessListener] = []
+        self._last = self.readiness()
+        self.models.on_change(self._recheck)
 
     def readiness(self) -> tuple[bool, str]:
         """May an orchestrator send traffic here? (ready, reason): `draining` as soon as the
-        drain starts, `engine_not_ready` before the health gate passed, `no_models` while no
+        drain starts, `engine_not_ready` before the health gate passed, then the engine fault
+        (`engine_unhealthy`, `no_worker_in_rotation`) while there is one, `no_models` while no
         model is published, else `ready`."""
         if self.phase is Phase.DRAINING:
             return False, NOT_READY_DRAINING
         if self.phase is Phase.STARTING:
             return False, NOT_READY_ENGINE
+        if self._engine_fault is not None:
+            return False, self._engine_fault[0]
         if not self.models.published:
             return False, NOT_READY_NO_MODELS
         return True, READY_REASON
+
+    def readiness_detail(self) -> str | None:
+        """What the engine fault that makes pylon not ready is (None when there is none)."""
+        ready, reason = self.readiness()
+        fault = self._engine_fault
+        return fault[1] if not ready and fault is not None and fault[0] == reason else None
+
+    def set_engine(self, fault: tuple[str, str] | None) -> None:
+        """The engine's state after start-up: None while it serves, else (reason, detail)."""
+        self._engine_fault = fault
+        self._recheck()
+
+    def on_readiness(self, listener: ReadinessListener) -> None:
+        """Call `listener(ready, reason, detail)` after each change of `readiness()`."""
+        self._readiness_listeners.append(listener)
+
+    def _recheck(self) -> None:
+        now = self.readiness()
+        if now == self._last:
+            return
+        self._last = now
+        detail = self.readiness_detail()
+        for listener in self._readiness_listeners:
+            listener(now[0], now[1], detail)
 
     @property
     def draining(self) -> bool:
@@ -63,12 +102,14 @@ class Lifecycle:
     def mark_ready(self) -> None:
         if self.phase is Phase.STARTING:
             self.phase = Phase.READY
+            self._recheck()
 
     def drain(self) -> None:
         """Start the drain (once): every subscriber is told, in subscription order."""
         if self.phase is Phase.DRAINING:
             return
         self.phase = Phase.DRAINING
+        self._recheck()
         for listener in list(self._listeners):
             listener()
 

@@ -52,13 +52,18 @@ class CatalogChange:
 class ModelCatalog:
     """The published models and each name's generation. Pure: no I/O, no clock."""
 
-    __slots__ = ("_generations", "_retire_listeners", "published")
+    __slots__ = ("_change_listeners", "_generations", "_retire_listeners", "published")
 
     def __init__(self) -> None:
         self.published: frozenset[str] = frozenset()
         # Appearances per name ever seen (bounded): the generation of a published name.
         self._generations: dict[str, int] = {}
         self._retire_listeners: list[Callable[[str], None]] = []
+        self._change_listeners: list[Callable[[], None]] = []
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` after every `apply` that changed the published set."""
+        self._change_listeners.append(listener)
 
     def on_retire(self, listener: Callable[[str], None]) -> None:
         """Call `listener(name)` for each model `apply` retires: what was learnt about a
@@ -84,6 +89,9 @@ class ModelCatalog:
         for name, _ in retired:
             for listener in self._retire_listeners:
                 listener(name)
+        if new != old:
+            for changed in self._change_listeners:
+                changed()
         return CatalogChange(tuple(published), retired)
 
     def _forget_old(self) -> None:

@@ -118,6 +118,7 @@ _WARNING_EVENTS = frozenset(
         "worker_outlier_ejected",
         "worker_outlier_held",
         "upstream_moved",
+        "engine_waiting",
         "kv_routing_failed",
         "kv_router_error",
         "kv_events_gap",
@@ -268,6 +269,11 @@ class LogObserver(QuietMoments):
         if kind == "model_discovery_poll":  # every few seconds: only a failure is news
             if fields.get("outcome") == "ok":
                 self._log.debug(kind, **fields)
+            else:
+                self._log.warning(kind, **fields)
+        elif kind == "readiness_changed":  # losing readiness is news, regaining it less so
+            if fields.get("ready"):
+                self._log.info(kind, **fields)
             else:
                 self._log.warning(kind, **fields)
         elif kind in _WARNING_EVENTS:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pylon.assemble import Core, bring_up_options, build_core, routing_options
-from pylon.bringup import BringUp, BringUpOptions, EngineNotReady, bring_up
+from pylon.bringup import BringUp, BringUpOptions, EngineNotReady, EngineWatch, bring_up
 from pylon.core.upstream import Upstream
+from pylon.lifecycle import NOT_READY_NO_WORKER
 from pylon.listeners import Listeners, start_listeners
 from pylon.observe import LogObserver, Observer
 from pylon.preflight import (
@@ -140,6 +141,7 @@ async def start(
             tokenizer=tokenizer,
         )
         _close_with(stack, settings, core, routing, observer)
+        _follow_readiness(core, routing)
         listeners = await start_listeners(settings, core, stack)
         _announce(settings, listeners, upstream, observer)
         ready, engine = _start_bring_up(bring_up_options(settings), core, upstream, routing, stack)
@@ -224,6 +226,30 @@ def _close_with(
     stack.callback(core.pool.close)
 
 
+def _follow_readiness(core: Core, routing: Routing | None) -> None:
+    """Readiness follows the fleet's in-rotation view (every ejection, whatever ejected the
+    worker), and each change of it is reported (`readiness_changed`, the `pylon_ready` gauge)."""
+    lifecycle = core.lifecycle
+    observer = core.observer
+
+    def changed(ready: bool, reason: str, detail: str | None) -> None:
+        observer.process_event("readiness_changed", ready=ready, reason=reason, detail=detail)
+
+    lifecycle.on_readiness(changed)
+    if routing is None:
+        return
+    fleet = routing.fleet
+
+    def rotation_changed() -> None:
+        if fleet.in_rotation:
+            lifecycle.set_engine(None)
+        else:
+            detail = f"no engine worker is in rotation ({fleet.describe_health()})"
+            lifecycle.set_engine((NOT_READY_NO_WORKER, detail))
+
+    fleet.on_change(rotation_changed)
+
+
 async def _close_tracer(tracer: ExchangeTracer) -> None:
     """Flush the spans not exported yet, off the event loop (the export may take a while)."""
     await asyncio.sleep(0)  # requests cancelled at close end their spans first
@@ -295,8 +321,24 @@ async def _engine(
     ready.set_result(result)
     if core.lifecycle.ready:  # not when a drain started meanwhile
         _report_ready(core, upstream, result, routing)
+    loops = []
+    if routing is None and result.health_path is not None:
+        loops.append(_engine_watch(options, core, upstream, result.health_path).run())
     if result.discovery is not None:
-        await result.discovery.run()
+        loops.append(result.discovery.run())
+    await asyncio.gather(*loops)
+
+
+def _engine_watch(options: BringUpOptions, core: Core, upstream: str, path: str) -> EngineWatch:
+    """`--routing off`: the engine's health after start-up, which readiness follows."""
+    return EngineWatch(
+        Upstream.from_url(upstream),
+        path,
+        core.lifecycle,
+        interval=options.health_check_interval,
+        timeout=options.health_timeout,
+        observer=core.observer,
+    )
 
 
 def _report_ready(core: Core, upstream: str, result: BringUp, routing: Routing | None) -> None:

@@ -242,6 +242,13 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             }
             if "model" not in settings:
                 defaults["model_discovery_interval"] = 3600.0
+            if (
+                settings.get("upstream_health_gate", True)
+                and settings.get("routing", "off") == "off"
+            ):
+                # The engine's health checks after start-up are pylon's, not the test's: none
+                # unless a test asks (records that list what reached the engine stay exact).
+                defaults["upstream_health_check_interval"] = 3600.0
             config = load_settings({**defaults, **settings})
             running = await exits.enter_async_context(
                 start(config, observer, router, span_exporter, wait_ready=wait_ready)

@@ -145,6 +145,9 @@ class PylonError(Exception):
     code: ClassVar[ErrorCode] = ErrorCode.MALFORMED_REQUEST
     # `x-stargate-retry-after-ms` on the problem response, where pylon has a hint to give.
     retry_after_ms: int | None = None
+    # The request's `x-model`, where admission had parsed it (a valid model name) before it
+    # refused the request: the record, its log line and metrics carry it.
+    model: str | None = None
 
     def __init__(
         self, detail: str, *, code: ErrorCode | None = None, request_id: str | None = None

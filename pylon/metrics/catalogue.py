@@ -14,6 +14,9 @@ from dataclasses import dataclass
 MODEL_LABEL_LIMIT = 100  # distinct client model names with a label of their own
 OTHER_MODEL = "_other"  # every model past the limit
 NO_MODEL = "_none"  # requests without a model (health checks, refused before the contract)
+# Requests refused at admission whose `x-model` names no model this pylon publishes: client text
+# that never becomes a label of its own.
+UNPUBLISHED_MODEL = "_unpublished"
 STATUS_CLASS = {0: "none", 1: "1xx", 2: "2xx", 3: "3xx", 4: "4xx", 5: "5xx"}  # status // 100
 BEFORE_HEAD, AFTER_HEAD = "before_head", "after_head"  # an upstream error's `stage`
 RETRYABLE = {True: "true", False: "false"}  # a retry marking's `retryable`
@@ -169,6 +172,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         (),
         "models published now (static --model set or the last good discovery poll)",
+    ),
+    MetricSpec(
+        "pylon_ready",
+        "gauge",
+        (),
+        "1 while /ready answers 200, else 0 (the readiness_changed line says why)",
     ),
     MetricSpec(
         "pylon_tls_certificate_expiry_timestamp_seconds",

@@ -90,6 +90,8 @@ class Counts:
     """(outcome, reason) -> /v1/models polls."""
     models_published: int
     """Models published now."""
+    ready: int
+    """1 while /ready answers 200, else 0."""
     tls_not_after: float | None
     """The TLS certificate's notAfter, in seconds since the epoch; None: no TLS listener."""
     tls_reloads: Mapping[str, int]

@@ -100,6 +100,9 @@ def families(counts: Counts, build: dict[str, str]) -> Iterator[Metric]:
     published = _gauge("pylon_models_published")
     published.add_metric([], counts.models_published)
     yield published
+    ready = _gauge("pylon_ready")
+    ready.add_metric([], counts.ready)
+    yield ready
     expiry = _gauge("pylon_tls_certificate_expiry_timestamp_seconds")
     if counts.tls_not_after is not None:
         expiry.add_metric([], counts.tls_not_after)

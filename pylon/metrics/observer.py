@@ -27,6 +27,7 @@ from pylon.metrics.catalogue import (
     STATUS_CLASS,
     TLS_RELOAD_RESULTS,
     TOKEN_BUCKETS,
+    UNPUBLISHED_MODEL,
     priority_buckets,
 )
 from pylon.metrics.counts import Counts, Histogram, ModelStats, new_histogram
@@ -66,13 +67,18 @@ class MetricsObserver(QuietMoments):
         self._model_limit = model_limit
         self._other = ModelStats(OTHER_MODEL)
         self._none = ModelStats(NO_MODEL)
+        self._unpublished = ModelStats(UNPUBLISHED_MODEL)
         # model (None for none) -> its stats; the reserved labels map to their own stats, so a
         # client model spelled like one is counted there rather than given a duplicate series.
         self._models: dict[str | None, ModelStats] = {
             None: self._none,
             NO_MODEL: self._none,
             OTHER_MODEL: self._other,
+            UNPUBLISHED_MODEL: self._unpublished,
         }
+        # The models published now (`model_published` / `model_retired`): a refused request is
+        # labelled by its model only when it is one of them.
+        self._published: set[str] = set()
         self._client_models: list[ModelStats] = []
         self._priority_bounds = priority_buckets(priority_ceiling)
         self._priority = new_histogram(self._priority_bounds)
@@ -90,6 +96,7 @@ class MetricsObserver(QuietMoments):
         self._queue_decisions: dict[tuple[str], int] = {}
         self._discovery_polls: dict[tuple[str, str], int] = {}
         self._models_published = 0
+        self._ready = 0  # what /ready answers now (1: 200); pylon starts not ready
         # Set once the queue table exists (`pylon.assemble.build_core`): read at scrape time only.
         self.queue_snapshot: Callable[[], Iterable[QueueSnapshot]] | None = None
         # Set by `pylon.run.start` with --routing other than off: read at scrape time only.
@@ -127,7 +134,14 @@ class MetricsObserver(QuietMoments):
 
     # --- the Observer events ---
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        self._stats(record.model).count(error.status, record.transport)
+        model = record.model
+        # Refused at admission (`error.model`): the client's x-model, a label of its own only
+        # when pylon publishes it. A request admitted first had a published model already.
+        if error.model is not None and model not in self._published:
+            stats = self._unpublished
+        else:
+            stats = self._stats(model)
+        stats.count(error.status, record.transport)
         self._mark(error.code.value, error.code.retryable)
         if record.stripped:
             self._count_stripped(record.stripped)
@@ -246,8 +260,12 @@ class MetricsObserver(QuietMoments):
             self._discovery_polls[key] = self._discovery_polls.get(key, 0) + 1
         elif kind == "model_published":
             self._models_published += 1
+            self._published.add(str(fields.get("model")))
         elif kind == "model_retired":
             self._models_published -= 1
+            self._published.discard(str(fields.get("model")))
+        elif kind == "readiness_changed":
+            self._ready = 1 if fields.get("ready") else 0
 
     # --- the scrape ---
     def counts(self) -> Counts:
@@ -256,7 +274,7 @@ class MetricsObserver(QuietMoments):
         self.flush()
         return Counts(
             backend=self.backend,
-            models=[self._none, self._other, *self._client_models],
+            models=[self._none, self._other, self._unpublished, *self._client_models],
             labelled=self._models,
             other=self._other,
             priority_bounds=self._priority_bounds,
@@ -269,6 +287,7 @@ class MetricsObserver(QuietMoments):
             queue_decisions=self._queue_decisions,
             discovery_polls=self._discovery_polls,
             models_published=self._models_published,
+            ready=self._ready,
             tls_not_after=self._tls_not_after,
             tls_reloads=self._tls_reloads,
             queue=self.queue_snapshot() if self.queue_snapshot is not None else (),

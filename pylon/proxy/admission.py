@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pylon.auth import TokenAuth, unauthorized
 from pylon.core.contract import HealthRequest, TunnelRequest, parse_request
-from pylon.core.errors import ClientError, ErrorCode, UpstreamError
+from pylon.core.errors import ClientError, ErrorCode, PylonError, UpstreamError
 from pylon.core.head import RequestHead
 from pylon.core.intake import Admission
 from pylon.lifecycle import Lifecycle, Phase
@@ -33,32 +33,36 @@ class ProxyAdmission:
             if self._lifecycle.draining:
                 raise _refusal(Phase.DRAINING, request.request_id)
             return request  # the engine's health, even while pylon is starting
-        if self._auth is not None and not self._auth.allows(request.headers):
-            error = unauthorized()
-            error.request_id = request.request_id
-            raise error
-        lifecycle = self._lifecycle
-        if lifecycle.phase is not _READY:
-            raise _refusal(lifecycle.phase, request.request_id)
-        if request.model not in lifecycle.models.published:
-            raise UpstreamError(
-                f"model {request.model!r} is not published by this pylon: the engine does not "
-                "serve it now (not yet loaded, or retired)",
-                code=ErrorCode.MODEL_GENERATION_UNAVAILABLE,
-                request_id=request.request_id,
-            )
-        # An encoded body is refused (415), not decoded: decoding inside pylon would add a
-        # decompression-bomb surface and CPU for no gateway that needs it, and forwarding it
-        # would let an engine that decodes it parse bytes the strip never saw.
-        coding = head.content_coding
-        if coding is not None:
-            raise ClientError(
-                f"request bodies must not be content-encoded (got {coding.decode('latin-1')!r}):"
-                " pylon inspects and strips the body, so the engine must parse exactly the bytes"
-                " pylon read",
-                code=ErrorCode.CONTENT_ENCODING_NOT_SUPPORTED,
-                request_id=request.request_id,
-            )
+        try:  # zero-cost in 3.11 while nothing is raised
+            if self._auth is not None and not self._auth.allows(request.headers):
+                error = unauthorized()
+                error.request_id = request.request_id
+                raise error
+            lifecycle = self._lifecycle
+            if lifecycle.phase is not _READY:
+                raise _refusal(lifecycle.phase, request.request_id)
+            if request.model not in lifecycle.models.published:
+                raise UpstreamError(
+                    f"model {request.model!r} is not published by this pylon: the engine does "
+                    "not serve it now (not yet loaded, or retired)",
+                    code=ErrorCode.MODEL_GENERATION_UNAVAILABLE,
+                    request_id=request.request_id,
+                )
+            # An encoded body is refused (415), not decoded: decoding inside pylon would add a
+            # decompression-bomb surface and CPU for no gateway that needs it, and forwarding it
+            # would let an engine that decodes it parse bytes the strip never saw.
+            coding = head.content_coding
+            if coding is not None:
+                raise ClientError(
+                    "request bodies must not be content-encoded (got "
+                    f"{coding.decode('latin-1')!r}): pylon inspects and strips the body, so the "
+                    "engine must parse exactly the bytes pylon read",
+                    code=ErrorCode.CONTENT_ENCODING_NOT_SUPPORTED,
+                    request_id=request.request_id,
+                )
+        except PylonError as error:
+            error.model = request.model  # parsed and valid: the refusal is counted by it
+            raise
         return request
 
 

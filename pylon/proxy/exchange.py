@@ -112,6 +112,8 @@ class Exchange(RequestRecord):
             error.request_id = self.request_id
         elif self.request_id is None:
             self.request_id = error.request_id
+        if self.model is None:
+            self.model = error.model  # refused at admission after `x-model` parsed
         send_problem(sink, error)
         self.status = error.status
         self.outcome = error.code.value

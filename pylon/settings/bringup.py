@@ -42,6 +42,13 @@ class BringupSettings(BaseModel):
         description="seconds between rounds of health probes at start",
         json_schema_extra=group(BRINGUP),
     )
+    upstream_health_check_interval: float = Field(
+        2.0,
+        gt=0,
+        description="seconds between health checks of the engine after start-up: 2 failed in "
+        "a row make /ready 503 engine_unhealthy, one passed makes it ready again",
+        json_schema_extra=group(BRINGUP),
+    )
     upstream_health_timeout: float = Field(
         5.0,
         gt=0,
@@ -116,6 +123,7 @@ class BringupSettings(BaseModel):
                 "upstream_health_path",
                 "upstream_health_wait",
                 "upstream_health_interval",
+                "upstream_health_check_interval",
                 "upstream_health_timeout",
             ):
                 if name in chosen:

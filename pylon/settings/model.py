@@ -69,6 +69,12 @@ class Settings(
                 )
             self._kv_settings_unused()
             return self
+        if "upstream_health_check_interval" in self.model_fields_set:
+            raise ValueError(
+                "--upstream-health-check-interval checks the one engine of --routing off: with "
+                f"--routing {self.routing} the workers' own checks (--worker-health-interval) "
+                "decide readiness"
+            )
         self._workers_distinct()
         self._upstream_fits_workers()
         if self.routing == "kv":

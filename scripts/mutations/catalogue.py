@@ -5,6 +5,7 @@ from __future__ import annotations
 from mutations import (
     auth,
     claims,
+    endpoints,
     floods,
     head,
     http3,
@@ -47,4 +48,5 @@ SECURITY: list[Mutation] = [
     *http3.QPACK,
     *routing.PASSIVE_HEALTH,
     *routing.CONNECT_MOVE,
+    *endpoints.MUTATIONS,
 ]

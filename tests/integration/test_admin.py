@@ -16,7 +16,7 @@ from prometheus_client.openmetrics.parser import (
 )
 
 from pylon import admin
-from pylon.admin import AdminRoutes, AdminServer
+from pylon.admin import AdminConnection, AdminRoutes, AdminServer
 from pylon.lifecycle import Lifecycle
 from pylon.metrics import MetricsObserver
 from pylon.observe import LogObserver
@@ -155,18 +155,101 @@ async def test_bounded_requests(monkeypatch: pytest.MonkeyPatch) -> None:
         assert (status, body["code"]) == (408, "request_timeout")
 
 
-async def test_connections_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admin, "MAX_CONNECTIONS", 2)
-    async with bare_admin(Lifecycle()) as server:
+async def test_silent_connections_at_the_cap_never_starve_the_probes() -> None:
+    """The cap's worth of connections that never speak: `/live` and `/ready` still answer at
+    once (the least recently active connection is evicted for the new one)."""
+    lifecycle = Lifecycle()
+    lifecycle.mark_ready()
+    lifecycle.models.apply(["m"])
+    async with bare_admin(lifecycle) as server:
         host, port = server.address.rsplit(":", 1)
-        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        held = [
+            await asyncio.open_connection(host, int(port)) for _ in range(admin.MAX_CONNECTIONS)
+        ]
         async with asyncio.timeout(5):
-            while server.connections < 2:  # accepted on the loop: wait for both
+            while server.connections < admin.MAX_CONNECTIONS:  # accepted on the loop
                 await asyncio.sleep(0)
-        status, _, body = problem_of(await raw_exchange(host, int(port), b""))
-        assert (status, body["code"]) == (503, "too_many_connections")
+        async with httpx.AsyncClient(timeout=5) as client:
+            for path in ("/live", "/ready", "/live", "/ready"):
+                reply = await client.get(f"http://{server.address}{path}")
+                assert reply.status_code == 200, (path, reply.text)
+        assert server.connections <= admin.MAX_CONNECTIONS
+        assert server.evicted >= 1
+        # The evicted ones are the oldest silent ones: their reads end.
+        reader, _ = held[0]
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""
         for _, writer in held:
             writer.close()
+
+
+class CountingRoutes(AdminRoutes):
+    """Counts the answers, to see how many one loop turn computes."""
+
+    answers = 0
+
+    def answer(self, method: str, target: str, accept: str) -> admin.Answer:
+        self.answers += 1
+        return super().answer(method, target, accept)
+
+
+async def test_pipelined_flood_that_never_reads_holds_neither_the_loop_nor_memory() -> None:
+    """2,000 pipelined `GET /metrics` in one write, never read: one request answered per loop
+    turn, nothing parsed while the write buffer is over its high-water mark, and what the
+    connection holds stays bounded (not 2,000 answers)."""
+    routes = CountingRoutes(Lifecycle(), MetricsObserver("dynamo").registry)
+    one_answer = len(routes.metrics("").body) + 256
+    server = AdminServer(routes)
+    await server.start("127.0.0.1:0")
+    loop = asyncio.get_running_loop()
+    most_per_turn = 0
+    longest_gap = 0.0
+    stop = asyncio.Event()
+
+    async def probe() -> None:  # a tick every loop turn: answers and time between two ticks
+        nonlocal most_per_turn, longest_gap
+        seen, at = routes.answers, loop.time()
+        while not stop.is_set():
+            await asyncio.sleep(0)
+            now = loop.time()
+            most_per_turn = max(most_per_turn, routes.answers - seen)
+            longest_gap = max(longest_gap, now - at)
+            seen, at = routes.answers, now
+
+    ticking = asyncio.create_task(probe())
+    try:
+        host, port = server.address.rsplit(":", 1)
+        flood = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n" * 2000
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(flood)
+        connection = next(iter(server._connections), None)
+        async with asyncio.timeout(20):  # until the client's unread answers pause the writes
+            while connection is None or not connection._writing_paused:
+                await asyncio.sleep(0.005)
+                connection = next(iter(server._connections), None)
+        answered = routes.answers
+        for _ in range(50):  # paused means paused: no more answers are computed
+            await asyncio.sleep(0)
+        assert routes.answers == answered < 2000
+        assert most_per_turn == 1, most_per_turn
+        # What the stuck connection holds: the high-water mark, one answer, the unread requests.
+        high = connection._transport.get_write_buffer_limits()[1]  # type: ignore[union-attr]
+        assert server.buffered() <= high + one_answer + len(flood)
+        # The longest loop gap is a few answers' work, not the flood's (2,000 answers).
+        started = loop.time()
+        for _ in range(20):
+            routes.metrics("")
+        per_answer = (loop.time() - started) / 20
+        assert longest_gap < max(100 * per_answer, 0.25), (longest_gap, per_answer)
+        writer.close()
+        async with asyncio.timeout(5):
+            while server.connections:
+                await asyncio.sleep(0.005)
+        assert server.buffered() == 0
+    finally:
+        stop.set()
+        await ticking
+        server.close()
 
 
 async def test_an_empty_admin_listen_disables_it(make_stack: StackFactory) -> None:
@@ -217,3 +300,61 @@ async def test_a_failing_collector_is_a_500_not_a_hang() -> None:
         assert reply.json()["code"] == "internal_error"
     finally:
         server.close()
+
+
+class FakeTransport(asyncio.Transport):
+    """What `AdminConnection` sees of a socket: the bytes written, reading paused or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.paused = False
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written.append(bytes(data))
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 30, 31, 33, 64, 1000])
+async def test_one_request_per_loop_turn_however_the_reads_cut_the_heads(piece: int) -> None:
+    """Pipelined heads arriving in reads of any size, a head's end split across two reads
+    included: each loop turn answers at most one, and every one is answered, in order."""
+    server = AdminServer(AdminRoutes(Lifecycle(), MetricsObserver("dynamo").registry))
+    connection = AdminConnection(server)
+    transport = FakeTransport()
+    connection.connection_made(transport)
+    one = b"GET /live HTTP/1.1\r\nhost: x\r\n\r\n"  # 31 bytes: the cuts fall everywhere
+    data = one * 40
+    reads = [data[i : i + piece] for i in range(0, len(data), piece)]
+    most = 0
+    async with asyncio.timeout(10):
+        while reads or len(transport.written) < 80:
+            before = len(transport.written)
+            if reads and not transport.paused:
+                connection.data_received(reads.pop(0))  # a read: its own loop turn
+            most = max(most, len(transport.written) - before)
+            before = len(transport.written)
+            await asyncio.sleep(0)  # one loop turn: the connection's next `_advance`
+            most = max(most, len(transport.written) - before)
+    assert most <= 2  # one answer: its head and its body
+    answers = b"".join(transport.written)
+    assert answers.count(b"HTTP/1.1 200 OK") == 40 and answers.endswith(b'{"live":true}')
+    connection.connection_lost(None)

@@ -16,6 +16,7 @@ import pytest
 
 from pylon.bringup import EngineNotReady
 from pylon.lifecycle import Lifecycle
+from tests.fleet import FleetFactory
 from tests.observers import EventObserver
 from tests.stack import MODEL, PROTOCOLS, Reply, Stack, StackFactory
 
@@ -277,3 +278,104 @@ async def test_readiness_flips_first_on_drain_while_in_flight_requests_finish(
     writer.close()
     assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert [record["path"] for record in await stack.records()] == [CHAT]
+
+
+# --- readiness after start-up: the engine and the fleet -------------------------------------------
+
+FAST_CHECKS = {"upstream_health_check_interval": 0.02, "upstream_health_timeout": 1.0}
+
+
+async def readiness_change(events: EventObserver, after: int, **match: Any) -> dict[str, Any]:
+    return await events.wait_for("readiness_changed", after=after, **match)
+
+
+async def ready_gauge(stack: Stack) -> str:
+    """The `pylon_ready` sample of the admin listener's /metrics."""
+    reply = await stack.client.get(f"{stack.running.admin_url}/metrics")
+    lines = [line for line in reply.text.splitlines() if line.startswith("pylon_ready ")]
+    assert len(lines) == 1, lines
+    return lines[0].split()[1]
+
+
+def checks_between(events: EventObserver, start: int, end: int) -> int:
+    """Failed engine health checks reported between two marks."""
+    return sum(1 for kind, _ in events.events[start:end] if kind == "engine_health_probe")
+
+
+async def test_readiness_follows_the_engine_after_start_up(make_stack: StackFactory) -> None:
+    """An engine that fails its health checks after start-up makes `/ready` 503
+    `engine_unhealthy` (with the last answer) after 2 failed checks, and 200 again at its next
+    pass; an engine that is gone entirely the same."""
+    events = EventObserver()
+    stack = await make_stack(observer=events, **FAST_CHECKS)
+    assert await ready_endpoint(stack) == (200, {"ready": True, "reason": "ready"})
+    mark = events.mark()
+    await control(stack, "health", {"status": 503})
+    down = await readiness_change(events, mark, ready=False)
+    assert down["reason"] == "engine_unhealthy" and "status 503" in down["detail"]
+    assert checks_between(events, mark, len(events.events)) == 2  # ENGINE_UNHEALTHY_AFTER
+    status, body = await ready_endpoint(stack)
+    assert (status, body["ready"], body["reason"]) == (503, False, "engine_unhealthy")
+    assert "/health" in body["detail"] and "status 503" in body["detail"]
+    assert await ready_gauge(stack) == "0.0"
+    mark = events.mark()
+    await control(stack, "health", {"status": 200})
+    up = await readiness_change(events, mark, ready=True)
+    assert up == {"ready": True, "reason": "ready", "detail": None}
+    assert await ready_endpoint(stack) == (200, {"ready": True, "reason": "ready"})
+    assert await ready_gauge(stack) == "1.0"
+    mark = events.mark()
+    await stack.mock.stop()  # the engine dies
+    down = await readiness_change(events, mark, ready=False)
+    assert down["reason"] == "engine_unhealthy" and "connect" in down["detail"]
+    assert (await ready_endpoint(stack))[0] == 503
+
+
+async def test_readiness_follows_the_fleet_in_rotation(make_fleet: FleetFactory) -> None:
+    """Every worker out of rotation: `/ready` 503 `no_worker_in_rotation` (every request would
+    get 503 no_worker); one back in rotation: 200."""
+    fleet = await make_fleet(
+        workers=2, routing="round-robin", worker_health_interval=0.02, worker_eject_after=1
+    )
+    events = fleet.observer
+    assert fleet.running.admin_url is not None
+    ready_url = f"{fleet.running.admin_url}/ready"
+    assert (await fleet.client.get(ready_url)).status_code == 200
+    mark = events.mark()
+    await fleet.control(0, "health", {"status": 500})
+    await events.wait_for("worker_ejected", after=mark, worker=fleet.label(0))
+    assert (await fleet.client.get(ready_url)).status_code == 200  # one worker still serves
+    await fleet.control(1, "health", {"status": 500})
+    down = await events.wait_for("readiness_changed", after=mark, ready=False)
+    assert down["reason"] == "no_worker_in_rotation" and "status 500" in down["detail"]
+    reply = await fleet.client.get(ready_url)
+    assert reply.status_code == 503 and reply.json()["reason"] == "no_worker_in_rotation"
+    mark = events.mark()
+    await fleet.control(1, "health", {"status": 200})
+    await events.wait_for("readiness_changed", after=mark, ready=True, reason="ready")
+    assert (await fleet.client.get(ready_url)).status_code == 200
+
+
+async def test_the_wait_for_workers_at_start_is_reported_at_a_bounded_rate(
+    make_fleet: FleetFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker passes at start: an `engine_waiting` line every `WAIT_REPORT_INTERVAL` (made
+    short here) with each worker's last answer, not one per health check."""
+    from pylon import bringup
+
+    monkeypatch.setattr(bringup, "WAIT_REPORT_INTERVAL", 0.1)
+    fleet = await make_fleet(
+        workers=2,
+        routing="round-robin",
+        wait_ready=False,
+        worker_health_interval=0.01,
+        upstream_health_wait=0.35,
+        engine_controls={0: {"health": {"status": 503}}, 1: {"health": {"status": 500}}},
+    )
+    with pytest.raises(EngineNotReady):
+        await fleet.running.ready
+    waiting = fleet.observer.of("engine_waiting")
+    assert 1 <= len(waiting) <= 3, waiting  # at 0.1, 0.2 (0.3) s of a 0.35 s wait
+    assert f"{fleet.label(0)}: status 503" in waiting[0]["last"]
+    assert f"{fleet.label(1)}: status 500" in waiting[0]["last"]
+    assert len(fleet.observer.of("worker_health_probe")) > len(waiting)

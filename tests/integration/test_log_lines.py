@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pylon.core.errors import PylonError
 from pylon.core.record import RequestRecord
 from pylon.observe import LogObserver
 from tests.integration.conftest import MODEL, StackFactory
+from tests.stack import PROTOCOLS
 from tests.transport.h2client import H2Client, request_headers
 
 CHAT = "/v1/chat/completions"
@@ -105,3 +111,81 @@ async def test_http2_stream_lines_carry_the_request_id(make_stack: StackFactory)
         assert reset["request_id"] == "reset-me"
     finally:
         await client.close()
+
+
+class Refusals(LogObserver):
+    """Keeps the records of refused requests (what `request_rejected` is built from)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: dict[str | None, RequestRecord] = {}
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        super().rejected(record, error)
+        self.refused[record.request_id] = record
+
+
+def requests_by_model(text: str) -> dict[tuple[str, str], float]:
+    """pylon_requests_total by (model, status_class), summed over transports."""
+    counts: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "pylon_requests":
+            continue
+        for sample in family.samples:
+            if sample.name == "pylon_requests_total":
+                key = (sample.labels["model"], sample.labels["status_class"])
+                counts[key] = counts.get(key, 0) + sample.value
+    return counts
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_refusals_at_admission_carry_the_model_and_label_only_published_ones(
+    make_stack: StackFactory, tmp_path: Path, protocol: str
+) -> None:
+    """401 and an unpublished model: the log line says the `x-model` (a valid name); the
+    metrics label it only when pylon publishes it, else `_unpublished`, never the client's
+    text; a request without a valid `x-model` stays `_none`."""
+    token = "s3cret-token-Aa1"
+    (tmp_path / "token").write_text(token)
+    observer = Refusals()
+    stack = await make_stack("dynamo", observer=observer, tunnel_token_file=str(tmp_path / "token"))
+    auth = [("authorization", f"Bearer {token}")]
+    cases = [
+        ("unpublished", "not-served-here", auth, 503),
+        ("no-token", MODEL, [], 401),
+        ("no-token-junk", "junk-model-name", [], 401),
+    ]
+    for request_id, model, extra, status in cases:
+        headers = [("x-request-id", request_id), ("x-model", model), *extra]
+        reply = await stack.send(protocol, CHAT, headers, BODY)
+        assert reply.status == status, (request_id, reply)
+        assert observer.refused[request_id].model == model
+    reply = await stack.send(protocol, CHAT, [("x-request-id", "bad-model"), ("x-model", "")], BODY)
+    assert reply.status == 400 and observer.refused["bad-model"].model is None
+    assert stack.running.admin_url is not None
+    counts = requests_by_model((await stack.client.get(f"{stack.running.admin_url}/metrics")).text)
+    assert counts == {
+        ("_unpublished", "5xx"): 1,
+        ("_unpublished", "4xx"): 1,
+        (MODEL, "4xx"): 1,
+        ("_none", "4xx"): 1,
+    }
+
+
+async def test_a_refusal_while_starting_carries_the_model(make_stack: StackFactory) -> None:
+    """Not ready yet (the gate has not passed, nothing is published): the line says the model,
+    the metrics count it as `_unpublished`."""
+    observer = Refusals()
+    stack = await make_stack(
+        observer=observer,
+        wait_ready=False,
+        model=[MODEL],
+        engine_controls={"health": {"status": 503}},
+    )
+    headers = [("x-request-id", "early"), ("x-model", MODEL)]
+    reply = await stack.send("http1", CHAT, headers, BODY)
+    assert reply.status == 503 and json.loads(reply.body)["code"] == "not_ready"
+    assert observer.refused["early"].model == MODEL
+    assert stack.running.admin_url is not None
+    counts = requests_by_model((await stack.client.get(f"{stack.running.admin_url}/metrics")).text)
+    assert counts == {("_unpublished", "5xx"): 1}

@@ -40,6 +40,7 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "pylon_queue_input_tokens_per_second": ("gauge", frozenset({"model"})),
     "pylon_model_discovery_polls": ("counter", frozenset({"outcome", "reason"})),
     "pylon_models_published": ("gauge", frozenset()),
+    "pylon_ready": ("gauge", frozenset()),
     "pylon_tls_certificate_expiry_timestamp_seconds": ("gauge", frozenset()),
     "pylon_tls_reloads": ("counter", frozenset({"result"})),
     # With --routing other than off (empty families otherwise: tests/integration/test_routing.py)

@@ -9,8 +9,9 @@ from typing import Any
 import orjson
 import pytest
 
-from pylon.bringup import EngineNotReady, HealthGate, ModelDiscovery, health_paths
+from pylon.bringup import EngineNotReady, EngineWatch, HealthGate, ModelDiscovery, health_paths
 from pylon.core.upstream import Upstream
+from pylon.lifecycle import Lifecycle
 from pylon.models import ModelCatalog
 from pylon.upstream.probe import Fetched, FetchError
 from tests.observers import EventObserver
@@ -257,3 +258,54 @@ async def test_run_sleeps_the_interval_between_polls() -> None:
         await poller.run()
     assert engine.slept == [5.0] * 4
     assert len(observer.of("model_discovery_poll")) == 3
+
+
+async def test_a_long_wait_is_reported_every_ten_seconds_with_the_last_answers() -> None:
+    """A dead engine at start: an `engine_waiting` line (a warning, so it shows at the default
+    level) every 10 s of the wait with the time waited and each path's last answer, not one
+    per probe round (120 rounds here)."""
+    engine = FakeEngine({"/health": [REFUSED], "/v1/health/ready": [REFUSED]})
+    observer = EventObserver()
+    with pytest.raises(EngineNotReady):
+        await gate(engine, observer, wait=60.0).run()
+    waiting = observer.of("engine_waiting")
+    assert len(waiting) == 5  # at 10, 20, 30, 40, 50 s; the failure line says the rest
+    assert [round(line["waited_s"] / 10) for line in waiting] == [1, 2, 3, 4, 5]
+    assert all(10 * n <= line["waited_s"] < 10 * n + 1 for n, line in enumerate(waiting, 1))
+    assert waiting[0]["wait_s"] == 60.0 and waiting[0]["rounds"] > 10
+    assert waiting[0]["last"] == (
+        "/health: cannot connect: Connection refused; "
+        "/v1/health/ready: cannot connect: Connection refused"
+    )
+    assert len(observer.of("engine_health_probe")) > 100  # those are debug lines
+
+
+async def test_the_engine_watch_sets_and_clears_the_engine_fault() -> None:
+    engine = FakeEngine({"/health": [OK, REFUSED, REFUSED, REFUSED, OK]})
+    observer = EventObserver()
+    lifecycle = Lifecycle()
+    lifecycle.mark_ready()
+    lifecycle.models.apply(["m"])
+    changes: list[tuple[bool, str, str | None]] = []
+    lifecycle.on_readiness(lambda *change: changes.append(change))
+    watch = EngineWatch(
+        TARGET,
+        "/health",
+        lifecycle,
+        interval=1.0,
+        timeout=1.0,
+        observer=observer,
+        fetch=engine.fetch,
+        sleep=engine.sleep,
+    )
+    await watch.check_once()  # ok
+    await watch.check_once()  # one failure: not yet
+    assert lifecycle.readiness() == (True, "ready") and changes == []
+    await watch.check_once()  # two in a row: not ready
+    assert lifecycle.readiness() == (False, "engine_unhealthy")
+    detail = lifecycle.readiness_detail()
+    assert detail is not None and "failed 2 health checks" in detail and "refused" in detail
+    await watch.check_once()  # still down: told once
+    await watch.check_once()  # back
+    assert lifecycle.readiness() == (True, "ready") and lifecycle.readiness_detail() is None
+    assert changes == [(False, "engine_unhealthy", detail), (True, "ready", None)]

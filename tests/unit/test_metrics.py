@@ -267,6 +267,7 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
     metrics.process_event("model_discovery_poll", outcome="failed", reason="timeout")
     metrics.process_event("model_published", model="m")
     metrics.process_event("model_published", model="n")
+    metrics.process_event("readiness_changed", ready=True, reason="ready", detail=None)
     metrics.process_event("model_retired", model="n")
     metrics.queue_snapshot = lambda: (
         QueueSnapshot("m", 2000.0, 1, 50, 1, 100, 0, ((0, 75), (7, 125)), 50),

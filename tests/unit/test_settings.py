@@ -265,6 +265,7 @@ TOPIC_FIELDS = {
         "upstream_health_path",
         "upstream_health_wait",
         "upstream_health_interval",
+        "upstream_health_check_interval",
         "upstream_health_timeout",
         "model",
         "model_discovery_interval",
@@ -446,6 +447,7 @@ def test_bringup_defaults() -> None:
         0.5,
         5.0,
     )
+    assert s.upstream_health_check_interval == 2.0
     assert s.model == ()  # discovery
     assert (s.model_discovery_interval, s.model_discovery_timeout) == (5.0, 5.0)
 
@@ -470,6 +472,7 @@ def test_repeatable_lists_from_flags_env_and_file(monkeypatch: pytest.MonkeyPatc
         ({"upstream_health_wait": -1}, "upstream_health_wait"),
         ({"upstream_health_interval": 0}, "upstream_health_interval"),
         ({"upstream_health_timeout": -0.5}, "upstream_health_timeout"),
+        ({"upstream_health_check_interval": 0}, "upstream_health_check_interval"),
         ({"model_discovery_interval": -5}, "model_discovery_interval"),
         ({"model_discovery_interval": 0}, "model_discovery_interval"),
         ({"model_discovery_timeout": 0}, "model_discovery_timeout"),
@@ -489,6 +492,10 @@ def test_repeatable_lists_from_flags_env_and_file(monkeypatch: pytest.MonkeyPatc
         (
             {"upstream_health_gate": False, "upstream_health_wait": 5},
             "--upstream-health-wait has no effect",
+        ),
+        (
+            {"upstream_health_gate": False, "upstream_health_check_interval": 5},
+            "--upstream-health-check-interval has no effect",
         ),
     ],
 )

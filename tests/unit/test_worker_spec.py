@@ -228,6 +228,10 @@ def test_workers_from_flags_env_and_file(monkeypatch: pytest.MonkeyPatch, tmp_pa
         ({"worker": [W1]}, "--worker needs --routing round-robin, least-loaded or kv"),
         ({"routing": "round-robin"}, "--routing round-robin needs at least one --worker"),
         ({"routing": "kv"}, "--routing kv needs at least one --worker"),
+        (
+            {"routing": "round-robin", "worker": [W1], "upstream_health_check_interval": 1},
+            "--upstream-health-check-interval checks the one engine of --routing off",
+        ),
         ({"routing": "round-robin", "worker": [W1, W1 + "/"]}, "is given twice"),
         (
             {
