@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from mutations import auth, floods, head, http3, intake, lifecycle, limits, strip, timeouts, tls
+from mutations import (
+    auth,
+    floods,
+    head,
+    http3,
+    intake,
+    lifecycle,
+    limits,
+    loop,
+    strip,
+    timeouts,
+    tls,
+)
 from mutations.spec import Mutation
 
 SECURITY: list[Mutation] = [
@@ -21,6 +33,7 @@ SECURITY: list[Mutation] = [
     *floods.RAPID_RESET,
     *floods.FLOOD_GUARDS,
     *floods.CONCURRENCY_CAPS,
+    *loop.LOOP_FAIRNESS,
     *limits.BODY_BUDGETS,
     *lifecycle.GATES,
     *lifecycle.DRAIN,
