@@ -34,6 +34,7 @@ SECURITY: list[Mutation] = [
     *floods.FLOOD_GUARDS,
     *floods.CONCURRENCY_CAPS,
     *loop.LOOP_FAIRNESS,
+    *loop.LOG_RATE_LIMIT,
     *limits.BODY_BUDGETS,
     *lifecycle.GATES,
     *lifecycle.DRAIN,

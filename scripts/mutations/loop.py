@@ -3,8 +3,13 @@ a repeated fault writes a bounded number of log lines (its counters stay exact).
 
 from __future__ import annotations
 
-from mutations.anchors import Never
-from mutations.spec import KV_ROUTING_T, KV_WATCH, Mutation
+from mutations.anchors import DropEntry, Never
+from mutations.spec import KV_ROUTING_T, KV_WATCH, LOG_RATE, OBSERVE, Mutation
+
+_LOG_RATE_T = "tests/unit/test_log_rate.py"
+_KV_FLOOD = (
+    f"{KV_ROUTING_T}::test_a_flood_of_kv_faults_writes_a_bounded_number_of_lines_and_counts_each"
+)
 
 LOOP_FAIRNESS = [
     Mutation(
@@ -12,5 +17,49 @@ LOOP_FAIRNESS = [
         "the KV-event watch never yields inside a burst",
         Never(KV_WATCH, "KvEventWatch._follow", "budget == 0"),
         {"core": (f"{KV_ROUTING_T}::test_a_burst_of_kv_events_does_not_hold_the_loop",)},
+    ),
+]
+
+LOG_RATE_LIMIT = [
+    Mutation(
+        "log rate limit",
+        "LogRate never holds a line back",
+        Never(LOG_RATE, "LogRate.admit", "now < slot[0]"),
+        {
+            "core": (
+                f"{_LOG_RATE_T}::test_the_first_line_goes_out_then_one_per_interval_with_the_count_held_back",
+                f"{_KV_FLOOD}[malformed]",
+            )
+        },
+    ),
+    Mutation(
+        "log rate limit",
+        "connection-level lines not limited",
+        Never(OBSERVE, "LogObserver.transport_event", "self._held_back((kind, protocol), fields)"),
+        {"core": (f"{_LOG_RATE_T}::test_connection_events_are_rate_limited_per_protocol",)},
+    ),
+    Mutation(
+        "log rate limit",
+        "engine faults told per request not limited",
+        Never(
+            OBSERVE, "LogObserver.upstream_failed", "self._held_back((kind, record.worker), fields)"
+        ),
+        {
+            "core": (
+                f"{_LOG_RATE_T}::test_an_engines_faults_are_rate_limited_per_worker_and_the_access_line_is_not",
+            )
+        },
+    ),
+    Mutation(
+        "log rate limit",
+        "kv_events_malformed not limited",
+        DropEntry(OBSERVE, "REPEATED_EVENTS", '"kv_events_malformed"'),
+        {"core": (f"{_KV_FLOOD}[malformed]",)},
+    ),
+    Mutation(
+        "log rate limit",
+        "kv_events_gap not limited",
+        DropEntry(OBSERVE, "REPEATED_EVENTS", '"kv_events_gap"'),
+        {"core": (f"{_KV_FLOOD}[gap]",)},
     ),
 ]
