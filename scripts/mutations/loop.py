@@ -4,9 +4,10 @@ a repeated fault writes a bounded number of log lines (its counters stay exact).
 from __future__ import annotations
 
 from mutations.anchors import DropEntry, Never
-from mutations.spec import KV_ROUTING_T, KV_WATCH, LOG_RATE, OBSERVE, Mutation
+from mutations.spec import HTTP1, KV_ROUTING_T, KV_WATCH, LOG_RATE, OBSERVE, Mutation
 
 _LOG_RATE_T = "tests/unit/test_log_rate.py"
+_FAIR_T = "tests/transport/test_loop_fairness.py"
 _KV_FLOOD = (
     f"{KV_ROUTING_T}::test_a_flood_of_kv_faults_writes_a_bounded_number_of_lines_and_counts_each"
 )
@@ -17,6 +18,20 @@ LOOP_FAIRNESS = [
         "the KV-event watch never yields inside a burst",
         Never(KV_WATCH, "KvEventWatch._follow", "budget == 0"),
         {"core": (f"{KV_ROUTING_T}::test_a_burst_of_kv_events_does_not_hold_the_loop",)},
+    ),
+    Mutation(
+        "loop fairness",
+        "HTTP/1.1 parses a whole read of pipelined requests at once",
+        Never(
+            HTTP1,
+            "Http1Connection._feed",
+            "start < size and self._table.queued and not (self._closing or self._refused)",
+        ),
+        {
+            "http1": (
+                f"{_FAIR_T}::test_http1_pipelined_requests_in_one_write_are_parsed_one_turn_at_a_time",
+            )
+        },
     ),
 ]
 
