@@ -4,7 +4,7 @@ a repeated fault writes a bounded number of log lines (its counters stay exact).
 from __future__ import annotations
 
 from mutations.anchors import DropEntry, Never
-from mutations.spec import HTTP1, KV_ROUTING_T, KV_WATCH, LOG_RATE, OBSERVE, Mutation
+from mutations.spec import HTTP1, HTTP2, KV_ROUTING_T, KV_WATCH, LOG_RATE, OBSERVE, Mutation
 
 _LOG_RATE_T = "tests/unit/test_log_rate.py"
 _FAIR_T = "tests/transport/test_loop_fairness.py"
@@ -30,6 +30,17 @@ LOOP_FAIRNESS = [
         {
             "http1": (
                 f"{_FAIR_T}::test_http1_pipelined_requests_in_one_write_are_parsed_one_turn_at_a_time",
+            )
+        },
+    ),
+    Mutation(
+        "loop fairness",
+        "HTTP/2 hands h2 a whole read at once",
+        Never(HTTP2, "Http2Connection.data_received", "len(data) > FEED_BYTES"),
+        {
+            "h2": (
+                f"{_FAIR_T}::test_http2_a_body_in_one_byte_data_frames_is_parsed_a_piece_per_turn",
+                f"{_FAIR_T}::test_http2_a_ping_flood_in_one_write_trips_the_guard_within_a_piece",
             )
         },
     ),
