@@ -14,15 +14,18 @@ from hyperframe.frame import DataFrame, PingFrame
 from pylon.core.record import RequestRecord
 from pylon.server import http2
 from pylon.server.http1 import FEED_BYTES
+from tests.h3client import request_headers as h3_request_headers
 from tests.integration.conftest import MODEL, StackFactory
 from tests.looplag import LoopLag
 from tests.observers import SeenObserver
 from tests.transport.h2client import H2Client
 from tests.transport.h2client import request_headers as h2_request_headers
 
-# Generous for a loaded 2-core box; a reader that parses a whole read at once (thousands of
-# requests) or never yields shows up as a gap of the flood's length.
-MAX_GAP_S = 0.25
+# The longest loop turn allowed while a flood is answered: generous, for a 2-core box shared
+# with other work (a turn here takes a few ms to ~25 ms; the OS can still take the CPU away for
+# longer). What each reader may take at once is pinned exactly beside it (parsed requests held,
+# bytes handed to h2 per turn).
+MAX_GAP_S = 0.5
 
 
 class InFlight(SeenObserver):
@@ -78,7 +81,7 @@ async def test_http1_pipelined_requests_in_one_write_are_parsed_one_turn_at_a_ti
     assert got.count(b"HTTP/1.1 200 OK\r\n") == count and observer.done == count
     # One piece of input holds at most this many whole requests (and the one running).
     assert observer.most <= FEED_BYTES // len(one) + 2, observer.most
-    assert lag.max_gap < min(MAX_GAP_S, took / 4), (lag.max_gap, took)
+    assert lag.max_gap < MAX_GAP_S, (lag.max_gap, took)
 
 
 @pytest.fixture
@@ -122,7 +125,7 @@ async def test_http2_a_body_in_one_byte_data_frames_is_parsed_a_piece_per_turn(
     assert forwarded.pop("priority") is not None  # vLLM's: pylon writes its own
     assert forwarded == json.loads(body)
     assert max(h2_reads) <= http2.FEED_BYTES
-    assert lag.max_gap < min(MAX_GAP_S, took / 4), (lag.max_gap, took)
+    assert lag.max_gap < MAX_GAP_S, (lag.max_gap, took)
 
 
 async def test_http2_a_ping_flood_in_one_write_trips_the_guard_within_a_piece(
@@ -145,3 +148,30 @@ async def test_http2_a_ping_flood_in_one_write_trips_the_guard_within_a_piece(
     assert max(h2_reads) <= http2.FEED_BYTES
     assert sum(h2_reads) < len(pings) // 4  # parsing stopped with the guard, not at the end
     assert lag.max_gap < MAX_GAP_S, lag.max_gap
+
+
+async def test_http3_a_burst_of_requests_is_worked_through_a_datagram_at_a_time(
+    make_stack: StackFactory,
+) -> None:
+    """As many requests as the connection may open at once, each body written in 1-byte
+    pieces, all in one burst: pylon takes one datagram per callback, so the loop keeps turning
+    while they arrive, and every request is answered."""
+    stack = await make_stack("vllm")
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ).encode()
+    async with stack.connect() as client:
+        lag = LoopLag()
+        count = min(client.peer_max_streams, 100)
+        replies = []
+        for n in range(count):
+            extra = [("x-request-id", f"burst-{n}"), ("x-model", MODEL)]
+            reply = client.send(h3_request_headers("POST", extra=extra, body=body), None, end=False)
+            for i in range(len(body)):
+                client.http.send_data(reply.stream_id, body[i : i + 1], end_stream=False)
+            client.http.send_data(reply.stream_id, b"", end_stream=True)
+            replies.append(reply)
+        client.transmit()
+        took = await lag.until(lambda: all(r.done.is_set() for r in replies), timeout=60)
+    assert [r.status for r in replies] == [200] * count
+    assert lag.max_gap < MAX_GAP_S, (lag.max_gap, took)
