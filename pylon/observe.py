@@ -153,7 +153,8 @@ _DEBUG_EVENTS = frozenset(
 # `suppressed` (how many were held back since the last one) when any were. Every connection-level
 # event is one (a client decides how often it happens); so are the engine's faults as told per
 # request (`upstream_failed`, `stream_failed`, `upstream_error_status`: the request's own
-# `request_done` / `request_rejected` line is never held back) and these process events. The
+# `request_done` / `request_rejected` line is never held back), a bug hit again and again
+# (`request_crashed`, per exception type) and these process events. The
 # start and stop lines and the state changes (a worker ejected, a model published) are not.
 REPEAT_INTERVAL_S = 10.0
 REPEATED_EVENTS = frozenset(
@@ -300,11 +301,17 @@ class LogObserver(QuietMoments):
         )
 
     def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
+        transport = record.transport if record is not None else None
+        fields: dict[str, Any] = {}
+        # One bug hit by every request is one traceback per interval, not one per request.
+        if self._held_back(("request_crashed", transport, type(exc).__name__), fields):
+            return
         self._log.error(
             "request_crashed",
             request_id=record.request_id if record is not None else None,
-            transport=record.transport if record is not None else None,
+            transport=transport,
             exc_info=exc,
+            **fields,
         )
 
     def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:

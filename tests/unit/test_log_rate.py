@@ -187,3 +187,18 @@ def test_an_engines_faults_are_rate_limited_per_worker_and_the_access_line_is_no
     log.upstream_failed(record, error, False)
     assert lines.of("upstream_failed")[-1]["suppressed"] == 49
     assert lines.of("upstream_failed")[-1]["request_id"] == "r49"
+
+
+def test_a_bug_hit_by_every_request_is_one_traceback_per_interval_per_exception_type() -> None:
+    log, lines, clock = observer()
+    record = RequestRecord("http1", 0, 0.0)
+    for _ in range(20):
+        log.crashed(record, KeyError("x"))
+        log.crashed(record, ValueError("y"))
+    assert [type(f["exc_info"]).__name__ for f in lines.of("request_crashed")] == [
+        "KeyError",
+        "ValueError",
+    ]
+    clock.now += REPEAT_INTERVAL_S
+    log.crashed(record, KeyError("x"))
+    assert lines.of("request_crashed")[-1]["suppressed"] == 19
