@@ -78,6 +78,20 @@ LOG_RATE_LIMIT = [
     ),
     Mutation(
         "log rate limit",
+        "a repeated crash not limited",
+        Never(
+            OBSERVE,
+            "LogObserver.crashed",
+            'self._held_back(("request_crashed", transport, type(exc).__name__), fields)',
+        ),
+        {
+            "core": (
+                f"{_LOG_RATE_T}::test_a_bug_hit_by_every_request_is_one_traceback_per_interval_per_exception_type",
+            )
+        },
+    ),
+    Mutation(
+        "log rate limit",
         "kv_events_malformed not limited",
         DropEntry(OBSERVE, "REPEATED_EVENTS", '"kv_events_malformed"'),
         {"core": (f"{_KV_FLOOD}[malformed]",)},
