@@ -11,9 +11,11 @@ marked `@quiet`, and the fan-out never calls it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from pylon.core.log_rate import LogRate
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.logs import get_lifecycle_logger, get_logger
 
@@ -122,6 +124,7 @@ _WARNING_EVENTS = frozenset(
         "kv_routing_failed",
         "kv_router_error",
         "kv_events_gap",
+        "kv_events_malformed",
         "kv_token_data_refused",
     }
 )
@@ -147,6 +150,32 @@ _DEBUG_EVENTS = frozenset(
         "worker_health_probe",
     }
 )
+
+
+# Lines that repeat with their input (a message, a poll, a request, a client's connection): per
+# (event, source) the first is written at once, then at most one per `REPEAT_INTERVAL_S`, with
+# `suppressed` (how many were held back since the last one) when any were. Every connection-level
+# event is one (a client decides how often it happens); so are the engine's faults as told per
+# request (`upstream_failed`, `stream_failed`, `upstream_error_status`: the request's own
+# `request_done` / `request_rejected` line is never held back), a bug hit again and again
+# (`request_crashed`, per exception type) and these process events. The
+# start and stop lines and the state changes (a worker ejected, a model published) are not.
+REPEAT_INTERVAL_S = 10.0
+REPEATED_EVENTS = frozenset(
+    {
+        "kv_events_malformed",
+        "kv_events_gap",
+        "kv_view_reset",
+        "kv_routing_failed",
+        "kv_router_error",
+        "kv_token_data_refused",
+        "model_discovery_poll",
+        "tracing_error",
+    }
+)
+# The fields that name a process event's source (all from the configuration: workers, their
+# endpoints, published models, the router's operations), never from a client.
+_SOURCE_FIELDS = ("worker", "endpoint", "model", "op")
 
 
 class QuietMoments:
@@ -178,13 +207,30 @@ class QuietMoments:
 
 class LogObserver(QuietMoments):
     """The structlog implementation: one JSON line per event, the request id on every line
-    (the moments before the end have none: the `request_done` line says it all)."""
+    (the moments before the end have none: the `request_done` line says it all). Repeated
+    faults are written at a bounded rate (`REPEATED_EVENTS`); `clock` is injectable for tests."""
 
-    __slots__ = ("_lifecycle_log", "_log")
+    __slots__ = ("_clock", "_lifecycle_log", "_log", "_repeats")
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        repeat_interval_s: float = REPEAT_INTERVAL_S,
+    ) -> None:
         self._log = get_logger()
         self._lifecycle_log = get_lifecycle_logger()
+        self._clock = clock
+        self._repeats = LogRate(repeat_interval_s)
+
+    def _held_back(self, key: tuple[Any, ...], fields: dict[str, Any]) -> bool:
+        """Whether this line of a repeated fault is held back; if not, `fields` gets
+        `suppressed` when lines of the same key were held back before it."""
+        held = self._repeats.admit(key, self._clock())
+        if held is None:
+            return True
+        if held:
+            fields["suppressed"] = held
+        return False
 
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         self._log.warning(
@@ -214,22 +260,31 @@ class LogObserver(QuietMoments):
 
     def upstream_status(self, record: RequestRecord, mark: RetryMark) -> None:
         if mark.retryable or record.status >= 500:
+            fields: dict[str, Any] = {}
+            if self._held_back(("upstream_error_status", record.worker), fields):
+                return
             self._log.info(
                 "upstream_error_status",
                 request_id=record.request_id,
                 status=record.status,
                 retryable=mark.retryable,
                 reason=mark.reason,
+                **fields,
             )
 
     def upstream_failed(self, record: RequestRecord, error: PylonError, after_head: bool) -> None:
+        kind = "stream_failed" if after_head else "upstream_failed"
+        fields: dict[str, Any] = {}
+        if self._held_back((kind, record.worker), fields):
+            return
         self._log.warning(
-            "stream_failed" if after_head else "upstream_failed",
+            kind,
             request_id=record.request_id,
             model=record.model,
             code=error.code.value,
             detail=error.detail,
             worker=record.worker,
+            **fields,
         )
 
     def complete(self, record: RequestRecord) -> None:
@@ -250,24 +305,36 @@ class LogObserver(QuietMoments):
         )
 
     def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
+        transport = record.transport if record is not None else None
+        fields: dict[str, Any] = {}
+        # One bug hit by every request is one traceback per interval, not one per request.
+        if self._held_back(("request_crashed", transport, type(exc).__name__), fields):
+            return
         self._log.error(
             "request_crashed",
             request_id=record.request_id if record is not None else None,
-            transport=record.transport if record is not None else None,
+            transport=transport,
             exc_info=exc,
+            **fields,
         )
 
     def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
         if kind in _DEBUG_EVENTS:
             self._log.debug(kind, protocol=protocol, **fields)
+        elif self._held_back((kind, protocol), fields):
+            return
         elif kind in _WARNING_EVENTS:
             self._log.warning(kind, protocol=protocol, **fields)
         else:
             self._log.info(kind, protocol=protocol, **fields)
 
     def process_event(self, kind: str, /, **fields: Any) -> None:
+        if kind in REPEATED_EVENTS and not (kind == "model_discovery_poll" and _ok(fields)):
+            source = tuple(fields.get(name) for name in _SOURCE_FIELDS)
+            if self._held_back((kind, *source), fields):
+                return
         if kind == "model_discovery_poll":  # every few seconds: only a failure is news
-            if fields.get("outcome") == "ok":
+            if _ok(fields):
                 self._log.debug(kind, **fields)
             else:
                 self._log.warning(kind, **fields)
@@ -286,6 +353,10 @@ class LogObserver(QuietMoments):
             self._lifecycle_log.info(kind, **fields)
         else:
             self._log.info(kind, **fields)
+
+
+def _ok(fields: dict[str, Any]) -> bool:
+    return fields.get("outcome") == "ok"
 
 
 _log_observer: type[Observer] = LogObserver

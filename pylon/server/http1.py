@@ -55,6 +55,12 @@ LINGER_SECONDS = 2.0
 LINGER_BYTES = 1024 * 1024
 # SO_LINGER on, timeout 0: closing the socket sends RST instead of FIN (a cut, not an end).
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
+# How much input llhttp parses at a time. One read can hold thousands of small pipelined
+# requests; after each piece, a request that must wait its turn stops the parsing, and the rest
+# of the read waits unparsed (reading paused) until that request runs. So a connection holds at
+# most one piece's worth of parsed requests, and one read's worth of bytes, whatever it sends.
+# A declared body is parsed in one go (its size is known, its cost is per byte).
+FEED_BYTES = 4096
 
 
 class _StopParsing(Exception):
@@ -92,6 +98,7 @@ class Http1Connection(asyncio.Protocol):
         self._drain_waiter: asyncio.Future[None] | None = None
         self._out: list[bytes] = []
         self._timer = Deadline(self._loop, self._timed_out)
+        self._unparsed = b""  # input held back while a pipelined request waits its turn
 
     # --- asyncio.Protocol ---
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -109,6 +116,32 @@ class Http1Connection(asyncio.Protocol):
             return
         if self._closing or self._refused:
             return
+        if self._unparsed:  # reading is paused, but a transport may hand over what it has
+            self._unparsed += data
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse `data` piece by piece (`FEED_BYTES`); keep the rest unparsed once a pipelined
+        request waits its turn (`on_message_complete` has paused reading then)."""
+        size = len(data)
+        if size <= FEED_BYTES:
+            self._parse(data)
+            return
+        view = memoryview(data)
+        start = 0
+        while start < size:
+            left = self._body_left
+            end = start + (left if left is not None and left > FEED_BYTES else FEED_BYTES)
+            self._parse(view[start:end])
+            start = end
+            if start < size and self._table.queued and not (self._closing or self._refused):
+                self._unparsed = bytes(view[start:])
+                return
+            if self._closing or self._refused:
+                return
+
+    def _parse(self, data: bytes | memoryview) -> None:
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError:
@@ -235,6 +268,11 @@ class Http1Connection(asyncio.Protocol):
             return
         if self._table.busy or self._transport is None:
             return
+        if self._unparsed:  # the next pipelined requests, held back until now
+            data, self._unparsed = self._unparsed, b""
+            self._feed(data)
+            if self._unparsed or self._closing or self._refused or self._table.queued:
+                return  # still its turn to wait (reading stays paused), or the end
         self._transport.resume_reading()
         self._send_owed_continue()
         in_request = self._stream is not None

@@ -55,6 +55,11 @@ from pylon.timers import Deadline
 
 KiB = 1024
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# Input h2 parses in one loop turn. h2 turns a whole read into events before pylon sees the
+# first, and one read can hold thousands of tiny frames (1-byte DATA frames, PINGs): a larger
+# read is parsed a piece at a time, the rest on the next loop turns with reading paused, so a
+# flood guard trips after one piece and no connection holds the loop for a whole read.
+FEED_BYTES = 8192
 # A stream's unsent response bytes above this pause the proxy until the peer opens its window.
 _HIGH_WATER = 64 * KiB
 # WINDOW_UPDATE frames a peer may send beyond two per DATA frame pylon sent.
@@ -192,6 +197,7 @@ class Http2Connection(asyncio.Protocol):
         self._dirty: dict[int, H2Stream] = {}
         self._write_paused = False
         self._closed = False
+        self._unparsed: memoryview | None = None  # the rest of a read, parsed on later turns
         self._timer = Deadline(self.loop, self._idle)
         self._goaway_sent: int | None = None  # last stream id named in our graceful GOAWAY
         # Flood guards (CVE-2019-9512/9513/9514/9515/9518, CVE-2023-44487): frames that cost us
@@ -215,6 +221,34 @@ class Http2Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        if self._unparsed is not None:  # reading is paused, but a transport may hand some over
+            self._unparsed = memoryview(bytes(self._unparsed) + data)
+            return
+        if len(data) > FEED_BYTES:
+            self._unparsed = memoryview(data)
+            if self._transport is not None:
+                self._transport.pause_reading()
+            self._receive_piece()
+            return
+        self._receive(data)
+
+    def _receive_piece(self) -> None:
+        """One `FEED_BYTES` piece of a large read; the rest on the next loop turn."""
+        rest = self._unparsed
+        if rest is None or self._closed:
+            self._unparsed = None
+            return
+        piece, rest = rest[:FEED_BYTES], rest[FEED_BYTES:]
+        self._unparsed = rest if len(rest) else None
+        self._receive(bytes(piece))
+        if self._closed:
+            self._unparsed = None
+        elif self._unparsed is not None:
+            self.loop.call_soon(self._receive_piece)
+        elif self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def _receive(self, data: bytes) -> None:
         try:
             events = self._h2.receive_data(data)
         except ProtocolError as exc:

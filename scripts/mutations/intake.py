@@ -26,7 +26,7 @@ MUTATIONS = [
         "Upgrade not refused",
         ReplaceStatements(
             HTTP1,
-            "Http1Connection.data_received",
+            "Http1Connection._parse",
             'self._refuse(ContractError("protocol upgrade is not supported"))',
             "",
         ),

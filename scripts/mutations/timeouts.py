@@ -69,9 +69,7 @@ HEAD_TIMER = [
     Mutation(
         "HTTP/1.1 head timer",
         "every read restarts the head clock",
-        InsertBefore(
-            HTTP1, "Http1Connection.data_received", "self._parser.feed_data(data)", _ARM_HEAD_TIMER
-        ),
+        InsertBefore(HTTP1, "Http1Connection.data_received", "self._feed(data)", _ARM_HEAD_TIMER),
         {"http1": (_SLOWLORIS,)},
     ),
     Mutation(
