@@ -72,6 +72,7 @@ class Listeners:
     quic_address: str | None = None
     admin: AdminServer | None = None  # None when the admin listener is disabled
     admin_address: str | None = None  # the admin listener, host:port
+    identity: TlsIdentity | None = None  # the TLS listeners' identity (SIGHUP re-reads it)
 
     @property
     def busy(self) -> bool:
@@ -107,6 +108,7 @@ async def start_listeners(settings: Settings, core: Core, stack: AsyncExitStack)
     server, address, tls = await start_tcp(settings, core, live, identity, stack)
     listeners = Listeners(address, f"{'https' if tls else 'http'}://{address}", live, server)
     listeners.admin, listeners.admin_address = admin, admin_address
+    listeners.identity = identity
     if settings.quic_listen is not None:
         assert identity is not None
         listeners.h3, listeners.quic_address = await start_quic(settings, core, stack, identity)

@@ -119,9 +119,10 @@ _WARNING_EVENTS = frozenset(
         "kv_router_error",
         "kv_events_gap",
         "kv_token_data_refused",
+        "signal_ignored",
     }
 )
-_ERROR_EVENTS = frozenset({"engine_health_gate_failed"})
+_ERROR_EVENTS = frozenset({"engine_health_gate_failed", "reload_failed"})
 # The start and stop lines: written at info whatever --log-level says (see pylon.logs).
 LIFECYCLE_EVENTS = frozenset(
     {
@@ -133,6 +134,8 @@ LIFECYCLE_EVENTS = frozenset(
         "stopping",
         "draining",
         "drained",
+        "reloaded",
+        "status_report",
     }
 )
 _DEBUG_EVENTS = frozenset(

@@ -291,13 +291,20 @@ class TlsIdentity:
         state = self._stat()
         if state is None or state == self._seen:
             return None
-        self._seen = state
-        assert self.cert_path is not None and self.key_path is not None
+        return self.reload() is None
+
+    def reload(self) -> str | None:
+        """Re-read the files now, changed or not (SIGHUP): None = the pair read is in use for
+        new handshakes (nothing to read when self-signed), else why it was refused (the old
+        pair kept, `tls_reload_rejected`)."""
+        if self.cert_path is None or self.key_path is None:
+            return None
+        self._seen = self._stat()
         try:
             material = load_material(self.cert_path, self.key_path)
         except TlsMaterialError as exc:
             self._report("tls_reload_rejected", reason=str(exc), kept=self._material.fingerprint)
-            return False
+            return str(exc)
         previous = self._material
         self._material = material
         self._contexts.clear()
@@ -309,7 +316,7 @@ class TlsIdentity:
         )
         for callback in self._listeners:
             callback(material)
-        return True
+        return None
 
     async def watch(self, interval: float) -> None:
         """Poll the files every `interval` seconds until cancelled."""

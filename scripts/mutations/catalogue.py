@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from mutations import auth, floods, head, http3, intake, lifecycle, limits, strip, timeouts, tls
+from mutations import (
+    auth,
+    floods,
+    head,
+    http3,
+    intake,
+    lifecycle,
+    limits,
+    signals,
+    strip,
+    timeouts,
+    tls,
+)
 from mutations.spec import Mutation
 
 SECURITY: list[Mutation] = [
@@ -24,6 +36,7 @@ SECURITY: list[Mutation] = [
     *limits.BODY_BUDGETS,
     *lifecycle.GATES,
     *lifecycle.DRAIN,
+    *signals.MUTATIONS,
     *intake.MUTATIONS,
     *strip.REQUEST_STRIP,
     *strip.RESPONSE_STRIP,
