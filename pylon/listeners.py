@@ -18,6 +18,7 @@ from pylon.assemble import Core, quic_options
 from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import Http2Connection, ProtocolSwitch
 from pylon.settings import Settings, split_host_port
+from pylon.startup import cannot_listen
 
 if TYPE_CHECKING:
     from pylon.admin import AdminServer
@@ -160,14 +161,17 @@ async def start_tcp(
     if settings.tls_cert is not None and identity is not None:
         context = tcp_ssl_context(identity)
     host, port = settings.listen_host_port
-    server = await asyncio.get_running_loop().create_server(
-        tcp_protocol_factory(core, live),
-        host,
-        port,
-        reuse_address=True,
-        backlog=2048,
-        ssl=context,
-    )
+    try:
+        server = await asyncio.get_running_loop().create_server(
+            tcp_protocol_factory(core, live),
+            host,
+            port,
+            reuse_address=True,
+            backlog=2048,
+            ssl=context,
+        )
+    except OSError as exc:
+        raise cannot_listen("--listen", settings.listen, exc) from None
     stack.callback(server.close)
     bound = server.sockets[0].getsockname()
     return server, host_port(bound[0], bound[1]), context is not None
@@ -212,7 +216,10 @@ async def start_quic(
 
     assert settings.quic_listen is not None
     h3 = Http3Server(core.ingress, identity, quic_options(settings))
-    host, port = await h3.start(*split_host_port(settings.quic_listen))
+    try:
+        host, port = await h3.start(*split_host_port(settings.quic_listen))
+    except OSError as exc:
+        raise cannot_listen("--quic-listen", settings.quic_listen, exc) from None
     stack.callback(h3.close)
     address = host_port(host, port)
     core.observer.process_event(

@@ -509,7 +509,20 @@ def test_a_port_in_use_is_one_line() -> None:
         line = refusal(
             run_pylon("serve", "--listen", f"127.0.0.1:{port}", "--upstream", "http://127.0.0.1:9")
         )
-    assert line.startswith("pylon: cannot start: ") and "address already in use" in line
+    assert line == f"pylon: --listen 127.0.0.1:{port}: cannot listen: address already in use"
+
+
+@pytest.mark.parametrize("flag", ["--listen", "--admin-listen", "--quic-listen"])
+def test_a_listener_host_that_does_not_resolve_is_named(flag: str) -> None:
+    """Not `cannot start: Name or service not known`: the flag and the value it was given."""
+    args = ["--listen", "127.0.0.1:0", "--upstream", "http://127.0.0.1:9", flag, "nohost.invalid:0"]
+    result = run_pylon("serve", *args)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]  # after the QUIC identity's line, if any
+    # The resolver's own words follow in parentheses (glibc: "Name or service not known").
+    assert line.startswith(
+        f"pylon: {flag} nohost.invalid:0: cannot listen: the host does not resolve ("
+    )
 
 
 def test_an_admin_port_in_use_is_one_line() -> None:
