@@ -12,13 +12,14 @@ import weakref
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pylon.assemble import Core, quic_options
 from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import Http2Connection, ProtocolSwitch
 from pylon.settings import Settings, split_host_port
-from pylon.startup import cannot_listen
+from pylon.startup import StartupError, cannot_listen
 
 if TYPE_CHECKING:
     from pylon.admin import AdminServer
@@ -143,9 +144,36 @@ def tls_identity(
     identity = TlsIdentity.from_paths(
         settings.tls_cert, settings.tls_key, settings.tls_client_ca, observer.process_event
     )
+    if identity.current.source == "self-signed":
+        _publish_self_signed(identity, settings.tls_self_signed_cert_file, observer)
     reloader = asyncio.create_task(identity.watch(settings.tls_reload_interval))
     stack.callback(reloader.cancel)
     return identity
+
+
+def _publish_self_signed(identity: TlsIdentity, path: Path | None, observer: Observer) -> None:
+    """A certificate generated at start (a new one at every start) is of use to a client only
+    if it can trust it: written to `--tls-self-signed-cert-file`, and said, with its SHA-256,
+    in a warning (a production node gives --tls-cert and --tls-key)."""
+    from pylon.tls import SELF_SIGNED_DNS, SELF_SIGNED_IPS, TlsMaterialError, write_certificate
+
+    material = identity.current
+    if path is not None:
+        try:
+            write_certificate(material, path)
+        except TlsMaterialError as exc:
+            raise StartupError(f"--tls-self-signed-cert-file {path}: {exc}") from None
+    observer.process_event(
+        "tls_self_signed",
+        fingerprint_sha256=material.fingerprint,
+        cert_file=str(path) if path is not None else None,
+        names=",".join(
+            [*(f"DNS:{n}" for n in SELF_SIGNED_DNS), *(f"IP:{a}" for a in SELF_SIGNED_IPS)]
+        ),
+        detail="HTTP/3 serves a certificate generated at this start (a new one at every "
+        "start): clients trust cert_file or pin fingerprint_sha256; give --tls-cert and "
+        "--tls-key for a stable identity",
+    )
 
 
 async def start_tcp(

@@ -120,6 +120,7 @@ _WARNING_EVENTS = frozenset(
         "kv_events_gap",
         "kv_token_data_refused",
         "signal_ignored",
+        "tls_self_signed",
     }
 )
 _ERROR_EVENTS = frozenset({"engine_health_gate_failed", "reload_failed"})

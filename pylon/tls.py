@@ -132,6 +132,19 @@ def self_signed_material(
     return parse_material(cert_pem, key_pem, source="self-signed")
 
 
+def write_certificate(material: TlsMaterial, path: Path) -> None:
+    """Write the certificate (PEM, never the key) to `path`, atomically (a reader never sees
+    half a file), readable by all: it is public, and clients load it to trust pylon."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(material.cert_pem)
+        tmp.chmod(0o644)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise TlsMaterialError(f"cannot write it: {exc.strerror or exc}") from None
+
+
 def _file_state(path: Path) -> tuple[int, int, int] | None:
     try:
         st = path.stat()
