@@ -10,6 +10,7 @@ that cannot be used (`pylon.preflight`), a listener that cannot bind.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import sys
@@ -292,20 +293,42 @@ def serve(**kwargs: Any) -> None:
         tokenizer = load_tokenizer(settings)  # loaded once: start() takes this one
     except StartupError as exc:
         _die(str(exc))
+    native = _native_stderr(settings)
     observer = _start_logging(settings)
     import uvloop
 
-    from pylon.run import serve as run_server
-
     try:
-        status = uvloop.run(run_server(settings, observer=observer, tokenizer=tokenizer))
+        status = uvloop.run(_serving(settings, observer, tokenizer, native))
     except StartupError as exc:
         _die(str(exc))
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename is not None else ""
         _die(f"cannot start: {exc.strerror or exc}{where}")
+    finally:
+        if native is not None:
+            native.stop()
     if status:
         raise typer.Exit(status)
+
+
+def _native_stderr(settings: Settings) -> Any:
+    """With `--routing kv` (Dynamo's native core): the native core's stderr lines become
+    pylon's `dynamo_native_log` lines (`pylon.native_logs`), in `--log-format`."""
+    if settings.routing != "kv":
+        return None
+    from pylon.native_logs import NativeStderr
+
+    native = NativeStderr()
+    native.start()
+    return native
+
+
+async def _serving(settings: Settings, observer: Any, tokenizer: Any, native: Any) -> int:
+    from pylon.run import serve as run_server
+
+    if native is not None:
+        native.attach(asyncio.get_running_loop())
+    return await run_server(settings, observer=observer, tokenizer=tokenizer)
 
 
 @app.command(cls=PlainHelp)
