@@ -24,7 +24,7 @@ MUTATIONS = [
         ReplaceStatements(
             SIGNALS,
             "Signals.received",
-            'self._then(self.on_reload, sig, "reload")',
+            'self._then(self.on_reload, RELOAD, "reload")',
             "self._stop(sig)",
         ),
         {"core": (_HUP,)},

@@ -4,6 +4,7 @@ ignored signals leave it running, and none ends a stream."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -17,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aioquic.asyncio import connect
 
-from pylon.signals import HANDLED, IGNORED, REPORT, STOP
+from pylon.signals import HANDLED, IGNORED, REPORT, STOP, signal_name
 from tests.certs import fingerprint, make_leaf, write_pair
+from tests.h3client import H3Client, client_configuration
 from tests.integration.test_cli import ENGINE, log_lines, start_pylon
 
 TOKENS = 300  # the stream: 300 tokens, 20 ms apart (6 s), in flight through every signal
@@ -56,6 +59,21 @@ def served_fingerprint(host: str, port: int) -> str:
         der = client.getpeercert(binary_form=True)
     assert der is not None
     return hashlib.sha256(der).hexdigest()
+
+
+def quic_fingerprint(address: str) -> str:
+    """The SHA-256 of the certificate a new QUIC connection is handed."""
+
+    async def handshake() -> str:
+        host, port = address.rsplit(":", 1)
+        async with asyncio.timeout(10):
+            async with connect(
+                host, int(port), configuration=client_configuration(), create_protocol=H3Client
+            ) as client:
+                assert isinstance(client, H3Client)
+                return client.peer_fingerprint
+
+    return asyncio.run(handshake())
 
 
 def status_with(host: str, port: int, token: str) -> int:
@@ -110,7 +128,7 @@ def _collect(proc: subprocess.Popen[str], wanted: dict[str, int]) -> list[dict[s
     said: list[dict[str, Any]] = []
     while any(sum(x["event"] == e for x in said) < n for e, n in wanted.items()):
         line = proc.stderr.readline()
-        assert line, f"pylon exited: {said}"
+        assert line, f"pylon exited with status {proc.wait(timeout=10)}: {said}"
         said.append(json.loads(line))
     return said
 
@@ -135,7 +153,10 @@ def test_the_signal_sets_are_what_the_docs_say() -> None:
         signal.SIGXFSZ,
         signal.SIGIO,
         signal.SIGPWR,
+        signal.SIGSTKFLT,
+        *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
     }
+    assert signal_name(signal.SIGRTMIN + 3) == "SIGRTMIN+3" and signal_name(1) == "SIGHUP"
     assert signal.SIGHUP in HANDLED and set(STOP) | set(REPORT) | set(IGNORED) <= set(HANDLED)
 
 
@@ -146,7 +167,8 @@ def test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon(
     cert, key = write_pair(tmp_path, first)
     token_file = tmp_path / "token"
     token_file.write_text("old-token\n")
-    args = ["--listen", "127.0.0.1:0", "--upstream", engine, "--tls-cert", str(cert)]
+    args = ["--listen", "127.0.0.1:0", "--quic-listen", "127.0.0.1:0", "--upstream", engine]
+    args += ["--tls-cert", str(cert)]
     args += ["--tls-key", str(key), "--tunnel-token-file", str(token_file)]
     # The poller never runs in this test: only SIGHUP can make pylon re-read the files.
     args += ["--tls-reload-interval", "3600", "--log-level", "warning"]
@@ -156,7 +178,9 @@ def test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon(
             listening = next(line for line in lines if line["event"] == "listening")
             host, port_text = listening["address"].rsplit(":", 1)
             port = int(port_text)
+            quic = next(line for line in lines if line["event"] == "listening_quic")["address"]
             assert served_fingerprint(host, port) == fingerprint(first[0])
+            assert quic_fingerprint(quic) == fingerprint(first[0])
             client, received = _stream(host, port, "old-token")
 
             write_pair(tmp_path, second)
@@ -168,6 +192,7 @@ def test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon(
             assert reloaded["tls_sha256"] == fingerprint(second[0])
             assert reloaded["tunnel_token"] == "rotated" and reloaded["failed"] is None
             assert served_fingerprint(host, port) == fingerprint(second[0])
+            assert quic_fingerprint(quic) == fingerprint(second[0])
             assert status_with(host, port, "old-token") == 401
             assert status_with(host, port, "new-token") == 200
 
@@ -181,6 +206,7 @@ def test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon(
             assert "not valid PEM" in failed["failed"]["tls"]
             assert failed["tls_sha256"] == fingerprint(second[0])
             assert served_fingerprint(host, port) == fingerprint(second[0])
+            assert quic_fingerprint(quic) == fingerprint(second[0])
             assert status_with(host, port, "new-token") == 200
 
             for sig in (*REPORT, *IGNORED, signal.SIGPIPE):
@@ -190,7 +216,7 @@ def test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon(
             assert {line["signal"] for line in reports} == {"SIGUSR1", "SIGUSR2"}
             assert reports[0]["phase"] == "ready" and reports[0]["http1"] == 1
             ignored = {line["signal"] for line in said if line["event"] == "signal_ignored"}
-            assert ignored == {sig.name for sig in IGNORED}
+            assert ignored == {signal_name(sig) for sig in IGNORED}
             assert proc.poll() is None
 
             # Every signal came while the stream ran; it ends whole, on the old identity.
