@@ -124,12 +124,13 @@ class Running:
             except TokenFileError as exc:
                 failed["tunnel_token"] = str(exc)
         event = "reload_failed" if failed else "reloaded"
+        detail = None
+        if failed:
+            detail = "kept what was in use for what failed"
+        elif not reloaded:
+            detail = "nothing to re-read: no --tls-cert/--tls-key, no --tunnel-token-file"
         self.core.observer.process_event(
-            event,
-            **fields,
-            reloaded=reloaded,
-            failed=failed or None,
-            detail="kept what was in use for what failed" if failed else None,
+            event, **fields, reloaded=reloaded, failed=failed or None, detail=detail
         )
         return failed
 

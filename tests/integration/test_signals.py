@@ -234,9 +234,13 @@ def test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon(
 
 
 def test_sigquit_drains_like_sigterm(engine: str) -> None:
+    """And SIGHUP with nothing to re-read says so."""
     with start_pylon("--listen", "127.0.0.1:0", "--upstream", engine) as proc:
         try:
             log_lines(proc, "ready")
+            proc.send_signal(signal.SIGHUP)
+            reloaded = log_lines(proc, "reloaded")[-1]
+            assert reloaded["reloaded"] == [] and "nothing to re-read" in reloaded["detail"]
             proc.send_signal(signal.SIGQUIT)
             log_lines(proc, "drained")
             assert proc.wait(timeout=10) == 0
