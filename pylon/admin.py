@@ -23,7 +23,6 @@ silent connections filling the cap never make `/live` and `/ready` unanswerable.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -36,7 +35,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from pylon.lifecycle import Lifecycle
 from pylon.settings import split_host_port
-from pylon.startup import StartupError
+from pylon.startup import cannot_listen
 
 MAX_HEAD_BYTES = 16 * 1024
 MAX_HEADERS = 64
@@ -362,8 +361,7 @@ class AdminServer:
                 lambda: AdminConnection(self), host, port, reuse_address=True
             )
         except OSError as exc:
-            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-            raise StartupError(f"--admin-listen {listen}: cannot listen: {reason}") from None
+            raise cannot_listen("--admin-listen", listen, exc) from None
         bound = self._server.sockets[0].getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
         return self.address

@@ -93,6 +93,18 @@ class TokenAuth:
             self._log.info("tunnel_token_rotated", path=str(self._path))
         self._token = token
 
+    def reload(self) -> bool:
+        """Re-read the file now, changed or not (SIGHUP): True = the token was rotated, False
+        = the same token. An unusable file raises `TokenFileError` and keeps the last good
+        token in use."""
+        token = self._read()
+        if token is None:
+            raise TokenFileError(f"{self._path}: missing, unreadable, empty or more than one line")
+        self._next_check = time.monotonic() + RECHECK_SECONDS
+        rotated = token != self._token
+        self._token = token
+        return rotated
+
     def _read(self) -> bytes | None:
         state = _file_state(self._path)
         try:

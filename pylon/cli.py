@@ -10,6 +10,7 @@ that cannot be used (`pylon.preflight`), a listener that cannot bind.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import sys
@@ -21,6 +22,7 @@ from typing import Annotated, Any
 import orjson
 import typer
 from pydantic.fields import FieldInfo
+from typer.core import TyperCommand
 
 from pylon.settings import (
     ENV_PREFIX,
@@ -96,19 +98,72 @@ def metavar(name: str) -> str:
     return "TEXT"
 
 
-def help_text(name: str) -> str:
-    """A setting's help line: what it does, its choices, its default and its env var."""
+def help_parts(name: str) -> tuple[str, list[str]]:
+    """A setting's help: what it does, then its notes (choices, default, env var), each one
+    a `[...]` that `--help` never breaks across lines."""
     field = Settings.model_fields[name]
-    parts = [str(field.description)]
+    notes = []
     allowed = choices(field)
     if allowed:
-        parts.append(f"[choices: {', '.join(allowed)}]")
+        notes.append(f"[choices: {', '.join(allowed)}]")
     if is_repeatable(name):
-        parts.append(f"[repeatable; env var: {separator_name(name)}-separated]")
-    parts.append(f"[default: {default_text(field.default)}]")
-    parts.append(f"[env var: {ENV_PREFIX}{name.upper()}]")
-    # `[` starts rich markup in typer's help: escaped, so the brackets stay visible.
-    return " ".join(parts).replace("[", "\\[")
+        notes.append(f"[repeatable; env var: {separator_name(name)}-separated]")
+    notes.append(f"[default: {default_text(field.default)}]")
+    notes.append(f"[env var: {ENV_PREFIX}{name.upper()}]")
+    return str(field.description), notes
+
+
+def help_text(name: str) -> str:
+    """A setting's help line: what it does, its choices, its default and its env var."""
+    description, notes = help_parts(name)
+    return " ".join([description, *notes])
+
+
+class PlainHelp(TyperCommand):
+    """`--help` as plain text, by topic: each flag on a line of its own, its help wrapped
+    below it, so that no flag or env var name is ever cut, at any width (a table of three
+    columns cuts them at 80). Typer's rich panels stay for the other commands."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rich_markup_mode = None  # typer's plain formatter, with our `format_options`
+
+    # `ctx` and `formatter` are the click classes typer vendors (not a public import).
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        topics: dict[str, list[tuple[str, str, list[str]]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            name = param.name or ""
+            if name in Settings.model_fields:
+                description, notes = help_parts(name)
+            else:
+                description, notes = record[1], []
+            topic = getattr(param, "rich_help_panel", None) or "Options"
+            topics.setdefault(topic, []).append((record[0], description, notes))
+        width = max(formatter.width or 78, 40)
+        for topic, rows in topics.items():
+            formatter.write(f"\n{topic}:\n")
+            for flags, description, notes in rows:
+                formatter.write(f"  {flags}\n")
+                for line in _fill([*description.split(), *notes], width - 6):
+                    formatter.write(f"      {line}\n")
+
+
+def _fill(words: list[str], width: int) -> list[str]:
+    """Greedy line filling that never breaks a word or a `[...]` note."""
+    lines: list[str] = []
+    line = ""
+    for word in words:
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    if line:
+        lines.append(line)
+    return lines
 
 
 def default_text(value: object) -> str:
@@ -223,7 +278,7 @@ def main_options(
     """Pylon tunnel daemon."""
 
 
-@app.command()
+@app.command(cls=PlainHelp)
 @_with_settings_signature
 def serve(**kwargs: Any) -> None:
     """Run pylon in front of an engine (or an embedded mock_dynamo when --upstream is unset)."""
@@ -238,23 +293,45 @@ def serve(**kwargs: Any) -> None:
         tokenizer = load_tokenizer(settings)  # loaded once: start() takes this one
     except StartupError as exc:
         _die(str(exc))
+    native = _native_stderr(settings)
     observer = _start_logging(settings)
     import uvloop
 
-    from pylon.run import serve as run_server
-
     try:
-        status = uvloop.run(run_server(settings, observer=observer, tokenizer=tokenizer))
+        status = uvloop.run(_serving(settings, observer, tokenizer, native))
     except StartupError as exc:
         _die(str(exc))
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename is not None else ""
         _die(f"cannot start: {exc.strerror or exc}{where}")
+    finally:
+        if native is not None:
+            native.stop()
     if status:
         raise typer.Exit(status)
 
 
-@app.command()
+def _native_stderr(settings: Settings) -> Any:
+    """With `--routing kv` (Dynamo's native core): the native core's stderr lines become
+    pylon's `dynamo_native_log` lines (`pylon.native_logs`), in `--log-format`."""
+    if settings.routing != "kv":
+        return None
+    from pylon.native_logs import NativeStderr
+
+    native = NativeStderr()
+    native.start()
+    return native
+
+
+async def _serving(settings: Settings, observer: Any, tokenizer: Any, native: Any) -> int:
+    from pylon.run import serve as run_server
+
+    if native is not None:
+        native.attach(asyncio.get_running_loop())
+    return await run_server(settings, observer=observer, tokenizer=tokenizer)
+
+
+@app.command(cls=PlainHelp)
 @_with_settings_signature
 def config(**kwargs: Any) -> None:
     """Print the effective settings as JSON."""

@@ -12,12 +12,14 @@ import weakref
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pylon.assemble import Core, quic_options
 from pylon.server.http1 import Http1Connection
 from pylon.server.http2 import Http2Connection, ProtocolSwitch
 from pylon.settings import Settings, split_host_port
+from pylon.startup import StartupError, cannot_listen
 
 if TYPE_CHECKING:
     from pylon.admin import AdminServer
@@ -72,6 +74,7 @@ class Listeners:
     quic_address: str | None = None
     admin: AdminServer | None = None  # None when the admin listener is disabled
     admin_address: str | None = None  # the admin listener, host:port
+    identity: TlsIdentity | None = None  # the TLS listeners' identity (SIGHUP re-reads it)
 
     @property
     def busy(self) -> bool:
@@ -107,6 +110,7 @@ async def start_listeners(settings: Settings, core: Core, stack: AsyncExitStack)
     server, address, tls = await start_tcp(settings, core, live, identity, stack)
     listeners = Listeners(address, f"{'https' if tls else 'http'}://{address}", live, server)
     listeners.admin, listeners.admin_address = admin, admin_address
+    listeners.identity = identity
     if settings.quic_listen is not None:
         assert identity is not None
         listeners.h3, listeners.quic_address = await start_quic(settings, core, stack, identity)
@@ -140,9 +144,36 @@ def tls_identity(
     identity = TlsIdentity.from_paths(
         settings.tls_cert, settings.tls_key, settings.tls_client_ca, observer.process_event
     )
+    if identity.current.source == "self-signed":
+        _publish_self_signed(identity, settings.tls_self_signed_cert_file, observer)
     reloader = asyncio.create_task(identity.watch(settings.tls_reload_interval))
     stack.callback(reloader.cancel)
     return identity
+
+
+def _publish_self_signed(identity: TlsIdentity, path: Path | None, observer: Observer) -> None:
+    """A certificate generated at start (a new one at every start) is of use to a client only
+    if it can trust it: written to `--tls-self-signed-cert-file`, and said, with its SHA-256,
+    in a warning (a production node gives --tls-cert and --tls-key)."""
+    from pylon.tls import SELF_SIGNED_DNS, SELF_SIGNED_IPS, TlsMaterialError, write_certificate
+
+    material = identity.current
+    if path is not None:
+        try:
+            write_certificate(material, path)
+        except TlsMaterialError as exc:
+            raise StartupError(f"--tls-self-signed-cert-file {path}: {exc}") from None
+    observer.process_event(
+        "tls_self_signed",
+        fingerprint_sha256=material.fingerprint,
+        cert_file=str(path) if path is not None else None,
+        names=",".join(
+            [*(f"DNS:{n}" for n in SELF_SIGNED_DNS), *(f"IP:{a}" for a in SELF_SIGNED_IPS)]
+        ),
+        detail="HTTP/3 serves a certificate generated at this start (a new one at every "
+        "start): clients trust cert_file or pin fingerprint_sha256; give --tls-cert and "
+        "--tls-key for a stable identity",
+    )
 
 
 async def start_tcp(
@@ -158,14 +189,17 @@ async def start_tcp(
     if settings.tls_cert is not None and identity is not None:
         context = tcp_ssl_context(identity)
     host, port = settings.listen_host_port
-    server = await asyncio.get_running_loop().create_server(
-        tcp_protocol_factory(core, live),
-        host,
-        port,
-        reuse_address=True,
-        backlog=2048,
-        ssl=context,
-    )
+    try:
+        server = await asyncio.get_running_loop().create_server(
+            tcp_protocol_factory(core, live),
+            host,
+            port,
+            reuse_address=True,
+            backlog=2048,
+            ssl=context,
+        )
+    except OSError as exc:
+        raise cannot_listen("--listen", settings.listen, exc) from None
     stack.callback(server.close)
     bound = server.sockets[0].getsockname()
     return server, host_port(bound[0], bound[1]), context is not None
@@ -210,7 +244,10 @@ async def start_quic(
 
     assert settings.quic_listen is not None
     h3 = Http3Server(core.ingress, identity, quic_options(settings))
-    host, port = await h3.start(*split_host_port(settings.quic_listen))
+    try:
+        host, port = await h3.start(*split_host_port(settings.quic_listen))
+    except OSError as exc:
+        raise cannot_listen("--quic-listen", settings.quic_listen, exc) from None
     stack.callback(h3.close)
     address = host_port(host, port)
     core.observer.process_event(

@@ -126,9 +126,11 @@ _WARNING_EVENTS = frozenset(
         "kv_events_gap",
         "kv_events_malformed",
         "kv_token_data_refused",
+        "signal_ignored",
+        "tls_self_signed",
     }
 )
-_ERROR_EVENTS = frozenset({"engine_health_gate_failed"})
+_ERROR_EVENTS = frozenset({"engine_health_gate_failed", "reload_failed"})
 # The start and stop lines: written at info whatever --log-level says (see pylon.logs).
 LIFECYCLE_EVENTS = frozenset(
     {
@@ -140,6 +142,8 @@ LIFECYCLE_EVENTS = frozenset(
         "stopping",
         "draining",
         "drained",
+        "reloaded",
+        "status_report",
     }
 )
 _DEBUG_EVENTS = frozenset(

@@ -247,7 +247,7 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
             warnings.append(StartupWarning("setting_ignored", {"setting": name, "reason": reason}))
 
     if settings.quic_listen is None:
-        for name in _QUIC_TUNING:
+        for name in (*_QUIC_TUNING, "tls_self_signed_cert_file"):
             ignored(name, "no --quic-listen: there is no QUIC listener")
     if settings.backend != "sglang":
         ignored(

@@ -1,5 +1,6 @@
 """Running pylon: `start` (Settings in, listeners up, bring-up running, until its context exits)
-and `serve` (`start` until SIGINT/SIGTERM or `stop`, then the graceful drain).
+and `serve` (`start` until SIGINT/SIGTERM/SIGQUIT or `stop`, then the graceful drain; SIGHUP
+reloads, `Running.reload`; every signal: `pylon.signals`).
 
 `start` reads as the order things happen: the refusals and warnings (`pylon.preflight`), the
 routing parts, the engine (or an embedded mock), the shared parts (`pylon.assemble`), the
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pylon.assemble import Core, bring_up_options, build_core, routing_options
+from pylon.auth import TokenFileError
 from pylon.bringup import BringUp, BringUpOptions, EngineNotReady, EngineWatch, bring_up
 from pylon.core.upstream import Upstream
 from pylon.lifecycle import NOT_READY_NO_WORKER
@@ -33,6 +35,7 @@ from pylon.preflight import (
 from pylon.routing import Router
 from pylon.routing.build import Routing, build_routing
 from pylon.settings import Settings
+from pylon.signals import Signals
 from pylon.startup import StartupError
 from pylon.tracing import ExchangeTracer
 
@@ -96,6 +99,52 @@ class Running:
     def close_all(self) -> None:
         """End every connection now; their requests are cancelled (outcome `shutdown`)."""
         self.listeners.close_all()
+
+    def reload(self, sig: signal.Signals | None = None) -> dict[str, str]:
+        """Re-read what can be re-read while serving (SIGHUP): the TLS identity's cert and key
+        files (new handshakes get the new pair; established connections keep theirs) and the
+        tunnel token file. A part that fails keeps what it had in use. One line says what was
+        re-read and what failed (`reloaded`, or `reload_failed` at error); returns the
+        failures, part -> reason. Every other setting needs a restart."""
+        fields: dict[str, Any] = {"signal": sig.name if sig is not None else None}
+        reloaded: list[str] = []
+        failed: dict[str, str] = {}
+        identity = self.listeners.identity
+        if identity is not None and identity.cert_path is not None:
+            reason = identity.reload()
+            if reason is None:
+                reloaded.append("tls")
+            else:
+                failed["tls"] = reason
+            fields["tls_sha256"] = identity.current.fingerprint
+        auth = self.core.admission.auth
+        if auth is not None:
+            try:
+                fields["tunnel_token"] = "rotated" if auth.reload() else "unchanged"
+                reloaded.append("tunnel_token")
+            except TokenFileError as exc:
+                failed["tunnel_token"] = str(exc)
+        event = "reload_failed" if failed else "reloaded"
+        detail = None
+        if failed:
+            detail = "kept what was in use for what failed"
+        elif not reloaded:
+            detail = "nothing to re-read: no --tls-cert/--tls-key, no --tunnel-token-file"
+        self.core.observer.process_event(
+            event, **fields, reloaded=reloaded, failed=failed or None, detail=detail
+        )
+        return failed
+
+    def report(self, sig: signal.Signals | None = None) -> None:
+        """SIGUSR1/SIGUSR2: one `status_report` line, what runs now; nothing changes."""
+        lifecycle = self.core.lifecycle
+        self.core.observer.process_event(
+            "status_report",
+            signal=sig.name if sig is not None else None,
+            phase=lifecycle.phase.value,
+            models=len(lifecycle.models.published),
+            **self.listeners.in_flight(),
+        )
 
 
 @asynccontextmanager
@@ -395,16 +444,20 @@ async def serve(
     force: asyncio.Event | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> int:
-    """Run pylon until `stop` is set or SIGINT/SIGTERM arrives, then stop gracefully.
+    """Run pylon until `stop` is set or SIGINT/SIGTERM/SIGQUIT arrives, then stop gracefully
+    (what every other signal does: `pylon.signals`).
 
     A second signal during the drain (or `force`) ends what still runs at once. Returns the
     exit status: 0 after a graceful stop, 128 + the signal's number after a forced one (1 when
     `force` was set without a signal).
     """
-    signals = StopSignals(stop or asyncio.Event(), force or asyncio.Event())
+    observer = observer or LogObserver()
+    signals = Signals(stop or asyncio.Event(), force or asyncio.Event(), observer.process_event)
     # Handled before the listeners start: a signal during the start stops it too.
     with signals.handled() if handle_signals else nullcontext():
         async with start(settings, observer, wait_ready=False, tokenizer=tokenizer) as running:
+            signals.on_reload = running.reload
+            signals.on_report = running.report
             if await _ready_unless_stopped(running.ready, signals.stop):
                 if on_quic_ready is not None and running.quic_address is not None:
                     on_quic_ready(running.quic_address)
@@ -414,36 +467,6 @@ async def serve(
                 return EXIT_ENGINE_NOT_READY
             await signals.stop.wait()
             return await _stop(running, settings.shutdown_grace, signals)
-
-
-class StopSignals:
-    """SIGINT and SIGTERM: the first sets `stop` (the graceful drain), one during the drain
-    sets `force` (what still runs ends at once) and is remembered as `forced_by`."""
-
-    def __init__(self, stop: asyncio.Event, force: asyncio.Event) -> None:
-        self.stop = stop
-        self.force = force
-        self.forced_by: signal.Signals | None = None  # the signal that cut the drain short
-
-    def received(self, sig: signal.Signals) -> None:
-        if not self.stop.is_set():
-            self.stop.set()
-            return
-        if self.forced_by is None:
-            self.forced_by = sig
-        self.force.set()
-
-    @contextmanager
-    def handled(self) -> Iterator[None]:
-        """The handlers are installed in the running loop for the `with` block."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.received, sig)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
 
 
 async def _ready_unless_stopped(ready: asyncio.Future[BringUp], stop: asyncio.Event) -> bool:
@@ -465,7 +488,7 @@ async def _ready_unless_stopped(ready: asyncio.Future[BringUp], stop: asyncio.Ev
     raise failure
 
 
-async def _stop(running: Running, grace: float, signals: StopSignals) -> int:
+async def _stop(running: Running, grace: float, signals: Signals) -> int:
     """Graceful stop: no new connections, no new requests (GOAWAY on HTTP/2 and HTTP/3, idle
     HTTP/1.1 keep-alives closed), and requests in flight get `grace` s, unless a second
     signal (or `force`) ends them first. Returns the exit status."""

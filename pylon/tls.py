@@ -132,6 +132,19 @@ def self_signed_material(
     return parse_material(cert_pem, key_pem, source="self-signed")
 
 
+def write_certificate(material: TlsMaterial, path: Path) -> None:
+    """Write the certificate (PEM, never the key) to `path`, atomically (a reader never sees
+    half a file), readable by all: it is public, and clients load it to trust pylon."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(material.cert_pem)
+        tmp.chmod(0o644)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise TlsMaterialError(f"cannot write it: {exc.strerror or exc}") from None
+
+
 def _file_state(path: Path) -> tuple[int, int, int] | None:
     try:
         st = path.stat()
@@ -291,13 +304,20 @@ class TlsIdentity:
         state = self._stat()
         if state is None or state == self._seen:
             return None
-        self._seen = state
-        assert self.cert_path is not None and self.key_path is not None
+        return self.reload() is None
+
+    def reload(self) -> str | None:
+        """Re-read the files now, changed or not (SIGHUP): None = the pair read is in use for
+        new handshakes (nothing to read when self-signed), else why it was refused (the old
+        pair kept, `tls_reload_rejected`)."""
+        if self.cert_path is None or self.key_path is None:
+            return None
+        self._seen = self._stat()
         try:
             material = load_material(self.cert_path, self.key_path)
         except TlsMaterialError as exc:
             self._report("tls_reload_rejected", reason=str(exc), kept=self._material.fingerprint)
-            return False
+            return str(exc)
         previous = self._material
         self._material = material
         self._contexts.clear()
@@ -309,7 +329,7 @@ class TlsIdentity:
         )
         for callback in self._listeners:
             callback(material)
-        return True
+        return None
 
     async def watch(self, interval: float) -> None:
         """Poll the files every `interval` seconds until cancelled."""

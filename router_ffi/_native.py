@@ -52,8 +52,9 @@ class NativeService(Protocol):
 NativeFactory = Callable[[], NativeService]
 
 
-# The native core logs through its own Rust subscriber straight to stderr, which pylon's operators
-# read as one JSON object per line: ask it for JSON lines, warnings and worse only. An operator's
+# The native core logs through its own Rust subscriber straight to stderr, which `pylon serve`
+# turns into its own `dynamo_native_log` lines (pylon.native_logs): ask it for JSON lines (so its
+# fields survive), warnings and worse only. An operator's
 # own DYN_LOG / DYN_LOGGING_JSONL win (set before the module is first imported, as it reads them
 # once).
 NATIVE_LOG_DEFAULTS = {"DYN_LOGGING_JSONL": "1", "DYN_LOG": "warn"}

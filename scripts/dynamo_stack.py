@@ -23,7 +23,8 @@ Use from Python::
 or by hand: ``python scripts/dynamo_stack.py`` (runs until Ctrl-C, printing the URLs).
 
 Every process is started in its own process group and is stopped (SIGTERM, then SIGKILL, bounded
-waits) on exit, including when start-up fails.  Follows /work/shared/reference/dynamo-cpu-stack.md.
+waits) on exit, including when start-up fails. docs/dynamo.md ("Running the stack by hand")
+says why each step is needed.
 """
 
 from __future__ import annotations

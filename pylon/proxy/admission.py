@@ -27,6 +27,11 @@ class ProxyAdmission:
         self._lifecycle = lifecycle
         self._auth = auth
 
+    @property
+    def auth(self) -> TokenAuth | None:
+        """The tunnel token check (`--tunnel-token-file`), for a reload to re-read."""
+        return self._auth
+
     def admit(self, head: RequestHead) -> TunnelRequest | HealthRequest:
         request = parse_request(head.method, head.target, head.headers, head.names)
         if isinstance(request, HealthRequest):

@@ -7,9 +7,10 @@ event API only. This module maps each request's header block to a `RequestHead` 
 stall watcher, rapid-reset guard), and sends responses corked, one transmit per loop iteration.
 
 A malformed request is a stream error (RFC 9114 4.1.2): a 400 problem on that stream only. A
-client RESET_STREAM or STOP_SENDING, or the connection going away, cancels that stream's task,
+client RESET_STREAM or STOP_SENDING, or the connection going away (on receipt of the client's
+CONNECTION_CLOSE, not at the end of aioquic's draining period), cancels that stream's task,
 which closes its engine connection. The few aioquic internals pylon needs (send backlog, the
-stream cap, the client-certificate request, the peer certificate) sit in
+stream cap, the client-certificate request, the peer certificate, the close on receipt) sit in
 `pylon.server.quic_private`, each with a canary test.
 """
 
@@ -48,6 +49,7 @@ from pylon.server.h3layer import (
 )
 from pylon.server.quic_private import (
     any_unacked,
+    closing,
     limit_peer_bidi_streams,
     peer_certificate,
     request_client_certificate,
@@ -94,6 +96,7 @@ class Http3Protocol(QuicConnectionProtocol):
         self._handshake_done = False
         self._refused = False
         self._goaway_sent = False
+        self._gone = False  # the connection is closing: its streams are cancelled
         self._highest_stream = -4  # last accepted request stream id (for GOAWAY)
         limit_peer_bidi_streams(quic, self._limits.max_quic_streams)
         if server.identity.client_ca is not None:
@@ -107,6 +110,10 @@ class Http3Protocol(QuicConnectionProtocol):
         # with the response: half the sends, and aioquic walks every stream on each send.
         self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
         self._process_events()
+        if not self._gone and closing(self._quic):
+            # The client's CONNECTION_CLOSE: cancel now, not when aioquic's draining period
+            # ends (~0.1 s later), so the engine stops generating for nobody at once.
+            self._streams_gone()
         if self._handshake_done and not self._refused:
             if self._deferred_transmit is None:
                 self._deferred_transmit = self._loop.call_later(ACK_COALESCE_DELAY, self.transmit)
@@ -281,13 +288,21 @@ class Http3Protocol(QuicConnectionProtocol):
         return any_unacked(self._quic)
 
     def _terminated(self) -> None:
+        self._streams_gone()
+        self._server.lifecycle.forget(self.drain)
+        self._server.forget(self)
+
+    def _streams_gone(self) -> None:
+        """The connection is closing: no stream on it can make progress, so stop their work
+        (the connection itself is forgotten when aioquic reports its end)."""
+        if self._gone:
+            return
+        self._gone = True
         self._table.cancel_all(CLIENT_GONE)
         for responder in self._responders.values():
             responder.closed = True
             responder.wake(ConnectionResetError("QUIC connection closed"))
         self._responders.clear()
-        self._server.lifecycle.forget(self.drain)
-        self._server.forget(self)
 
     # --- client certificates (mTLS) ---
     def _check_client_certificate(self) -> None:

@@ -1,6 +1,6 @@
 """Every aioquic private attribute pylon touches, in one place.
 
-aioquic (pinned to 1.7 in pyproject.toml) has no public API for these four needs. Each function
+aioquic (pinned to 1.7 in pyproject.toml) has no public API for these five needs. Each function
 names the private attribute it uses and why; `check_private_surface` runs at import and fails
 loudly if an aioquic upgrade removed any of them, and tests/unit/test_private_canaries.py checks
 that each still behaves as relied on. Nothing else in pylon may read aioquic private names.
@@ -92,6 +92,18 @@ def peer_certificate(
     return context._peer_certificate, list(context._peer_certificate_chain)
 
 
+def closing(quic: QuicConnection) -> bool:
+    """True from the moment the connection started to close: the peer's CONNECTION_CLOSE
+    received (aioquic's draining state), our own `close()`, or the idle timer.
+
+    aioquic reports `ConnectionTerminated` only when its draining period ends (3 PTO, RFC 9000
+    10.2.2; ~0.1 s on loopback), yet no stream can make progress from the moment the peer's
+    CONNECTION_CLOSE arrives. Touches `QuicConnection._close_event`, which aioquic sets right then
+    (`_handle_connection_close_frame`, `close`, the idle timeout) and reports at the end.
+    """
+    return quic._close_event is not None
+
+
 def check_private_surface() -> None:
     """Raise ImportError naming the first private aioquic attribute that is gone."""
     quic = QuicConnection(configuration=QuicConfiguration(is_client=True))
@@ -101,6 +113,7 @@ def check_private_surface() -> None:
     probes = (
         ("QuicConnection._streams", isinstance(getattr(quic, "_streams", None), dict)),
         ("QuicConnection._initialize", callable(getattr(quic, "_initialize", None))),
+        ("QuicConnection._close_event", hasattr(quic, "_close_event")),
         ("QuicConnection._local_max_streams_bidi.value", hasattr(limit, "value")),
         ("QuicConnection._local_max_streams_bidi.sent", hasattr(limit, "sent")),
         ("QuicStreamSender._buffer", isinstance(getattr(sender, "_buffer", None), bytearray)),

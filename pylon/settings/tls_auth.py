@@ -36,6 +36,13 @@ class TlsAuthSettings(BaseModel):
         "(needs --tls-cert)",
         json_schema_extra=group(TLS_AUTH),
     )
+    tls_self_signed_cert_file: Path | None = Field(
+        None,
+        description="where pylon writes the certificate (PEM, never the key) of the "
+        "self-signed QUIC identity it generates at each start, for clients to trust; unset = "
+        "not written (its SHA-256 is logged either way)",
+        json_schema_extra=group(TLS_AUTH),
+    )
     tls_reload_interval: float = Field(
         2.0,
         gt=0,
@@ -58,5 +65,10 @@ class TlsAuthSettings(BaseModel):
             raise ValueError(
                 "--tls-reload-interval needs --tls-cert and --tls-key: without them there are "
                 "no files to reload"
+            )
+        if self.tls_self_signed_cert_file is not None and self.tls_cert is not None:
+            raise ValueError(
+                "--tls-self-signed-cert-file has no effect with --tls-cert: pylon then uses "
+                "that certificate and generates none"
             )
         return self

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mutations.anchors import AddArguments, ReplaceExpr
+from mutations.anchors import AddArguments, Never, ReplaceExpr
 from mutations.spec import H3L_T, H3LAYER, HTTP3, QCA_T, QUIC_T, Mutation
 
 # Tickets kept on the server object, so a resumed handshake (hence 0-RTT) can find them.
@@ -12,6 +12,17 @@ _TICKET_STORE = (
 )
 
 QUIC = [
+    Mutation(
+        "QUIC connection close",
+        "client's CONNECTION_CLOSE cancels only when aioquic's draining period ends",
+        Never(HTTP3, "Http3Protocol.datagram_received", "not self._gone and closing(self._quic)"),
+        {
+            "h3": (
+                "tests/transport/test_http3_forwarding.py::"
+                "test_a_client_close_reaches_the_engine_before_the_draining_period_ends",
+            )
+        },
+    ),
     Mutation(
         "QUIC 0-RTT",
         "session tickets issued (resumption, hence replayable 0-RTT)",

@@ -376,27 +376,41 @@ def test_no_insecure_listener_warning_with_a_token_or_on_loopback(files: dict[st
         assert "insecure_listener" not in {line["event"] for line in lines}, lines
 
 
-def test_help_groups_flags_by_topic() -> None:
+def serve_help(columns: int) -> str:
     result = subprocess.run(
         [*PYLON, "serve", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
-        env={**os.environ, "COLUMNS": "400", "TERM": "dumb"},
+        env={**os.environ, "COLUMNS": str(columns), "TERM": "dumb"},
     )
     assert result.returncode == 0, result.stderr
-    text = result.stdout
-    positions = [text.index(f"─ {topic} ─") for topic in GROUPS]
-    assert positions == sorted(positions), "topics out of order"
+    return result.stdout
+
+
+@pytest.mark.parametrize("columns", [80, 400])
+def test_help_groups_flags_by_topic(columns: int) -> None:
+    """Each flag on its own line under its topic, with its env var whole: at 80 columns no
+    flag or env var name is cut (a table of columns cut 30 and 31 of them)."""
+    text = serve_help(columns)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80
+    headings = [lines.index(f"{topic}:") for topic in GROUPS]
+    assert headings == sorted(headings), "topics out of order"
+    words = text.split()
     for name in Settings.model_fields:
         flag = "--" + name.replace("_", "-")
-        assert flag in text, flag
-        assert f"[env var: PYLON_{name.upper()}]" in text, name
-        line = next(line for line in text.splitlines() if line.startswith(f"│ {flag} "))
-        # The flag's row sits in its topic's panel.
-        panel = max((text.rfind(f"─ {topic} ─", 0, text.index(line)), topic) for topic in GROUPS)[1]
-        assert panel == field_group(name), name
+        row = next(i for i, line in enumerate(lines) if line.split(" ")[2:3] == [flag])
+        assert lines[row].startswith(f"  {flag}"), lines[row]
+        # The flag's row sits in its topic's section.
+        topic = max((h, GROUPS[n]) for n, h in enumerate(headings) if h < row)[1]
+        assert topic == field_group(name), name
+        env = f"PYLON_{name.upper()}]"
+        assert env in words, name  # whole, as one word
+        # Its env var comes in its own help, before the next flag.
+        following = next((i for i in range(row + 1, len(lines)) if lines[i].startswith("  -")), 0)
+        assert any(env in line for line in lines[row:following]), name
     assert "[choices: dynamo, vllm, sglang, passthrough]" in text
     assert "[default: 127.0.0.1:8080]" in text
     assert "SECONDS" in text and "BYTES" in text and "HOST:PORT" in text
@@ -495,7 +509,20 @@ def test_a_port_in_use_is_one_line() -> None:
         line = refusal(
             run_pylon("serve", "--listen", f"127.0.0.1:{port}", "--upstream", "http://127.0.0.1:9")
         )
-    assert line.startswith("pylon: cannot start: ") and "address already in use" in line
+    assert line == f"pylon: --listen 127.0.0.1:{port}: cannot listen: address already in use"
+
+
+@pytest.mark.parametrize("flag", ["--listen", "--admin-listen", "--quic-listen"])
+def test_a_listener_host_that_does_not_resolve_is_named(flag: str) -> None:
+    """Not `cannot start: Name or service not known`: the flag and the value it was given."""
+    args = ["--listen", "127.0.0.1:0", "--upstream", "http://127.0.0.1:9", flag, "nohost.invalid:0"]
+    result = run_pylon("serve", *args)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]  # after the QUIC identity's line, if any
+    # The resolver's own words follow in parentheses (glibc: "Name or service not known").
+    assert line.startswith(
+        f"pylon: {flag} nohost.invalid:0: cannot listen: the host does not resolve ("
+    )
 
 
 def test_an_admin_port_in_use_is_one_line() -> None:

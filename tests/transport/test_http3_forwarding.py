@@ -8,10 +8,11 @@ import itertools
 import time
 
 import pytest
+from aioquic.quic.events import ConnectionTerminated, QuicEvent
 
 from pylon.core.sanitize import DENIED_BODY_FIELDS, DENIED_REQUEST_HEADERS
 from pylon.server.http3 import Http3Protocol
-from tests.cancellation import assert_cancelled_promptly
+from tests.cancellation import assert_cancelled_promptly, wait_for_record
 from tests.h3client import CHAT, MODEL, chat, request_headers, sse_payloads
 from tests.integration.test_forwarding import spoofed_body, spoofed_headers
 from tests.stack import StackFactory
@@ -149,8 +150,8 @@ async def test_connection_loss_cancels_the_engine_request(
     stack = await make_stack(
         "dynamo", mock={"token_delay_ms": token_delay_ms, "num_tokens": num_tokens}
     )
-    # When pylon learns the connection is gone: aioquic reports the peer's CONNECTION_CLOSE
-    # only when the draining period ends (3 PTO, RFC 9000 10.2.2; ~0.1 s on loopback).
+    # When pylon learns the connection is gone: on receipt of the CONNECTION_CLOSE (see the
+    # next test for the draining period aioquic would otherwise wait out).
     terminated: asyncio.Future[float] = asyncio.get_running_loop().create_future()
     forget = stack.server.forget
 
@@ -174,3 +175,38 @@ async def test_connection_loss_cancels_the_engine_request(
     assert terminated_at - closed_at < stream_s / 10, "pylon heard of the close too late"
     # From there the engine sees it cancelled, not completed, within 2 token delays + slack.
     await assert_cancelled_promptly(stack.client, stack.mock.base_url, "h3-lost", terminated_at)
+
+
+async def test_a_client_close_reaches_the_engine_before_the_draining_period_ends(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pylon cancels on receipt of the client's CONNECTION_CLOSE, not when aioquic reports it
+    (ConnectionTerminated, at the end of its draining period, 3 PTO): the engine sees the
+    cancel well within that period, which this test measures rather than assumes."""
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 2, "num_tokens": 20000})
+    reported: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+    received = Http3Protocol.quic_event_received
+
+    def note_terminated(protocol: Http3Protocol, event: QuicEvent) -> None:
+        if isinstance(event, ConnectionTerminated) and not reported.done():
+            reported.set_result(time.time())
+        received(protocol, event)
+
+    monkeypatch.setattr(Http3Protocol, "quic_event_received", note_terminated)
+    async with stack.connect() as client:
+        body = b'{"model": "mock-model", "stream": true, "max_tokens": 20000, "messages": []}'
+        extra = [("x-request-id", "h3-close"), ("x-model", MODEL)]
+        reply = client.send(request_headers(extra=extra, body=body), body)
+        await client.wait_until(lambda: reply.body.count(b"data:") >= 2, what="2 SSE events")
+        client.close()
+        closed_at = time.time()
+    async with asyncio.timeout(5):
+        reported_at = await reported
+    draining = reported_at - closed_at
+    record = await wait_for_record(stack.client, stack.mock.base_url, "h3-close", "finished")
+    assert record["cancelled_at"] is not None, record
+    lag = float(record["cancelled_at"]) - closed_at
+    assert lag < draining / 2, (
+        f"the engine saw the cancel {lag * 1000:.0f} ms after the client's close; aioquic's "
+        f"draining period was {draining * 1000:.0f} ms"
+    )

@@ -7,19 +7,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from aioquic.quic.events import StreamDataReceived
+from aioquic.quic.events import ConnectionTerminated, StreamDataReceived
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 
 from pylon.server import quic_private
 from pylon.server.quic_private import (
     check_private_surface,
+    closing,
     limit_peer_bidi_streams,
     peer_certificate,
     request_client_certificate,
     send_backlog,
 )
-from tests.unit.quic_pair import QuicPair, certificate
+from tests.unit.quic_pair import CLIENT_ADDR, QuicPair, certificate
 
 
 def streams_with_data(events: Sequence[object]) -> set[int]:
@@ -179,3 +180,19 @@ def test_h2_receive_frame_is_still_the_hook_for_content_length_errors() -> None:
     )
     client.send_headers(5, REQUEST, end_stream=True)
     assert server.receive_data(client.data_to_send()), "the connection did not survive"
+
+
+def test_closing_is_true_as_soon_as_the_peer_close_arrives() -> None:
+    """aioquic reports the peer's CONNECTION_CLOSE (ConnectionTerminated) only after its draining
+    period; `closing` must see it on receipt, and not before."""
+    pair = QuicPair().connect()
+    server = pair.server.quic
+    pair.server.take_events()
+    assert not closing(server), "QuicConnection._close_event set on an open connection"
+    pair.client.quic.close(error_code=0, reason_phrase="bye")
+    for datagram, _ in pair.client.quic.datagrams_to_send(now=pair.now):
+        server.receive_datagram(datagram, CLIENT_ADDR, now=pair.now)
+    assert closing(server), "QuicConnection._close_event not set when CONNECTION_CLOSE arrives"
+    assert not [e for e in pair.server.take_events() if isinstance(e, ConnectionTerminated)], (
+        "aioquic now reports ConnectionTerminated on receipt: closing() may be replaced by it"
+    )

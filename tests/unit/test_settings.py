@@ -298,7 +298,14 @@ TOPIC_FIELDS = {
         "header_timeout",
         "client_idle_timeout",
     ),
-    TLS_AUTH: ("tunnel_token_file", "tls_cert", "tls_key", "tls_client_ca", "tls_reload_interval"),
+    TLS_AUTH: (
+        "tunnel_token_file",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "tls_self_signed_cert_file",
+        "tls_reload_interval",
+    ),
     HTTP2: ("h2_max_concurrent_streams", "h2_stream_window"),
     QUIC: (
         "quic_idle_timeout",

@@ -1,0 +1,44 @@
+"""Signals: SIGHUP is a reload, not the end of pylon, and the reload re-reads what it says."""
+
+from __future__ import annotations
+
+from mutations.anchors import DropEntry, ReplaceExpr, ReplaceStatements
+from mutations.spec import Mutation
+
+RUN = "pylon/run.py"
+SIGNALS = "pylon/signals.py"
+SIGNALS_T = "tests/integration/test_signals.py"
+_HUP = f"{SIGNALS_T}::test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon"
+_SETS = f"{SIGNALS_T}::test_the_signal_sets_are_what_the_docs_say"
+
+MUTATIONS = [
+    Mutation(
+        "signals",
+        "SIGHUP not handled (its default ends pylon mid-stream)",
+        DropEntry(SIGNALS, "HANDLED", "RELOAD"),
+        {"core": (_HUP, _SETS)},
+    ),
+    Mutation(
+        "signals",
+        "SIGHUP drains and stops pylon instead of reloading",
+        ReplaceStatements(
+            SIGNALS,
+            "Signals.received",
+            'self._then(self.on_reload, RELOAD, "reload")',
+            "self._stop(sig)",
+        ),
+        {"core": (_HUP,)},
+    ),
+    Mutation(
+        "signals",
+        "SIGHUP reload does not re-read the TLS identity",
+        ReplaceExpr(RUN, "Running.reload", "identity.reload()", "None"),
+        {"core": (_HUP,)},
+    ),
+    Mutation(
+        "signals",
+        "SIGUSR1/SIGUSR2 not handled (their default ends pylon)",
+        DropEntry(SIGNALS, "HANDLED", "*REPORT"),
+        {"core": (_HUP, _SETS)},
+    ),
+]

@@ -1,0 +1,249 @@
+"""Every signal `pylon serve` can catch does what docs/operations.md ("Signals") says, on a real
+pylon process: SIGHUP reloads the TLS identity and the token file mid-stream, the report and
+ignored signals leave it running, and none ends a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import select
+import signal
+import socket
+import ssl
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aioquic.asyncio import connect
+
+from pylon.signals import HANDLED, IGNORED, REPORT, STOP, signal_name
+from tests.certs import fingerprint, make_leaf, write_pair
+from tests.h3client import H3Client, client_configuration
+from tests.integration.test_cli import ENGINE, log_lines, start_pylon
+
+TOKENS = 300  # the stream: 300 tokens, 20 ms apart (6 s), in flight through every signal
+
+
+@pytest.fixture
+def engine() -> Iterator[str]:
+    with subprocess.Popen(
+        [*ENGINE, "--port", "0", "--token-delay-ms", "20", "--num-tokens", str(TOKENS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            match = re.search(r"listening on (http://\S+)", proc.stdout.readline())
+            assert match
+            yield match.group(1)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def _tls(host: str, port: int) -> ssl.SSLSocket:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context.wrap_socket(socket.create_connection((host, port), timeout=10))
+
+
+def served_fingerprint(host: str, port: int) -> str:
+    """The SHA-256 of the certificate a new TLS connection is handed."""
+    with _tls(host, port) as client:
+        der = client.getpeercert(binary_form=True)
+    assert der is not None
+    return hashlib.sha256(der).hexdigest()
+
+
+def quic_fingerprint(address: str) -> str:
+    """The SHA-256 of the certificate a new QUIC connection is handed."""
+
+    async def handshake() -> str:
+        host, port = address.rsplit(":", 1)
+        async with asyncio.timeout(10):
+            async with connect(
+                host, int(port), configuration=client_configuration(), create_protocol=H3Client
+            ) as client:
+                assert isinstance(client, H3Client)
+                return client.peer_fingerprint
+
+    return asyncio.run(handshake())
+
+
+def status_with(host: str, port: int, token: str) -> int:
+    with _tls(host, port) as client:
+        client.sendall(
+            b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-request-id: auth-1\r\nx-model: mock-model\r\n"
+            b"connection: close\r\n"
+            b"authorization: Bearer " + token.encode() + b"\r\n\r\n"
+        )
+        head = client.recv(65536)
+    return int(head.split(b" ", 2)[1])
+
+
+def _stream(host: str, port: int, token: str) -> tuple[ssl.SSLSocket, bytes]:
+    """A streaming chat request, read until its first chunk: in flight."""
+    body = json.dumps(
+        {
+            "model": "mock-model",
+            "stream": True,
+            "max_tokens": TOKENS,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    ).encode()
+    client = _tls(host, port)
+    client.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: hup-1\r\n"
+        b"x-model: mock-model\r\nauthorization: Bearer " + token.encode() + b"\r\n"
+        b"content-length: %d\r\n\r\n" % len(body) + body
+    )
+    received = b""
+    while b"data: {" not in received:
+        chunk = client.recv(65536)
+        assert chunk, received
+        received += chunk
+    return client, received
+
+
+def _pending(client: ssl.SSLSocket) -> bytes:
+    """What the stream has delivered so far, without waiting for more."""
+    data = b""
+    while client.pending() or select.select([client], [], [], 0)[0]:
+        chunk = client.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _collect(proc: subprocess.Popen[str], wanted: dict[str, int]) -> list[dict[str, Any]]:
+    """Log lines until `wanted` (event -> how many) have all been seen."""
+    assert proc.stderr is not None
+    said: list[dict[str, Any]] = []
+    while any(sum(x["event"] == e for x in said) < n for e, n in wanted.items()):
+        line = proc.stderr.readline()
+        assert line, f"pylon exited with status {proc.wait(timeout=10)}: {said}"
+        said.append(json.loads(line))
+    return said
+
+
+def _until_end(client: ssl.SSLSocket) -> bytes:
+    data = b""
+    while b"data: [DONE]" not in data:
+        chunk = client.recv(65536)
+        assert chunk, data[-200:]
+        data += chunk
+    return data
+
+
+def test_the_signal_sets_are_what_the_docs_say() -> None:
+    """An independent list: removing a signal from the handled set fails here."""
+    assert set(STOP) == {signal.SIGINT, signal.SIGTERM, signal.SIGQUIT}
+    assert set(REPORT) == {signal.SIGUSR1, signal.SIGUSR2}
+    assert set(IGNORED) == {
+        signal.SIGALRM,
+        signal.SIGVTALRM,
+        signal.SIGXCPU,
+        signal.SIGXFSZ,
+        signal.SIGIO,
+        signal.SIGPWR,
+        signal.SIGSTKFLT,
+        *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
+    }
+    assert signal_name(signal.SIGRTMIN + 3) == "SIGRTMIN+3" and signal_name(1) == "SIGHUP"
+    assert signal.SIGHUP in HANDLED and set(STOP) | set(REPORT) | set(IGNORED) <= set(HANDLED)
+
+
+def test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon(
+    engine: str, tmp_path: Path
+) -> None:
+    first, second = make_leaf(None), make_leaf(None)
+    cert, key = write_pair(tmp_path, first)
+    token_file = tmp_path / "token"
+    token_file.write_text("old-token\n")
+    args = ["--listen", "127.0.0.1:0", "--quic-listen", "127.0.0.1:0", "--upstream", engine]
+    args += ["--tls-cert", str(cert)]
+    args += ["--tls-key", str(key), "--tunnel-token-file", str(token_file)]
+    # The poller never runs in this test: only SIGHUP can make pylon re-read the files.
+    args += ["--tls-reload-interval", "3600", "--log-level", "warning"]
+    with start_pylon(*args) as proc:
+        try:
+            lines = log_lines(proc, "ready")
+            listening = next(line for line in lines if line["event"] == "listening")
+            host, port_text = listening["address"].rsplit(":", 1)
+            port = int(port_text)
+            quic = next(line for line in lines if line["event"] == "listening_quic")["address"]
+            assert served_fingerprint(host, port) == fingerprint(first[0])
+            assert quic_fingerprint(quic) == fingerprint(first[0])
+            client, received = _stream(host, port, "old-token")
+
+            write_pair(tmp_path, second)
+            token_file.write_text("new-token\n")
+            proc.send_signal(signal.SIGHUP)
+            reloaded = log_lines(proc, "reloaded")[-1]
+            assert reloaded["signal"] == "SIGHUP" and reloaded["level"] == "info"
+            assert reloaded["reloaded"] == ["tls", "tunnel_token"]
+            assert reloaded["tls_sha256"] == fingerprint(second[0])
+            assert reloaded["tunnel_token"] == "rotated" and reloaded["failed"] is None
+            assert served_fingerprint(host, port) == fingerprint(second[0])
+            assert quic_fingerprint(quic) == fingerprint(second[0])
+            assert status_with(host, port, "old-token") == 401
+            assert status_with(host, port, "new-token") == 200
+
+            # A broken pair and an empty token file: an error line, the old ones kept.
+            cert.write_bytes(b"not a certificate")
+            token_file.write_text("")
+            proc.send_signal(signal.SIGHUP)
+            failed = log_lines(proc, "reload_failed")[-1]
+            assert failed["level"] == "error" and failed["reloaded"] == []
+            assert set(failed["failed"]) == {"tls", "tunnel_token"}
+            assert "not valid PEM" in failed["failed"]["tls"]
+            assert failed["tls_sha256"] == fingerprint(second[0])
+            assert served_fingerprint(host, port) == fingerprint(second[0])
+            assert quic_fingerprint(quic) == fingerprint(second[0])
+            assert status_with(host, port, "new-token") == 200
+
+            for sig in (*REPORT, *IGNORED, signal.SIGPIPE):
+                proc.send_signal(sig)
+            said = _collect(proc, {"status_report": len(REPORT), "signal_ignored": len(IGNORED)})
+            reports = [line for line in said if line["event"] == "status_report"]
+            assert {line["signal"] for line in reports} == {"SIGUSR1", "SIGUSR2"}
+            assert reports[0]["phase"] == "ready" and reports[0]["http1"] == 1
+            ignored = {line["signal"] for line in said if line["event"] == "signal_ignored"}
+            assert ignored == {signal_name(sig) for sig in IGNORED}
+            assert proc.poll() is None
+
+            # Every signal came while the stream ran; it ends whole, on the old identity.
+            received += _pending(client)
+            assert b"data: [DONE]" not in received, "the stream ended before the signals"
+            received += _until_end(client)
+            assert received.count(b"data: {") >= TOKENS
+            client.close()
+            proc.send_signal(signal.SIGTERM)
+            log_lines(proc, "drained")
+            assert proc.wait(timeout=10) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigquit_drains_like_sigterm(engine: str) -> None:
+    """And SIGHUP with nothing to re-read says so."""
+    with start_pylon("--listen", "127.0.0.1:0", "--upstream", engine) as proc:
+        try:
+            log_lines(proc, "ready")
+            proc.send_signal(signal.SIGHUP)
+            reloaded = log_lines(proc, "reloaded")[-1]
+            assert reloaded["reloaded"] == [] and "nothing to re-read" in reloaded["detail"]
+            proc.send_signal(signal.SIGQUIT)
+            log_lines(proc, "drained")
+            assert proc.wait(timeout=10) == 0
+        finally:
+            proc.kill()
+            proc.wait()
