@@ -175,6 +175,7 @@ REPEATED_EVENTS = frozenset(
         "kv_token_data_refused",
         "model_discovery_poll",
         "tracing_error",
+        "upstream_moved",  # one per request while a dead worker is still in rotation
     }
 )
 # The fields that name a process event's source (all from the configuration: workers, their

@@ -125,6 +125,7 @@ REPEATED = {
     "kv_token_data_refused": {"model": "m", "detail": "x"},
     "model_discovery_poll": {"outcome": "failed", "reason": "connect"},
     "tracing_error": {"detail": "x"},
+    "upstream_moved": {"worker": "w0", "to": "w1", "detail": "x"},
 }
 
 
