@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from mutations import auth, floods, head, http3, intake, lifecycle, limits, strip, timeouts, tls
+from mutations import (
+    auth,
+    floods,
+    head,
+    http3,
+    intake,
+    lifecycle,
+    limits,
+    routes,
+    strip,
+    timeouts,
+    tls,
+)
 from mutations.spec import Mutation
 
 SECURITY: list[Mutation] = [
@@ -27,6 +39,7 @@ SECURITY: list[Mutation] = [
     *intake.MUTATIONS,
     *strip.REQUEST_STRIP,
     *strip.RESPONSE_STRIP,
+    *routes.MUTATIONS,
     *limits.ENGINE_SIDE,
     *http3.QPACK,
 ]
