@@ -7,7 +7,7 @@ Writes, on every non-health request, exactly once each:
 Body: nothing (Dynamo rejects unknown `nvext` keys, and the headers win anyway).
 
 Routes (`ROUTES`): the frontend's inference routes, where it reads the priority headers (chat,
-completions, responses, embeddings, Anthropic `/v1/messages`; dynamo-contract §1), all with a
+completions, responses, embeddings, Anthropic `/v1/messages`; dynamo-contract §1e), all with a
 required body `model`, and `GET /v1/models`. Every other route is refused (docs/api-contract.md,
 "Routes served").
 """

@@ -10,6 +10,8 @@ fails a test here.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -203,3 +205,23 @@ def test_get_models_stays_served_with_no_body_rules() -> None:
     for backend in GOLDEN:
         planned = plan(backend, "GET", "/v1/models", b"")
         assert planned.body == b"" and planned.stream_requested is False
+
+
+def documented_routes(backend: str) -> set[tuple[str, str]]:
+    """The (method, route) pairs docs/api-contract.md section 3.1 lists for `backend`."""
+    text = (Path(__file__).parents[2] / "docs" / "api-contract.md").read_text()
+    section = text.split("### 3.1 Routes served, per backend", 1)[1].split("\n## ", 1)[0]
+    table = section.split(f"\n`{backend}`:\n", 1)[1].strip().split("\n\n", 1)[0]
+    found: set[tuple[str, str]] = set()
+    for row in table.splitlines()[2:]:
+        methods, routes, _ = row.strip("|").split("|", 2)
+        # Only the routes in the column's own text: `(...)` notes may name others.
+        listed = re.sub(r"\(.*?\)", "", routes)
+        for method in methods.split(","):
+            found |= {(method.strip(), r) for r in re.findall(r"`(/[^`]*)`", listed)}
+    return found
+
+
+@pytest.mark.parametrize("backend", sorted(GOLDEN))
+def test_the_contract_lists_each_backends_routes(backend: str) -> None:
+    assert documented_routes(backend) == set(GOLDEN[backend])
