@@ -97,9 +97,7 @@ _UTF8_CHUNK = 1 << 20
 class BodyView:
     """What pylon read from a JSON object body."""
 
-    stream: (
-        bool  # `"stream": true` (see `read_stream`: anything but true, false or null is refused)
-    )
+    stream: bool  # `"stream": true`; anything but true, false or null is refused (`read_stream`)
     model: object  # the (last) top-level `model` value, decoded; None when absent
     model_count: int  # how many top-level `model` members the body has
     stripped: tuple[str, ...]  # dotted paths the strip removes, e.g. "nvext.backend_instance_id"
