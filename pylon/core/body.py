@@ -53,8 +53,13 @@ def _raw_fields(name: str, keys: list[str]) -> type[msgspec.Struct]:
     )
 
 
-# Everything sanitize_body can remove or look into, and `stream`: nothing else is built.
-_TOP_KEYS = sorted({*DENIED_BODY_FIELDS, *CONTAINER_KEYS, "stream", "model"})
+# Top-level fields that choose the model the engine serves besides `model`: SGLang's `lora_path`
+# picks a LoRA adapter on chat, completions and `/generate`.
+MODEL_SELECTORS: tuple[str, ...] = ("lora_path",)
+
+# Everything sanitize_body can remove or look into, `stream` and the model's fields: nothing
+# else is built.
+_TOP_KEYS = sorted({*DENIED_BODY_FIELDS, *CONTAINER_KEYS, *MODEL_SELECTORS, "stream", "model"})
 _TOP_SLOT = {key: f"f{index}" for index, key in enumerate(_TOP_KEYS)}
 _TOP_DECODER = msgspec.json.Decoder(_raw_fields("_TopLevel", _TOP_KEYS))
 _RAW_DECODER = msgspec.json.Decoder(msgspec.Raw)
@@ -104,6 +109,8 @@ class BodyView:
     repeated: tuple[str, ...]  # CONTAINER_KEYS given more than once at the top level
     # The decoded members of `nvext` / `vllm_xargs` where they are objects (for rewrite_body).
     containers: Mapping[str, dict[str, msgspec.Raw]] = field(repr=False)
+    # MODEL_SELECTORS the body sets (not null), each with its decoded value.
+    selectors: tuple[tuple[str, object], ...] = ()
 
     @property
     def verbatim(self) -> bool:
@@ -148,7 +155,24 @@ def inspect_body(body: bytes) -> BodyView:
         stripped=sanitize_body(fields).stripped,
         repeated=tuple(repeated),
         containers=containers,
+        selectors=_selectors(fields, keys),
     )
+
+
+def _selectors(fields: dict[str, Any], keys: list[str]) -> tuple[tuple[str, object], ...]:
+    """The MODEL_SELECTORS the body sets (not null), decoded; a repeated one is refused like a
+    repeated `model` (engines differ in which copy they read)."""
+    found: list[tuple[str, object]] = []
+    for key in MODEL_SELECTORS:
+        raw = fields.get(key)
+        if raw is None:
+            continue
+        if keys.count(key) > 1:
+            raise BodyError(f"body {key} is given more than once", code=ErrorCode.MODEL_MISMATCH)
+        value = _decode(_ANY_DECODER, bytes(raw))
+        if value is not None:  # null: none chosen, the engine serves what `model` says
+            found.append((key, value))
+    return tuple(found)
 
 
 _MODEL_SLOT = _TOP_SLOT["model"]

@@ -151,8 +151,8 @@ class Planner:
         if not body and request.method in _BODYLESS_METHODS:
             return body, (), False
         view = inspect_body(body)
-        if view.model_count != 1 or view.model != request.model:
-            # (the common body, one matching model: no call)
+        if view.model_count != 1 or view.model != request.model or view.selectors:
+            # (the common body, one matching model and no other model field: no call)
             _check_model(view, request.model, route.body_model)
         priority = write.body_priority if route.schedules else None
         if not view.stripped and not view.repeated:  # `view.verbatim`, without a property call
@@ -206,3 +206,10 @@ def _check_model(view: BodyView, model: str, required: bool) -> None:
             f"body model {view.model!r} differs from x-model {model!r}",
             code=ErrorCode.MODEL_MISMATCH,
         )
+    for key, value in view.selectors:
+        # SGLang serves the adapter `lora_path` names, whatever `model` says.
+        if value != model:
+            raise BodyError(
+                f"body {key} {value!r} would serve another model than x-model {model!r}",
+                code=ErrorCode.MODEL_MISMATCH,
+            )

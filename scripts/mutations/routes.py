@@ -65,6 +65,15 @@ MUTATIONS = [
         },
     ),
     Mutation(
+        "body model",
+        "a lora_path naming another adapter is forwarded (SGLang serves that adapter)",
+        Never(PLAN, "_check_model", "value != model"),
+        {
+            "core": (f"{PLAN_T}::test_a_lora_path_naming_another_model_is_refused[*]",),
+            **per_transport(f"{SERVED_T}::test_a_lora_path_naming_another_model_is_refused"),
+        },
+    ),
+    Mutation(
         "body fields",
         'stream read leniently ("stream": 1 forwarded as a non-stream)',
         ReplaceExpr(BODY, "read_stream", "_STREAM_TEXTS.get(raw)", 'raw == b"true"'),

@@ -124,3 +124,19 @@ async def test_get_models_and_health_still_pass_through(make_stack: StackFactory
         )
         assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
         assert (await stack.client.get(f"{stack.pylon_url}/health")).status_code == 200
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+async def test_a_lora_path_naming_another_model_is_refused(
+    make_stack: StackFactory, protocol: str, path: str
+) -> None:
+    # SGLang serves the adapter `lora_path` names: the gateway authorised x-model, not it.
+    stack = await make_stack("sglang")
+    fields: dict[str, object] = {"text": "hi", "lora_path": "other-adapter"}
+    if path != "/generate":
+        fields.update(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    reply = await stack.send(protocol, path, HEADERS, json.dumps(fields).encode())
+    assert reply.status == 400
+    assert problem(reply)["code"] == "model_mismatch"
+    await assert_engine_saw_nothing(stack)

@@ -85,6 +85,7 @@ def test_body_view_field_order() -> None:
         ("stripped", "tuple[str, ...]"),
         ("repeated", "tuple[str, ...]"),
         ("containers", "Mapping[str, dict[str, msgspec.Raw]]"),
+        ("selectors", "tuple[tuple[str, object], ...]"),
     ]
 
 

@@ -227,3 +227,26 @@ def test_routed_plan_carries_the_trace_context_the_engine_continues(
     )
     if ours is None:
         assert routed.headers == (*plan.headers, pin)
+
+
+@pytest.mark.parametrize("backend", ["dynamo", "vllm", "sglang", "passthrough"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","lora_path":"other"}',
+        b'{"model":"m","lora_path":["m","other"]}',
+        b'{"model":"m","lora_path":"m","lora_path":"other"}',
+        b'{"model":"m","l\\u006fra_path":"other"}',
+    ],
+)
+def test_a_lora_path_naming_another_model_is_refused(backend: str, body: bytes) -> None:
+    # SGLang serves the adapter `lora_path` names, whatever `model` (and x-model) say.
+    with pytest.raises(BodyError) as refused:
+        planner(backend).plan(tunnel(), body)
+    assert refused.value.code is ErrorCode.MODEL_MISMATCH
+
+
+@pytest.mark.parametrize("value", [b'"m"', b"null"])
+def test_a_lora_path_naming_x_model_or_none_is_forwarded(value: bytes) -> None:
+    body = b'{"model":"m","lora_path":' + value + b"}"
+    assert json.loads(planner("sglang").plan(tunnel(), body).body)["lora_path"] == json.loads(value)
