@@ -58,8 +58,10 @@ A record's `kv` is the engine model's view of that generation request while the 
 `usage.input_tokens_details.cached_tokens`) when there is a cache.
 
 Fault semantics (`PUT /test-control/faults`, first matching fault wins):
-- `path`/`model`: match filters. A fault without `path` only matches the four
-  inference routes; name `/health` or `/v1/models` explicitly to hit those.
+- `path`/`model`: match filters. A fault without `path` only matches the
+  inference routes (the four OpenAI ones and `SCHEDULED_ROUTES`, which answer a
+  small JSON object naming the model); name `/health` or `/v1/models` explicitly
+  to hit those.
 - `delay_ms`: extra wait before anything is sent.
 - `status`: answer with that status and an OpenAI-style error body.
 - `retryable` / `retry_after`: add `x-stargate-upstream-retryable` / `Retry-After`
@@ -513,6 +515,48 @@ async def handle_embeddings(request: web.Request) -> web.StreamResponse:
     return await json_reply(request, payload, fault)
 
 
+# The other routes the engines schedule (docs/api-contract.md, "Routes served"): pooling,
+# scoring and reranking, SageMaker's `/invocations`, the native and token-in generate routes.
+# The mock answers each with a small JSON object naming the model, after the common checks;
+# a route without a model field (SGLang's `/generate`) is served by the first model.
+SCHEDULED_ROUTES: tuple[str, ...] = (
+    "/pooling",
+    "/classify",
+    "/v1/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/v2/embed",
+    "/v1/messages",
+    "/invocations",
+    "/generate",
+    "/inference/v1/generate",
+)
+NO_MODEL_FIELD_ROUTES = frozenset({"/generate"})
+
+
+async def handle_scheduled(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    body = request[BODY_KEY]
+    if request.path in NO_MODEL_FIELD_ROUTES and isinstance(body, dict) and "model" not in body:
+        if not state.models:
+            return error_response(404, "no model is served")
+        model = state.models[0]
+        problem = contract_violation(state.config.flavor, body)
+        if problem is not None:
+            return error_response(400, problem)
+    else:
+        checked = _validate(request)
+        if isinstance(checked, web.Response):
+            return checked
+        body, model = checked
+    fault = state.faults.take(request.path, model, inference=True)
+    payload = {"object": "result", "model": model, "route": request.path, "data": []}
+    return await json_reply(request, payload, fault)
+
+
 # --- metadata routes --------------------------------------------------------
 
 
@@ -806,6 +850,9 @@ def build_app(config: MockConfig) -> web.Application:
         _generation_route(replies.responses_body, replies.responses_stream, "responses"),
     )
     app.router.add_post("/v1/embeddings", handle_embeddings)
+    for path in SCHEDULED_ROUTES:
+        app.router.add_post(path, handle_scheduled)
+    app.router.add_put("/generate", handle_scheduled)
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/v1/health/ready", handle_health_ready)

@@ -11,9 +11,9 @@ How a request flows (each layer only knows the one below it):
   for every transport, on what admission (`pylon.proxy.admission`, run by the stream table)
   made of the head; `Forward` or `Reject`.
 - Contract (`pylon.core.contract`): the tunnel headers, parsed once into a frozen request.
-- Planner (`pylon.core.plan`, `pylon.core.sanitize`, `pylon.adapters`): strip every client
-  steering control, derive the engine priority per backend; a `ForwardPlan` that is exactly what
-  goes to the engine.
+- Planner (`pylon.core.plan`, `pylon.core.sanitize`, `pylon.adapters`): refuse a route the
+  backend does not serve, strip every client steering control, derive the engine priority per
+  backend; a `ForwardPlan` that is exactly what goes to the engine.
 - Exchange (`pylon.proxy.exchange`, `pylon.core.record`): one object per request, its record
   and the record's only writer; it emits the request's moments once each, in order, to the
   queue entry, the booking, the span and the observers.
@@ -51,6 +51,9 @@ Glossary (one word per concept, in code, logs and docs):
   outcome, tokens); the exchange is its only writer.
 - moment: one step of an exchange told to its subscribers (`ExchangeHooks`): dispatched,
   response head, first output, output, then complete or rejected.
+- route: a request's method and percent-decoded path. Each backend serves a fixed table of
+  them (`PriorityAdapter.route`: scheduled, scheduled with no model field, or not scheduled);
+  any other is refused (`route_not_served`), never forwarded unsteered.
 - plan: `ForwardPlan`, exactly what goes to the engine (method, request-target, fields, body)
   and, once routed, where.
 - upstream: where an attempt goes (`Upstream`: host, port, base path); the target is only the

@@ -10,6 +10,7 @@ from pylon.adapters.base import (
     AdapterOptions,
     PriorityAdapter,
     PriorityWrite,
+    Route,
 )
 from pylon.adapters.dynamo import DynamoAdapter
 from pylon.adapters.passthrough import PassthroughAdapter
@@ -25,9 +26,16 @@ ADAPTERS: Mapping[str, Callable[[AdapterOptions], PriorityAdapter]] = {
 
 
 class _DisabledAdapter:
-    """`--no-derive-priority`: the kill switch. Writes nothing; the strip still applies."""
+    """`--no-derive-priority`: the kill switch. Writes nothing; the strip and the backend's
+    routes still apply."""
 
     name: ClassVar[str] = "disabled"
+
+    def __init__(self, backend: PriorityAdapter) -> None:
+        self._backend = backend
+
+    def route(self, method: str, path: str) -> Route | None:
+        return self._backend.route(method, path)
 
     def derive(self, rank: int | None) -> PriorityWrite:
         return NO_WRITE
@@ -43,7 +51,8 @@ def build_adapter(backend: str, options: AdapterOptions, *, derive: bool) -> Pri
     factory = ADAPTERS.get(backend)
     if factory is None:
         raise ValueError(f"unknown backend {backend!r}; expected one of {sorted(ADAPTERS)}")
-    return factory(options) if derive else _DisabledAdapter()
+    adapter = factory(options)
+    return adapter if derive else _DisabledAdapter(adapter)
 
 
 __all__ = [

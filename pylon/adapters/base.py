@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pylon.core.priority import NO_WRITE, PriorityAdapter, PriorityWrite
+from pylon.core.priority import (
+    NO_WRITE,
+    NOT_SCHEDULED,
+    SCHEDULED,
+    SCHEDULED_NO_MODEL_FIELD,
+    PriorityAdapter,
+    PriorityWrite,
+    Route,
+    RouteTable,
+)
 
 I32_MAX = 2**31 - 1
 
@@ -25,9 +34,14 @@ def clamp_rank(rank: int, ceiling: int) -> int:
 
 __all__ = [
     "I32_MAX",
+    "NOT_SCHEDULED",
     "NO_WRITE",
+    "SCHEDULED",
+    "SCHEDULED_NO_MODEL_FIELD",
     "AdapterOptions",
     "PriorityAdapter",
     "PriorityWrite",
+    "Route",
+    "RouteTable",
     "clamp_rank",
 ]

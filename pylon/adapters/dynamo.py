@@ -5,16 +5,40 @@ Writes, on every non-health request, exactly once each:
   start in Dynamo's router queue); absent r -> 0, the least urgent.
 - `x-dynamo-request-strict-priority: 0` (no strict tier: a client must not get one).
 Body: nothing (Dynamo rejects unknown `nvext` keys, and the headers win anyway).
+
+Routes (`ROUTES`): the frontend's inference routes, where it reads the priority headers (chat,
+completions, responses, embeddings, Anthropic `/v1/messages`; dynamo-contract §1e), all with a
+required body `model`, and `GET /v1/models`. Every other route is refused (docs/api-contract.md,
+"Routes served").
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from pylon.adapters.base import AdapterOptions, PriorityAdapter, PriorityWrite, clamp_rank
+from pylon.adapters.base import (
+    NOT_SCHEDULED,
+    SCHEDULED,
+    AdapterOptions,
+    PriorityAdapter,
+    PriorityWrite,
+    Route,
+    RouteTable,
+    clamp_rank,
+)
 
 PRIORITY_HEADER = b"x-dynamo-request-priority"
 STRICT_PRIORITY_HEADER = b"x-dynamo-request-strict-priority"
+
+ROUTES: RouteTable = {
+    ("POST", "/v1/chat/completions"): SCHEDULED,
+    ("POST", "/v1/completions"): SCHEDULED,
+    ("POST", "/v1/responses"): SCHEDULED,
+    ("POST", "/v1/embeddings"): SCHEDULED,
+    ("POST", "/v1/messages"): SCHEDULED,
+    ("GET", "/v1/models"): NOT_SCHEDULED,
+    ("HEAD", "/v1/models"): NOT_SCHEDULED,
+}
 
 
 class DynamoAdapter:
@@ -29,6 +53,9 @@ class DynamoAdapter:
         if rank is None:
             return self._unconfigured
         return self._write(self._value(rank))
+
+    def route(self, method: str, path: str) -> Route | None:
+        return ROUTES.get((method, path))
 
     def queue_level(self, rank: int | None) -> int:
         # Dynamo serves higher values first: invert, so that a lower level runs first.

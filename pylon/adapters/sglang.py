@@ -3,13 +3,42 @@
 Default polarity: `priority = C - min(r, C)`, absent r -> 0 (least urgent).
 With `--sglang-low-priority-first` (engine runs `--schedule-low-priority-values-first`):
 `priority = min(r, C)`, absent -> C. Headers: nothing (`x-override-*` is stripped).
+
+Routes (`ROUTES`), from SGLang's `srt/entrypoints/http_server.py`: the OpenAI routes whose request
+types read a body `priority` (chat, completions, responses, embeddings, `/v1/classify`), SageMaker's
+`/invocations` (run as chat), the native `/generate` (POST and PUT; `GenerateReqInput` has no
+`model` field: SGLang serves the model it was started with), and `GET /v1/models`. Every other
+route is refused (docs/api-contract.md, "Routes served").
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from pylon.adapters.base import AdapterOptions, PriorityAdapter, PriorityWrite, clamp_rank
+from pylon.adapters.base import (
+    NOT_SCHEDULED,
+    SCHEDULED,
+    SCHEDULED_NO_MODEL_FIELD,
+    AdapterOptions,
+    PriorityAdapter,
+    PriorityWrite,
+    Route,
+    RouteTable,
+    clamp_rank,
+)
+
+ROUTES: RouteTable = {
+    ("POST", "/v1/chat/completions"): SCHEDULED,
+    ("POST", "/v1/completions"): SCHEDULED,
+    ("POST", "/v1/responses"): SCHEDULED,
+    ("POST", "/v1/embeddings"): SCHEDULED,
+    ("POST", "/v1/classify"): SCHEDULED,
+    ("POST", "/invocations"): SCHEDULED,
+    ("POST", "/generate"): SCHEDULED_NO_MODEL_FIELD,
+    ("PUT", "/generate"): SCHEDULED_NO_MODEL_FIELD,
+    ("GET", "/v1/models"): NOT_SCHEDULED,
+    ("HEAD", "/v1/models"): NOT_SCHEDULED,
+}
 
 
 class SglangAdapter:
@@ -22,6 +51,9 @@ class SglangAdapter:
     def derive(self, rank: int | None) -> PriorityWrite:
         value = self._value(rank)
         return PriorityWrite(body_priority=value, value=value)
+
+    def route(self, method: str, path: str) -> Route | None:
+        return ROUTES.get((method, path))
 
     def queue_level(self, rank: int | None) -> int:
         value = self._value(rank)

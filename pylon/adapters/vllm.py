@@ -2,13 +2,49 @@
 
 Writes body `priority = min(r, C)`; absent r -> C, the least urgent. Headers: nothing (the client's
 `x-vllm-priority`, which would override the body, is stripped).
+
+Routes (`ROUTES`): every route vLLM's OpenAI server queues whose request type reads a body
+`priority` (where it is absent vLLM schedules at 0, the most urgent, so an unsteered route would
+jump the queue), and `GET /v1/models`. Taken from vLLM's routers: `openai/chat_completion`,
+`completion`, `responses`, `pooling/{embed,pooling,classify,score}` (`/score`, `/v1/score`,
+`/rerank`, `/v1/rerank`, `/v2/rerank`), the Cohere `/v2/embed`, SageMaker's `/invocations` (run
+as one of those, by body shape) and the token-in/token-out `/inference/v1/generate`. Every other
+route is refused (docs/api-contract.md, "Routes served").
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from pylon.adapters.base import AdapterOptions, PriorityAdapter, PriorityWrite, clamp_rank
+from pylon.adapters.base import (
+    NOT_SCHEDULED,
+    SCHEDULED,
+    AdapterOptions,
+    PriorityAdapter,
+    PriorityWrite,
+    Route,
+    RouteTable,
+    clamp_rank,
+)
+
+ROUTES: RouteTable = {
+    ("POST", "/v1/chat/completions"): SCHEDULED,
+    ("POST", "/v1/completions"): SCHEDULED,
+    ("POST", "/v1/responses"): SCHEDULED,
+    ("POST", "/v1/embeddings"): SCHEDULED,
+    ("POST", "/v2/embed"): SCHEDULED,
+    ("POST", "/pooling"): SCHEDULED,
+    ("POST", "/classify"): SCHEDULED,
+    ("POST", "/score"): SCHEDULED,
+    ("POST", "/v1/score"): SCHEDULED,
+    ("POST", "/rerank"): SCHEDULED,
+    ("POST", "/v1/rerank"): SCHEDULED,
+    ("POST", "/v2/rerank"): SCHEDULED,
+    ("POST", "/invocations"): SCHEDULED,
+    ("POST", "/inference/v1/generate"): SCHEDULED,
+    ("GET", "/v1/models"): NOT_SCHEDULED,
+    ("HEAD", "/v1/models"): NOT_SCHEDULED,
+}
 
 
 class VllmAdapter:
@@ -20,6 +56,9 @@ class VllmAdapter:
     def derive(self, rank: int | None) -> PriorityWrite:
         value = self.queue_level(rank)
         return PriorityWrite(body_priority=value, value=value)
+
+    def route(self, method: str, path: str) -> Route | None:
+        return ROUTES.get((method, path))
 
     def queue_level(self, rank: int | None) -> int:
         # vLLM serves lower values first: the body value is the order itself.

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import msgspec
 
-from pylon.core.errors import BodyError, ErrorCode
+from pylon.core.errors import BodyError, BodyFieldError, ErrorCode
 from pylon.core.sanitize import DENIED_BODY_FIELDS, DENIED_NESTED_FIELDS, sanitize_body
 from pylon.core.values import static_frozen
 
@@ -53,8 +53,13 @@ def _raw_fields(name: str, keys: list[str]) -> type[msgspec.Struct]:
     )
 
 
-# Everything sanitize_body can remove or look into, and `stream`: nothing else is built.
-_TOP_KEYS = sorted({*DENIED_BODY_FIELDS, *CONTAINER_KEYS, "stream", "model"})
+# Top-level fields that choose the model the engine serves besides `model`: SGLang's `lora_path`
+# picks a LoRA adapter on chat, completions and `/generate`.
+MODEL_SELECTORS: tuple[str, ...] = ("lora_path",)
+
+# Everything sanitize_body can remove or look into, `stream` and the model's fields: nothing
+# else is built.
+_TOP_KEYS = sorted({*DENIED_BODY_FIELDS, *CONTAINER_KEYS, *MODEL_SELECTORS, "stream", "model"})
 _TOP_SLOT = {key: f"f{index}" for index, key in enumerate(_TOP_KEYS)}
 _TOP_DECODER = msgspec.json.Decoder(_raw_fields("_TopLevel", _TOP_KEYS))
 _RAW_DECODER = msgspec.json.Decoder(msgspec.Raw)
@@ -97,13 +102,15 @@ _UTF8_CHUNK = 1 << 20
 class BodyView:
     """What pylon read from a JSON object body."""
 
-    stream: bool  # `"stream": true`, literally
+    stream: bool  # `"stream": true`; anything but true, false or null is refused (`read_stream`)
     model: object  # the (last) top-level `model` value, decoded; None when absent
     model_count: int  # how many top-level `model` members the body has
     stripped: tuple[str, ...]  # dotted paths the strip removes, e.g. "nvext.backend_instance_id"
     repeated: tuple[str, ...]  # CONTAINER_KEYS given more than once at the top level
     # The decoded members of `nvext` / `vllm_xargs` where they are objects (for rewrite_body).
     containers: Mapping[str, dict[str, msgspec.Raw]] = field(repr=False)
+    # MODEL_SELECTORS the body sets (not null), each with its decoded value.
+    selectors: tuple[tuple[str, object], ...] = ()
 
     @property
     def verbatim(self) -> bool:
@@ -142,13 +149,30 @@ def inspect_body(body: bytes) -> BodyView:
     stream = fields.get("stream")
     model = fields.get("model")
     return BodyView(
-        stream=stream is not None and bytes(stream) == b"true",
+        stream=stream is not None and read_stream(bytes(stream)),
         model=None if model is None else _decode(_ANY_DECODER, bytes(model)),
         model_count=keys.count("model"),
         stripped=sanitize_body(fields).stripped,
         repeated=tuple(repeated),
         containers=containers,
+        selectors=_selectors(fields, keys),
     )
+
+
+def _selectors(fields: dict[str, Any], keys: list[str]) -> tuple[tuple[str, object], ...]:
+    """The MODEL_SELECTORS the body sets (not null), decoded; a repeated one is refused like a
+    repeated `model` (engines differ in which copy they read)."""
+    found: list[tuple[str, object]] = []
+    for key in MODEL_SELECTORS:
+        raw = fields.get(key)
+        if raw is None:
+            continue
+        if keys.count(key) > 1:
+            raise BodyError(f"body {key} is given more than once", code=ErrorCode.MODEL_MISMATCH)
+        value = _decode(_ANY_DECODER, bytes(raw))
+        if value is not None:  # null: none chosen, the engine serves what `model` says
+            found.append((key, value))
+    return tuple(found)
 
 
 _MODEL_SLOT = _TOP_SLOT["model"]
@@ -179,13 +203,32 @@ def _plain_view(body: bytes, top: msgspec.Struct) -> BodyView | None:
         return None  # a denied field or a container: the full reading
     # Positional, in field order (test_field_order.py pins it): keywords build a dict on 3.11.
     return BodyView(
-        bytes(stream) == b"true",  # stream
+        bool(stream) and read_stream(bytes(stream)),  # stream
         _decode(_ANY_DECODER, bytes(model)) if model else None,  # model
         1 if model else 0,  # model_count
         (),  # stripped
         (),  # repeated
         {},  # containers
     )
+
+
+# The JSON texts of `stream` every engine reads as pylon does: pydantic-based engines (vLLM,
+# SGLang) read it in lax mode, where `1`, `"true"`, `"on"` or `1.0` are a stream too, and
+# serde-based Dynamo refuses anything but a boolean. Only these three mean the same everywhere
+# (null: vLLM's default, non-streaming; SGLang refuses it itself).
+_STREAM_TEXTS: dict[bytes, bool] = {b"true": True, b"false": False, b"null": False}
+
+
+def read_stream(raw: bytes) -> bool:
+    """Pylon's reading of a body `stream` (raw JSON text), which is the engine's reading: a
+    stream only for `true`; refused (400 `body_field_invalid`) where an engine could read the
+    value otherwise, since pylon times and samples a stream differently from an answer."""
+    value = _STREAM_TEXTS.get(raw)
+    if value is None:
+        raise BodyFieldError(
+            "stream", "body field stream must be true, false or null (a JSON boolean)"
+        )
+    return value
 
 
 def rewrite_body(body: bytes, view: BodyView, priority: int | None) -> bytes:

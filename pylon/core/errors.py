@@ -33,6 +33,9 @@ class ErrorCode(StrEnum):
     MALFORMED_REQUEST = "malformed_request"
     BODY_NOT_JSON_OBJECT = "body_not_json_object"
     MODEL_MISMATCH = "model_mismatch"
+    BODY_MODEL_MISSING = "body_model_missing"
+    BODY_FIELD_INVALID = "body_field_invalid"
+    ROUTE_NOT_SERVED = "route_not_served"
     CONTENT_ENCODING_NOT_SUPPORTED = "content_encoding_not_supported"
     BODY_TOO_COMPLEX = "body_too_complex"
     BODY_TOO_LARGE = "body_too_large"
@@ -76,6 +79,9 @@ _STATUS: dict[ErrorCode, int] = {
     ErrorCode.MALFORMED_REQUEST: 400,
     ErrorCode.BODY_NOT_JSON_OBJECT: 400,
     ErrorCode.MODEL_MISMATCH: 400,
+    ErrorCode.BODY_MODEL_MISSING: 400,
+    ErrorCode.BODY_FIELD_INVALID: 400,
+    ErrorCode.ROUTE_NOT_SERVED: 404,
     ErrorCode.CONTENT_ENCODING_NOT_SUPPORTED: 415,
     ErrorCode.BODY_TOO_COMPLEX: 400,
     ErrorCode.UNAUTHORIZED: 401,
@@ -105,6 +111,9 @@ _TITLES: dict[ErrorCode, str] = {
     ErrorCode.MALFORMED_REQUEST: "Malformed request",
     ErrorCode.BODY_NOT_JSON_OBJECT: "Body is not a JSON object",
     ErrorCode.MODEL_MISMATCH: "Body model differs from x-model",
+    ErrorCode.BODY_MODEL_MISSING: "Body names no model",
+    ErrorCode.BODY_FIELD_INVALID: "Body field pylon reads is ambiguous",
+    ErrorCode.ROUTE_NOT_SERVED: "Route not served",
     ErrorCode.CONTENT_ENCODING_NOT_SUPPORTED: "Request content encoding not supported",
     ErrorCode.BODY_TOO_COMPLEX: "Request body too complex",
     ErrorCode.UNAUTHORIZED: "Unauthorized",
@@ -177,6 +186,27 @@ class ContractError(ClientError):
 
 class BodyError(ClientError):
     code = ErrorCode.BODY_NOT_JSON_OBJECT
+
+
+class BodyFieldError(BodyError):
+    """A body field pylon acts on has a value the engine could read otherwise than pylon does
+    (`"stream": "true"`): refused, so that both always read the same request. The problem
+    names the field (`field`)."""
+
+    code = ErrorCode.BODY_FIELD_INVALID
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(detail)
+        self.field = field
+
+    def extensions(self) -> dict[str, object]:
+        return {"field": self.field}
+
+
+class RouteError(ClientError):
+    """A route pylon does not steer toward this backend: refused, never forwarded unsteered."""
+
+    code = ErrorCode.ROUTE_NOT_SERVED
 
 
 class LimitError(ClientError):

@@ -10,25 +10,14 @@ from typing import Any
 
 from pylon.core.body import BodyView, append_raw_member, inspect_body, rewrite_body
 from pylon.core.contract import HealthRequest, TraceContext, TunnelRequest
-from pylon.core.errors import BodyError, ErrorCode
+from pylon.core.errors import BodyError, ErrorCode, RouteError
 from pylon.core.http import Header
-from pylon.core.priority import PriorityAdapter, PriorityWrite
+from pylon.core.priority import PriorityAdapter, PriorityWrite, Route
 from pylon.core.sanitize import sanitize_request_headers
 from pylon.core.upstream import Upstream
 from pylon.core.values import static_frozen
 
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
-# Routes whose engines read a body `priority`; elsewhere a body field would be an unknown key.
-BODY_PRIORITY_PATHS = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/responses",
-        "/v1/embeddings",
-        "/generate",
-        "/inference/v1/generate",
-    }
-)
 
 
 # Two per request (the plan, then its routed copy, derived with `routed`): frozen for mypy, no
@@ -111,9 +100,16 @@ class Planner:
         self._consumed = consumed
 
     def plan(self, request: TunnelRequest, body: bytes) -> ForwardPlan:
+        route = self._adapter.route(request.method, request.path)
+        if route is None:
+            # Forwarded, it would run unsteered (vLLM schedules a request without a priority
+            # at 0, the most urgent): refused instead.
+            raise RouteError(
+                f"{request.method} {request.path} is not a route pylon serves toward this engine"
+            )
         sanitized = sanitize_request_headers(request.headers, self._consumed, request.names)
         write = self._adapter.derive(request.priority)
-        new_body, body_stripped, stream = self._rewrite_body(request, body, write)
+        new_body, body_stripped, stream = self._rewrite_body(request, body, write, route)
         headers: list[Header] = [(b"x-request-id", request.request_id.encode("ascii"))]
         if request.trace is not None:
             headers.extend(trace_headers(request.trace))
@@ -150,14 +146,15 @@ class Planner:
         )
 
     def _rewrite_body(
-        self, request: TunnelRequest, body: bytes, write: PriorityWrite
+        self, request: TunnelRequest, body: bytes, write: PriorityWrite, route: Route
     ) -> tuple[bytes, tuple[str, ...], bool]:
         if not body and request.method in _BODYLESS_METHODS:
             return body, (), False
         view = inspect_body(body)
-        if view.model_count != 1 or view.model != request.model:
-            _check_model(view, request.model)  # (the common body, one matching model: no call)
-        priority = write.body_priority if request.path in BODY_PRIORITY_PATHS else None
+        if view.model_count != 1 or view.model != request.model or view.selectors:
+            # (the common body, one matching model and no other model field: no call)
+            _check_model(view, request.model, route.body_model)
+        priority = write.body_priority if route.schedules else None
         if not view.stripped and not view.repeated:  # `view.verbatim`, without a property call
             # The common case: forward the client's own bytes, at most with pylon's priority
             # appended, so no value is ever re-encoded.
@@ -190,12 +187,18 @@ def has_duplicate_keys(body: bytes) -> bool:
     return found
 
 
-def _check_model(view: BodyView, model: str) -> None:
+def _check_model(view: BodyView, model: str, required: bool) -> None:
     """The gateway routed, authorised and accounts this request by `x-model`; the engine serves
     the body's `model`. They must be the same model, or the client gets another model than the
     one it was let through for. Refused rather than rewritten: pylon never changes what the
     client asked for silently. A repeated `model` is refused too: engines differ in which copy
-    they read."""
+    they read. `required`: the route reads a body `model`, so a body without one would be
+    served by the engine's default (base) model, whatever `x-model` names."""
+    if view.model_count == 0 and required:
+        raise BodyError(
+            f'the body names no model; this route needs "model": {model!r} (x-model)',
+            code=ErrorCode.BODY_MODEL_MISSING,
+        )
     if view.model_count > 1:
         raise BodyError("body model is given more than once", code=ErrorCode.MODEL_MISMATCH)
     if view.model_count == 1 and view.model != model:
@@ -203,3 +206,10 @@ def _check_model(view: BodyView, model: str) -> None:
             f"body model {view.model!r} differs from x-model {model!r}",
             code=ErrorCode.MODEL_MISMATCH,
         )
+    for key, value in view.selectors:
+        # SGLang serves the adapter `lora_path` names, whatever `model` says.
+        if value != model:
+            raise BodyError(
+                f"body {key} {value!r} would serve another model than x-model {model!r}",
+                code=ErrorCode.MODEL_MISMATCH,
+            )

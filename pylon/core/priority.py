@@ -6,6 +6,7 @@ the adapters depend on the core, never the other way round.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -28,11 +29,40 @@ class PriorityWrite:
 NO_WRITE = PriorityWrite()
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How pylon steers one route an engine serves (`PriorityAdapter.route`).
+
+    `schedules`: the engine queues the request, so pylon's priority goes with it (in the body,
+    where the adapter writes one there; headers go on every route). `body_model`: the engine
+    serves the model the body's `model` names (its default model when there is none), so the
+    body must name `x-model`'s; False where the route has no model field at all.
+    """
+
+    schedules: bool
+    body_model: bool
+
+
+SCHEDULED = Route(schedules=True, body_model=True)
+# The engine serves the model it was started with: there is no field to name another.
+SCHEDULED_NO_MODEL_FIELD = Route(schedules=True, body_model=False)
+# Read-only and not queued by the engine (`GET /v1/models`): forwarded as sent.
+NOT_SCHEDULED = Route(schedules=False, body_model=False)
+
+# (method, route) -> how pylon steers it. A route absent from a backend's table is refused.
+RouteTable = Mapping[tuple[str, str], Route]
+
+
 class PriorityAdapter(Protocol):
     name: ClassVar[str]
 
     def derive(self, rank: int | None) -> PriorityWrite:
         """Map the gateway rank (u32, lower = more urgent, None = unconfigured) to engine fields."""
+        ...
+
+    def route(self, method: str, path: str) -> Route | None:
+        """How pylon steers `method` on `path` (the percent-decoded route) toward this backend;
+        None: pylon does not serve it (answered 404 `route_not_served`, never forwarded)."""
         ...
 
     def queue_level(self, rank: int | None) -> int:

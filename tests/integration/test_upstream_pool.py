@@ -183,7 +183,9 @@ async def test_a_request_written_into_a_just_closed_connection_is_sent_once_more
     headers = {"x-request-id": "r", "x-model": "m"}
     async with httpx.AsyncClient(timeout=5) as client:
         for _ in range(2):
-            reply = await client.post(f"{url}/v1/chat/completions", json={}, headers=headers)
+            reply = await client.post(
+                f"{url}/v1/chat/completions", json={"model": "m"}, headers=headers
+            )
             assert reply.status_code == 200, reply.text
     # First request on connection 1; the second went into connection 1 (dropped unanswered)
     # and again, on connection 2.

@@ -233,16 +233,17 @@ def test_client_priority_always_stripped(backend: str, derive: bool) -> None:
         (b"x-override-priority", b"100"),
         (b"X-Dynamo-Request-Priority", b"100"),
     )
-    plan = Planner(adapter(backend, 3600, derive=derive)).plan(request, b'{"priority":-5}')
+    body_in = b'{"priority":-5,"model":"m"}'
+    plan = Planner(adapter(backend, 3600, derive=derive)).plan(request, body_in)
     body = json.loads(plan.body)
     names = [n.lower() for n, _ in plan.headers]
     assert b"x-vllm-priority" not in names and b"x-override-priority" not in names
     if backend == "vllm" and derive:
-        assert body == {"priority": 2}
+        assert body == {"model": "m", "priority": 2}
     elif backend == "sglang" and derive:
-        assert body == {"priority": 3598}
+        assert body == {"model": "m", "priority": 3598}
     else:
-        assert body == {}
+        assert body == {"model": "m"}
     if backend == "dynamo" and derive:
         assert names.count(PRIORITY_HEADER) == 1
     else:

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 import orjson
+import pydantic
 import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -22,7 +23,7 @@ from pylon.core.body import (
     rewrite_body,
     with_token_data,
 )
-from pylon.core.errors import BodyError, ErrorCode
+from pylon.core.errors import BodyError, BodyFieldError, ErrorCode
 from pylon.core.plan import has_duplicate_keys
 from pylon.core.sanitize import sanitize_body
 
@@ -433,3 +434,46 @@ def test_member_limit_in_large_bodies() -> None:
             with pytest.raises(BodyError) as info:
                 planner().plan(tunnel(), text)
             assert info.value.code is ErrorCode.BODY_TOO_COMPLEX
+
+
+# --- `stream`: pylon's reading is the engine's, or the request is refused ----------------------
+
+# How a pydantic-based engine (vLLM: `stream: bool | None = False`) reads `stream`, in lax mode.
+_ENGINE_STREAM = pydantic.TypeAdapter(bool | None)
+
+
+def engine_reads_a_stream(value: object) -> bool | None:
+    """True/False as the engine reads `value`; None where it refuses it itself (400 there)."""
+    try:
+        return bool(_ENGINE_STREAM.validate_python(value))
+    except pydantic.ValidationError:
+        return None
+
+
+_STREAM_VALUES = (
+    st.sampled_from([1, 0, 1.0, 0.0, "true", "false", "1", "0", "on", "off", "yes", "no", "t"])
+    | st.sampled_from(["True", "FALSE", "y", "n", "", " true", -1, 2, 1e0, [], {}, [True]])
+    | json_values
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_STREAM_VALUES, st.sampled_from([b"", b" ", b"\n"]))
+@example(True, b"")
+@example(False, b" ")
+@example(None, b"")
+def test_pylon_reads_stream_as_the_engine_does_or_refuses(value: object, ws: bytes) -> None:
+    text = json.dumps(value).encode()
+    body = b'{"model":"m","stream":' + ws + text + ws + b"}"
+    engine = engine_reads_a_stream(json.loads(text))
+    try:
+        view = inspect_body(body)
+    except BodyFieldError as refused:
+        assert refused.code is ErrorCode.BODY_FIELD_INVALID and refused.field == "stream"
+        assert value is not None and not isinstance(value, bool)  # only ambiguous ones
+        return
+    # Accepted: exactly true, false and null, read as the engine reads them.
+    assert value is None or isinstance(value, bool)
+    assert view.stream is bool(engine) is (value is True)
+    # The plain path and the census path agree (a denied field forces the census).
+    assert inspect_body(body[:-1] + b',"rid":1}').stream is view.stream

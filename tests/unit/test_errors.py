@@ -49,6 +49,7 @@ def test_every_code_has_status_and_title(code: ErrorCode) -> None:
 OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    404: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",

@@ -21,12 +21,12 @@ from pylon.core.body import BodyView, inspect_body
 from pylon.core.contract import TunnelRequest, parse_request
 from pylon.core.head import RequestHead, http1_head, pseudo_head
 from pylon.core.plan import ForwardPlan, Planner
-from pylon.core.priority import PriorityWrite
+from pylon.core.priority import NOT_SCHEDULED, PriorityWrite
 from pylon.core.queue import QueueDecision, QueueGate, QueuePolicy, QueueTable, Result
 from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.core.upstream import Upstream
 
-from .helpers import TRACEPARENT
+from .helpers import TRACEPARENT, EveryRoute
 
 
 def field_types(cls: type) -> list[tuple[str, object]]:
@@ -85,6 +85,7 @@ def test_body_view_field_order() -> None:
         ("stripped", "tuple[str, ...]"),
         ("repeated", "tuple[str, ...]"),
         ("containers", "Mapping[str, dict[str, msgspec.Raw]]"),
+        ("selectors", "tuple[tuple[str, object], ...]"),
     ]
 
 
@@ -177,7 +178,9 @@ def test_the_pseudo_head_puts_each_value_in_its_field() -> None:
 
 
 def planner() -> Planner:
-    return Planner(build_adapter("vllm", AdapterOptions(3600), derive=True))
+    # Any route (this request's is no engine's): the test is about where each value goes.
+    adapter = build_adapter("vllm", AdapterOptions(3600), derive=True)
+    return Planner(EveryRoute(adapter, NOT_SCHEDULED))
 
 
 def test_the_plan_puts_each_value_in_its_field() -> None:

@@ -29,7 +29,7 @@ from tests.golden import (
     params,
 )
 
-from .helpers import tunnel
+from .helpers import WithoutModelRule, tunnel
 
 SENTINEL = "golden-sentinel"
 BACKENDS = ("dynamo", "vllm", "sglang", "passthrough")
@@ -118,7 +118,7 @@ class _Pairs(list[tuple[str, Any]]):
 
 
 def plan_for(backend: str, body: bytes) -> ForwardPlan:
-    planner = Planner(build_adapter(backend, AdapterOptions(3600), derive=True))
+    planner = Planner(WithoutModelRule(build_adapter(backend, AdapterOptions(3600), derive=True)))
     return planner.plan(tunnel((b"x-priority", str(RANK).encode())), body)
 
 
@@ -195,6 +195,8 @@ def members(draw: st.DrawFn, golden: list[str], benign: list[str]) -> list[tuple
             value = json.dumps(SENTINEL).encode()
         elif name == "model":
             value = b'"m"'  # must name the tunnel's x-model (model_mismatch otherwise)
+        elif name == "stream":  # a JSON boolean or null (body_field_invalid otherwise)
+            value = draw(st.sampled_from([b"true", b"false", b"null"]))
         else:
             value = json.dumps(draw(_benign_value)).encode()
         out.append((name, name in golden, key(name, escape) + b":" + value))

@@ -165,7 +165,7 @@ def test_planner_writes_each_owned_header_once_with_its_own_value() -> None:
         client += [(spelling, b"golden") for spelling in spellings(name.encode())]
     client += [(twin(e.name.encode()), b"golden") for e in PYLON_OWNED if "-" in e.name]
     plan = Planner(build_adapter("dynamo", AdapterOptions(3600), derive=True)).plan(
-        tunnel(*client), b"{}"
+        tunnel(*client), b'{"model":"m"}'
     )
 
     def values(name: bytes) -> list[bytes]:

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from pylon.adapters import AdapterOptions, build_adapter
 from pylon.core.contract import HealthRequest, TraceContext, parse_request
+from pylon.core.errors import BodyError, BodyFieldError, ErrorCode, RouteError
 from pylon.core.http import Header
-from pylon.core.plan import BODY_PRIORITY_PATHS, Planner, append_member
+from pylon.core.plan import Planner, append_member
 from pylon.core.upstream import Upstream
 
 from .helpers import TRACEPARENT, tunnel
@@ -20,12 +21,14 @@ from .helpers import TRACEPARENT, tunnel
 ODD_BODIES = [
     b'{"model":"m"}',
     b'{ "model" : "m" ,\n  "x": 1.0e5, "y": 18446744073709551617999 }\n',
-    b'{"s":"caf\\u00e9 \\ud83d\\ude00","t":"caf\xc3\xa9","n":-0.0,"z":1E2}',
-    b"{}",
-    b"  {  }  ",
-    b'{"stream":true,"messages":[{"role":"user","content":"priority nvext dp_rank"}]}',
+    b'{"model":"m","s":"caf\\u00e9 \\ud83d\\ude00","t":"caf\xc3\xa9","n":-0.0,"z":1E2}',
+    b'{"model":"m","a":{}}',
+    b'  { "model":"m"  }  ',
+    b'{"stream":true,"messages":[{"role":"user","content":"priority nvext dp_rank"}],"model":"m"}',
 ]
-PATHS = sorted(BODY_PRIORITY_PATHS)
+# Routes both vLLM and SGLang schedule with a body priority (tests/unit/test_routes.py has the
+# full golden list per backend).
+PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"]
 
 
 def planner(backend: str, derive: bool = True) -> Planner:
@@ -57,7 +60,7 @@ def test_priority_appended_without_reencoding(body: bytes, backend: str) -> None
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_body_priority_on_inference_paths(path: str, backend: str) -> None:
-    plan = planner(backend).plan(tunnel(target=path.encode() + b"?x=1"), b"{}")
+    plan = planner(backend).plan(tunnel(target=path.encode() + b"?x=1"), b'{"model":"m"}')
     assert "priority" in json.loads(plan.body)
 
 
@@ -71,11 +74,11 @@ def test_body_priority_on_inference_paths(path: str, backend: str) -> None:
         b"/V1/chat/completions",
     ],
 )
-@pytest.mark.parametrize("backend", ["vllm", "sglang"])
-def test_no_body_priority_elsewhere(target: bytes, backend: str) -> None:
-    plan = planner(backend).plan(tunnel(target=target), b'{"priority":1,"a":1}')
-    assert json.loads(plan.body) == {"a": 1}
-    assert plan.priority.body_priority is not None  # derived, but not written on this path
+@pytest.mark.parametrize("backend", ["vllm", "sglang", "dynamo"])
+def test_posts_to_routes_pylon_does_not_steer_are_refused(target: bytes, backend: str) -> None:
+    with pytest.raises(RouteError) as refused:
+        planner(backend).plan(tunnel(target=target), b'{"priority":1,"model":"m"}')
+    assert refused.value.code is ErrorCode.ROUTE_NOT_SERVED and refused.value.status == 404
 
 
 def test_plan_headers_order_and_ownership() -> None:
@@ -87,7 +90,7 @@ def test_plan_headers_order_and_ownership() -> None:
         (b"Accept", b"text/event-stream"),
         (b"X-Tenant-Id", b"t"),
     )
-    plan = planner("dynamo").plan(request, b'{"stream":true}')
+    plan = planner("dynamo").plan(request, b'{"stream":true,"model":"m"}')
     assert plan.headers == (
         (b"x-request-id", b"req-1"),
         (b"traceparent", TRACEPARENT),
@@ -110,14 +113,36 @@ def test_plan_headers_order_and_ownership() -> None:
 @pytest.mark.parametrize(
     ("body", "stream"),
     [
-        (b'{"stream":true}', True),
-        (b'{"stream":"true"}', False),
-        (b'{"stream":1}', False),
-        (b"{}", False),
+        (b'{"model":"m","stream":true}', True),
+        (b'{"model":"m","stream" : true }', True),
+        (b'{"model":"m","stream":false}', False),
+        (b'{"model":"m","stream":null}', False),
+        (b'{"model":"m"}', False),
     ],
 )
 def test_stream_requested_only_for_literal_true(body: bytes, stream: bool) -> None:
     assert planner("dynamo").plan(tunnel(), body).stream_requested is stream
+
+
+@pytest.mark.parametrize(
+    "value", [b'"true"', b"1", b"0", b'"1"', b'"on"', b"1.0", b'"false"', b"[]", b"{}", b'""']
+)
+@pytest.mark.parametrize("backend", ["dynamo", "vllm", "sglang", "passthrough"])
+def test_a_stream_an_engine_could_read_otherwise_is_refused(value: bytes, backend: str) -> None:
+    # pydantic's lax mode reads 1, "true", "on" and 1.0 as a stream; pylon would not.
+    with pytest.raises(BodyFieldError) as refused:
+        planner(backend).plan(tunnel(), b'{"model":"m","stream":' + value + b"}")
+    assert refused.value.code is ErrorCode.BODY_FIELD_INVALID and refused.value.status == 400
+    assert refused.value.extensions() == {"field": "stream"}
+
+
+@pytest.mark.parametrize("backend", ["dynamo", "vllm", "sglang", "passthrough"])
+@pytest.mark.parametrize("body", [b"{}", b'{"messages":[{"role":"user","content":"m"}]}'])
+def test_a_body_without_model_is_refused(backend: str, body: bytes) -> None:
+    # The engine would serve its default (base) model, not the x-model the gateway authorised.
+    with pytest.raises(BodyError) as refused:
+        planner(backend).plan(tunnel(), body)
+    assert refused.value.code is ErrorCode.BODY_MODEL_MISSING and refused.value.status == 400
 
 
 def test_plan_health() -> None:
@@ -188,7 +213,7 @@ OURS = TraceContext("00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01", "
 def test_routed_plan_carries_the_trace_context_the_engine_continues(
     incoming: list[Header], ours: TraceContext | None, expected: list[Header]
 ) -> None:
-    plan = planner("dynamo").plan(tunnel(*incoming, (b"Accept", b"*/*")), b"{}")
+    plan = planner("dynamo").plan(tunnel(*incoming, (b"Accept", b"*/*")), b'{"model":"m"}')
     pin = (b"x-worker-pin", b"7")
     routed = plan.routed(Upstream("127.0.0.1", 8000, ""), (pin,), ours)
     assert routed.headers == (
@@ -202,3 +227,26 @@ def test_routed_plan_carries_the_trace_context_the_engine_continues(
     )
     if ours is None:
         assert routed.headers == (*plan.headers, pin)
+
+
+@pytest.mark.parametrize("backend", ["dynamo", "vllm", "sglang", "passthrough"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","lora_path":"other"}',
+        b'{"model":"m","lora_path":["m","other"]}',
+        b'{"model":"m","lora_path":"m","lora_path":"other"}',
+        b'{"model":"m","l\\u006fra_path":"other"}',
+    ],
+)
+def test_a_lora_path_naming_another_model_is_refused(backend: str, body: bytes) -> None:
+    # SGLang serves the adapter `lora_path` names, whatever `model` (and x-model) say.
+    with pytest.raises(BodyError) as refused:
+        planner(backend).plan(tunnel(), body)
+    assert refused.value.code is ErrorCode.MODEL_MISMATCH
+
+
+@pytest.mark.parametrize("value", [b'"m"', b"null"])
+def test_a_lora_path_naming_x_model_or_none_is_forwarded(value: bytes) -> None:
+    body = b'{"model":"m","lora_path":' + value + b"}"
+    assert json.loads(planner("sglang").plan(tunnel(), body).body)["lora_path"] == json.loads(value)

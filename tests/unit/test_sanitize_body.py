@@ -19,7 +19,7 @@ from pylon.core.sanitize import (
     sanitize_body,
 )
 
-from .helpers import tunnel
+from .helpers import WithoutModelRule, tunnel
 
 BACKENDS = ["dynamo", "vllm", "sglang", "passthrough"]
 NESTED = {
@@ -44,7 +44,9 @@ BENIGN_NVEXT = ["greed_sampling", "use_raw_prompt", "max_thinking_tokens", "igno
 
 
 def planner(backend: str = "passthrough", ceiling: int = 3600, derive: bool = True) -> Planner:
-    return Planner(build_adapter(backend, AdapterOptions(ceiling), derive=derive))
+    # The strip's tests: their bodies name no model (the model rule: test_plan.py).
+    adapter = build_adapter(backend, AdapterOptions(ceiling), derive=derive)
+    return Planner(WithoutModelRule(adapter))
 
 
 # --- JSON text generators (we write the text ourselves: escapes and duplicates) ---------------
@@ -101,16 +103,23 @@ def object_text(draw, denied: list[str], benign: list[str], min_size: int = 0) -
     return b"{" + b",".join(members) + b"}"
 
 
+def _top_value(name: str) -> st.SearchStrategy[bytes]:
+    # `model` must name the tunnel's x-model ("m"), or the planner refuses it (model_mismatch);
+    # `stream` must be a JSON boolean or null (body_field_invalid: test_body.py's own property).
+    if name == "model":
+        return st.just(b'"m"')
+    if name == "stream":
+        return st.sampled_from([b"true", b"false", b"null"])
+    return value_text()
+
+
 @st.composite
 def body_text(draw) -> bytes:
     top = draw(st.lists(st.sampled_from(sorted(DENIED_BODY_FIELDS) + BENIGN_TOP), max_size=10))
     if top.count("model") > 1:  # a repeated model is refused outright (model_mismatch)
         first = top.index("model")
         top = [name for i, name in enumerate(top) if name != "model" or i == first]
-    # `model` must name the tunnel's x-model ("m"), or the planner refuses it (model_mismatch).
-    members = [
-        draw(key_text(n)) + b":" + (b'"m"' if n == "model" else draw(value_text())) for n in top
-    ]
+    members = [draw(key_text(n)) + b":" + draw(_top_value(n)) for n in top]
     extra_benign = draw(st.lists(st.text(min_size=1, max_size=8), max_size=3))
     for name in extra_benign:
         if name not in DENIED_BODY_FIELDS and name not in ("nvext", "vllm_xargs"):
