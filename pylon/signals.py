@@ -91,10 +91,21 @@ class Signals:
     def handled(self) -> Iterator[None]:
         """The handlers are installed in the running loop for the `with` block."""
         loop = asyncio.get_running_loop()
-        for sig in HANDLED:
-            loop.add_signal_handler(sig, self.received, sig)
+        installed = [sig for sig in HANDLED if self._install(loop, sig)]
         try:
             yield
         finally:
-            for sig in HANDLED:
+            for sig in installed:
                 loop.remove_signal_handler(sig)
+
+    def _install(self, loop: asyncio.AbstractEventLoop, sig: int) -> bool:
+        """Whether `sig`'s handler is installed. The stop, reload and report signals must be;
+        a signal to ignore may be one the runtime keeps for itself (valgrind and sanitizers
+        take real-time signals: sigaction answers EINVAL), which then cannot reach pylon."""
+        try:
+            loop.add_signal_handler(sig, self.received, sig)
+        except (OSError, RuntimeError):
+            if sig not in IGNORED:
+                raise
+            return False
+        return True

@@ -247,3 +247,31 @@ def test_sigquit_drains_like_sigterm(engine: str) -> None:
         finally:
             proc.kill()
             proc.wait()
+
+
+def test_a_signal_the_runtime_keeps_is_skipped_but_a_stop_signal_must_install() -> None:
+    """Under valgrind or a sanitizer some real-time signals cannot be caught (sigaction says
+    EINVAL): pylon starts without them. A stop signal it cannot catch is no such case."""
+    from pylon.signals import Signals
+
+    async def main(refused: int) -> list[int]:
+        loop = asyncio.get_running_loop()
+        real = loop.add_signal_handler
+        installed: list[int] = []
+
+        def add(sig: int, *args: Any) -> None:
+            if sig == refused:
+                raise OSError(22, "Invalid argument")
+            real(sig, *args)
+            installed.append(sig)
+
+        loop.add_signal_handler = add  # type: ignore[method-assign]
+        signals = Signals(asyncio.Event(), asyncio.Event(), lambda *a, **k: None)
+        with signals.handled():
+            pass
+        return installed
+
+    kept = signal.SIGRTMAX - 1
+    assert set(asyncio.run(main(kept))) == set(HANDLED) - {kept}
+    with pytest.raises(OSError):
+        asyncio.run(main(signal.SIGTERM))
