@@ -36,12 +36,14 @@ their prefill (event streams; embeddings at their response head), over the time 
 them was between dispatch and first output: the union of their prefill intervals, so concurrent
 prefills are not counted twice, as the reference's later fallback does. A sample is one busy
 period (or `MAX_SAMPLE_BUSY_S` of one that goes on), once it holds `MIN_SAMPLE_BUSY_S` and some
-tokens, so prefills that end together fall in one sample; the estimate is the ratio of sums over
-the last `WINDOW` samples without the fastest and the slowest one (`trimmed_tps`), from the
-`MIN_SAMPLES`th on; before that, `initial_tps` (or unknown). A request's tokens fall in one sample
-only, so one request (a claim far from its real work, a prefill the engine held for a minute) can
-move the estimate no further than the other samples reach: it can neither zero the estimates nor
-blow them up.
+tokens, so prefills that end together fall in one sample; the estimate is the median of the rates
+of the last `WINDOW` samples (`median_tps`), from the `MIN_SAMPLES`th on; before that,
+`initial_tps` (or unknown). A request's tokens fall in one sample only, and every sample weighs the
+same whatever its length, so fewer than half the window's samples (requests claiming far from
+their real work, low or high, prefills the engine held for a minute) cannot move the estimate
+beyond the rates of the others: they can neither zero the estimates nor blow them up. (A ratio of
+sums would let one long sample outweigh all the others: two requests claiming 1 token each over
+a held prefill made every gateway request look minutes late.)
 A busy period that ends without any output (the only request in it failed or was cancelled) is
 dropped, not counted as time without work.
 
@@ -61,8 +63,8 @@ from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.values import static_frozen
 
 BYTES_PER_TOKEN = 4  # body bytes per input token, when the gateway sent no x-input-tokens
-MIN_SAMPLES = 5  # samples before the measured throughput replaces the initial one (>= 3: the
-# estimate drops two of them)
+MIN_SAMPLES = 5  # samples before the measured throughput replaces the initial one (the median
+# of five: two outliers cannot move it)
 WINDOW = 8  # samples the estimate is taken over
 MIN_SAMPLE_BUSY_S = 0.010  # busy time a sample needs at least
 MAX_SAMPLE_BUSY_S = 1.0  # a busy period that goes on is cut into samples of about this much
@@ -71,13 +73,16 @@ PREFILL_ONLY_PATHS = frozenset({"/v1/embeddings"})  # the response head ends the
 _MAX_MS = 2**63 - 1  # estimates are capped here (a tiny throughput cannot overflow them)
 
 
-def trimmed_tps(tokens: list[float], busy: list[float]) -> float:
+def median_tps(tokens: list[float], busy: list[float]) -> float:
     """The throughput of samples (`tokens[i]` input tokens over `busy[i]` > 0 seconds, at least
-    three): their ratio of sums without the fastest and the slowest sample, so the estimate
-    stays between the rates of the others whatever one sample says."""
-    order = sorted(range(len(tokens)), key=lambda i: tokens[i] / busy[i])
-    kept = order[1:-1]
-    return sum(tokens[i] for i in kept) / sum(busy[i] for i in kept)
+    one): the median of their rates (of the two middle ones for an even count). Each sample
+    counts once, however long it is, so fewer than half of them cannot carry it past the
+    others' rates, whatever they say."""
+    rates = sorted(t / b for t, b in zip(tokens, busy, strict=True))
+    middle = len(rates) // 2
+    if len(rates) % 2:
+        return rates[middle]
+    return (rates[middle - 1] + rates[middle]) / 2
 
 
 def queue_ms(tokens: int, tps: float) -> int:
@@ -266,7 +271,7 @@ class ModelQueue:
         if self._samples >= MIN_SAMPLES:
             # Only the slots filled so far (the ring fills from the first one).
             held = min(self._samples, WINDOW)
-            self.input_tps = trimmed_tps(self._ring_tokens[:held], self._ring_busy[:held])
+            self.input_tps = median_tps(self._ring_tokens[:held], self._ring_busy[:held])
 
     @property
     def samples(self) -> int:

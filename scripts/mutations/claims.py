@@ -13,6 +13,7 @@ CLAIMS_T = "tests/integration/test_claims.py"
 
 _REFUSED = f"{CLAIMS_T}::test_a_claim_beyond_the_body_is_refused_and_holds_no_one"
 _OUTLIER = f"{CLAIMS_T}::test_an_outlier_sample_cannot_zero_the_next_estimates"
+_LOW = f"{CLAIMS_T}::test_low_claims_over_held_prefills_cannot_zero_the_estimate"
 
 CLAIMS = [
     Mutation(
@@ -40,7 +41,7 @@ CLAIMS = [
         ReplaceExpr(
             QUEUE,
             "ModelQueue._add_sample",
-            "trimmed_tps(self._ring_tokens[:held], self._ring_busy[:held])",
+            "median_tps(self._ring_tokens[:held], self._ring_busy[:held])",
             "sum(self._ring_tokens) / sum(self._ring_busy)",
         ),
         {
@@ -50,8 +51,20 @@ CLAIMS = [
     ),
     Mutation(
         "client claims",
-        "the extreme samples kept (trimmed_tps)",
-        ReplaceExpr(QUEUE, "trimmed_tps", "order[1:-1]", "order"),
-        {"core": (f"{QUEUE_T}::test_trimmed_throughput_drops_the_extremes",)},
+        "long samples outweigh the rest (trimmed ratio of sums, not the median: median_tps)",
+        ReplaceStatements(
+            QUEUE,
+            "median_tps",
+            "rates = sorted(t / b for t, b in zip(tokens, busy, strict=True))",
+            "order = sorted(range(len(tokens)), key=lambda i: tokens[i] / busy[i])[1:-1]\n"
+            "return sum(tokens[i] for i in order) / sum(busy[i] for i in order)",
+        ),
+        {
+            "core": (
+                f"{QUEUE_T}::test_median_throughput_holds_against_fewer_than_half",
+                f"{QUEUE_T}::test_low_claims_over_held_prefills_cannot_zero_the_estimate",
+            ),
+            **per_transport(_LOW),
+        },
     ),
 ]

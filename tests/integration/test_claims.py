@@ -93,3 +93,35 @@ async def test_an_outlier_sample_cannot_zero_the_next_estimates(
         assert refused.json()["actual_queue_ms"] >= 10_000
     assert observer.results() == [("late", "rejected")]
     assert_empty(stack)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_low_claims_over_held_prefills_cannot_zero_the_estimate(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    """A claim too low moves shared estimates too: five honest prefills of 1000 tokens, then
+    three requests claiming 1 token each whose prefills the engine holds for 2 s (samples of
+    0.5 tokens/s). The estimate stays near the honest rate, and a gateway request behind 5,000
+    tokens that expects 2 s is served. Believed as a ratio of sums (two of them kept after
+    trimming), the estimate fell under 1,000 tokens/s and the request got a 429."""
+    stack, observer = await queue_stack(make_stack, mock={"ttft_ms": 100, "num_tokens": 2})
+    body = json.dumps(chat()).encode()
+    for i in range(MIN_SAMPLES):
+        reply = await stack.send(protocol, CHAT, headers(f"warm-{i}", 1000), body)
+        assert reply.status == 200
+        await observer.wait_done(f"warm-{i}")
+    honest = stack.running.core.queue.table.input_tps(MODEL)
+    assert honest is not None and 1000 < honest <= 10_000
+    for i in range(3):
+        await stack.faults([{"delay_ms": 2000, "times": 1}])
+        reply = await stack.send(protocol, CHAT, headers(f"low-{i}", 1), body)
+        assert reply.status == 200
+        await observer.wait_done(f"low-{i}")
+    tps = stack.running.core.queue.table.input_tps(MODEL)
+    assert tps is not None and honest / 2 <= tps <= 10_000
+    async with slow_request(stack, observer, tokens=5000):
+        served = await stack.send(protocol, CHAT, headers("gateway", 1, expected=2000), body)
+        assert served.status == 200 and b"data: [DONE]" in served.body
+        await observer.wait_done("gateway")
+    assert observer.results() == [("gateway", "accepted")]
+    assert_empty(stack)

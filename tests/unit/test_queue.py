@@ -26,8 +26,8 @@ from pylon.core.queue import (
     QueuePolicy,
     QueueTable,
     Result,
+    median_tps,
     queue_ms,
-    trimmed_tps,
 )
 from pylon.core.record import RequestRecord
 from pylon.core.sanitize import sanitize_request_headers
@@ -487,15 +487,41 @@ def test_one_outlier_sample_stays_within_the_others(
 
 @given(
     st.lists(st.tuples(st.floats(1.0, 1e6), st.floats(0.01, 1.0)), min_size=3, max_size=WINDOW),
-    outlier_sample,
+    st.lists(outlier_sample, max_size=WINDOW),
 )
-def test_trimmed_throughput_drops_the_extremes(
-    samples: list[tuple[float, float]], outlier: tuple[int, float]
+def test_median_throughput_holds_against_fewer_than_half(
+    samples: list[tuple[float, float]], outliers: list[tuple[int, float]]
 ) -> None:
+    """Any number of outlier samples below half of all (each as long or short, as high or low
+    as it likes) leaves the estimate between the other samples' rates."""
+    outliers = outliers[: len(samples) - 1]  # fewer outliers than others: under half of all
     rates = [tokens / busy for tokens, busy in samples]
-    mixed = [*samples, (float(outlier[0]), outlier[1])]
-    tps = trimmed_tps([t for t, _ in mixed], [b for _, b in mixed])
+    mixed = [*samples, *((float(t), b) for t, b in outliers)]
+    assert len(outliers) * 2 < len(mixed)
+    tps = median_tps([t for t, _ in mixed], [b for _, b in mixed])
     assert min(rates) * (1 - 1e-9) <= tps <= max(rates) * (1 + 1e-9)
+
+
+@FAST
+@given(honest_rates, st.integers(1, 10), st.floats(0.5, 60.0))
+def test_low_claims_over_held_prefills_cannot_zero_the_estimate(
+    rates: list[float], claimed: int, held: float
+) -> None:
+    """Issue 17, rule 1, from below: requests claiming a token or ten over prefills the engine
+    held for seconds, fewer than half of the window's samples, one after the other: the
+    estimate stays between the honest rates (a ratio of sums fell to a few tokens a second)."""
+    queue = admission(initial_tps=None)
+    clock = 0.0
+    for rate in rates:
+        run_one(queue, round(rate * 0.1), clock, clock + 0.1)
+        clock += 1.1
+    honest = [round(r * 0.1) / 0.1 for r in rates[-WINDOW:]]
+    for _ in range((WINDOW - 1) // 2):
+        run_one(queue, claimed, clock, clock + held)
+        clock += held + 1.0
+        tps = queue.table.input_tps("m")
+        assert tps is not None
+        assert min(honest) * (1 - 1e-9) <= tps <= max(honest) * (1 + 1e-9)
 
 
 def test_the_issue_outlier_cannot_zero_the_next_estimates() -> None:
