@@ -8,8 +8,8 @@ Body: nothing (Dynamo rejects unknown `nvext` keys, and the headers win anyway).
 
 Routes (`ROUTES`): the frontend's inference routes, where it reads the priority headers (chat,
 completions, responses, embeddings, Anthropic `/v1/messages`; dynamo-contract §1e), all with a
-required body `model`, and `GET /v1/models`. Every other route is refused (docs/api-contract.md,
-"Routes served").
+required body `model` (embeddings with no `stream`), and `GET /v1/models`. Every other route is
+refused (docs/api-contract.md, "Routes served").
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import ClassVar
 from pylon.adapters.base import (
     NOT_SCHEDULED,
     SCHEDULED,
+    SCHEDULED_NO_STREAM,
     AdapterOptions,
     PriorityAdapter,
     PriorityWrite,
@@ -34,7 +35,7 @@ ROUTES: RouteTable = {
     ("POST", "/v1/chat/completions"): SCHEDULED,
     ("POST", "/v1/completions"): SCHEDULED,
     ("POST", "/v1/responses"): SCHEDULED,
-    ("POST", "/v1/embeddings"): SCHEDULED,
+    ("POST", "/v1/embeddings"): SCHEDULED_NO_STREAM,
     ("POST", "/v1/messages"): SCHEDULED,
     ("GET", "/v1/models"): NOT_SCHEDULED,
     ("HEAD", "/v1/models"): NOT_SCHEDULED,

@@ -8,8 +8,9 @@ Routes (`ROUTES`): every route vLLM's OpenAI server queues whose request type re
 jump the queue), and `GET /v1/models`. Taken from vLLM's routers: `openai/chat_completion`,
 `completion`, `responses`, `pooling/{embed,pooling,classify,score}` (`/score`, `/v1/score`,
 `/rerank`, `/v1/rerank`, `/v2/rerank`), the Cohere `/v2/embed`, SageMaker's `/invocations` (run
-as one of those, by body shape) and the token-in/token-out `/inference/v1/generate`. Every other
-route is refused (docs/api-contract.md, "Routes served").
+as one of those, by body shape) and the token-in/token-out `/inference/v1/generate`. The pooling
+routes' request types have no `stream` (`SCHEDULED_NO_STREAM`). Every other route is refused
+(docs/api-contract.md, "Routes served").
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import ClassVar
 from pylon.adapters.base import (
     NOT_SCHEDULED,
     SCHEDULED,
+    SCHEDULED_NO_STREAM,
     AdapterOptions,
     PriorityAdapter,
     PriorityWrite,
@@ -31,15 +33,15 @@ ROUTES: RouteTable = {
     ("POST", "/v1/chat/completions"): SCHEDULED,
     ("POST", "/v1/completions"): SCHEDULED,
     ("POST", "/v1/responses"): SCHEDULED,
-    ("POST", "/v1/embeddings"): SCHEDULED,
-    ("POST", "/v2/embed"): SCHEDULED,
-    ("POST", "/pooling"): SCHEDULED,
-    ("POST", "/classify"): SCHEDULED,
-    ("POST", "/score"): SCHEDULED,
-    ("POST", "/v1/score"): SCHEDULED,
-    ("POST", "/rerank"): SCHEDULED,
-    ("POST", "/v1/rerank"): SCHEDULED,
-    ("POST", "/v2/rerank"): SCHEDULED,
+    ("POST", "/v1/embeddings"): SCHEDULED_NO_STREAM,
+    ("POST", "/v2/embed"): SCHEDULED_NO_STREAM,
+    ("POST", "/pooling"): SCHEDULED_NO_STREAM,
+    ("POST", "/classify"): SCHEDULED_NO_STREAM,
+    ("POST", "/score"): SCHEDULED_NO_STREAM,
+    ("POST", "/v1/score"): SCHEDULED_NO_STREAM,
+    ("POST", "/rerank"): SCHEDULED_NO_STREAM,
+    ("POST", "/v1/rerank"): SCHEDULED_NO_STREAM,
+    ("POST", "/v2/rerank"): SCHEDULED_NO_STREAM,
     ("POST", "/invocations"): SCHEDULED,
     ("POST", "/inference/v1/generate"): SCHEDULED,
     ("GET", "/v1/models"): NOT_SCHEDULED,

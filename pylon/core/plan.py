@@ -123,7 +123,9 @@ class Planner:
             new_body,
             request.request_id,
             request.model,
-            stream,  # stream_requested
+            # The engine's reading: a route whose request type has no `stream` (embeddings,
+            # pooling) answers one whole response, whatever the body says.
+            stream and route.streams,  # stream_requested
             sanitized.stripped + body_stripped,  # stripped
             write,  # priority
         )

@@ -36,18 +36,24 @@ class Route:
     `schedules`: the engine queues the request, so pylon's priority goes with it (in the body,
     where the adapter writes one there; headers go on every route). `body_model`: the engine
     serves the model the body's `model` names (its default model when there is none), so the
-    body must name `x-model`'s; False where the route has no model field at all.
+    body must name `x-model`'s; False where the route has no model field at all. `streams`:
+    the engine's request type reads a body `stream` (chat, completions, generate); where it
+    does not (embeddings, pooling, scoring), the engine answers one whole response whatever
+    the body says, so pylon times and samples the request as one too.
     """
 
     schedules: bool
     body_model: bool
+    streams: bool
 
 
-SCHEDULED = Route(schedules=True, body_model=True)
+SCHEDULED = Route(schedules=True, body_model=True, streams=True)
+# The engine's request type has no `stream` (embeddings, pooling, scoring, reranking).
+SCHEDULED_NO_STREAM = Route(schedules=True, body_model=True, streams=False)
 # The engine serves the model it was started with: there is no field to name another.
-SCHEDULED_NO_MODEL_FIELD = Route(schedules=True, body_model=False)
+SCHEDULED_NO_MODEL_FIELD = Route(schedules=True, body_model=False, streams=True)
 # Read-only and not queued by the engine (`GET /v1/models`): forwarded as sent.
-NOT_SCHEDULED = Route(schedules=False, body_model=False)
+NOT_SCHEDULED = Route(schedules=False, body_model=False, streams=False)
 
 # (method, route) -> how pylon steers it. A route absent from a backend's table is refused.
 RouteTable = Mapping[tuple[str, str], Route]

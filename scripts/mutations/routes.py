@@ -7,6 +7,7 @@ from mutations.anchors import DropEntry, Never, ReplaceExpr, ReplaceStatements
 from mutations.spec import BODY, PLAN, Mutation, per_transport
 
 VLLM = "pylon/adapters/vllm.py"
+PRIORITY = "pylon/core/priority.py"
 ROUTES_T = "tests/unit/test_routes.py"
 PLAN_T = "tests/unit/test_plan.py"
 BODY_T = "tests/unit/test_body.py"
@@ -36,7 +37,7 @@ MUTATIONS = [
                 f"{request.method} {request.path} is not a route pylon serves toward this engine"
             )
             """,
-            "route = Route(schedules=False, body_model=False)",
+            "route = Route(schedules=False, body_model=False, streams=True)",
         ),
         {
             "core": (f"{ROUTES_T}::test_a_route_pylon_does_not_steer_is_refused[*]",),
@@ -85,6 +86,24 @@ MUTATIONS = [
             **per_transport(
                 f"{SERVED_T}::test_a_stream_the_engine_could_read_otherwise_is_refused"
             ),
+        },
+    ),
+    Mutation(
+        "body fields",
+        "stream read on routes whose engine request has none (embeddings timed as a stream)",
+        ReplaceExpr(PLAN, "Planner.plan", "stream and route.streams", "stream"),
+        {
+            "core": (f"{ROUTES_T}::test_stream_is_read_only_where_the_engine_reads_it[*]",),
+            **per_transport(f"{SERVED_T}::test_stream_on_a_route_that_never_streams_is_one_answer"),
+        },
+    ),
+    Mutation(
+        "body fields",
+        "routes with no stream marked as reading it (SCHEDULED_NO_STREAM)",
+        ReplaceExpr(PRIORITY, "SCHEDULED_NO_STREAM", "False", "True"),
+        {
+            "core": (f"{ROUTES_T}::test_stream_is_read_only_where_the_engine_reads_it[*]",),
+            **per_transport(f"{SERVED_T}::test_stream_on_a_route_that_never_streams_is_one_answer"),
         },
     ),
 ]

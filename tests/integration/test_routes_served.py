@@ -140,3 +140,30 @@ async def test_a_lora_path_naming_another_model_is_refused(
     assert reply.status == 400
     assert problem(reply)["code"] == "model_mismatch"
     await assert_engine_saw_nothing(stack)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(
+    ("backend", "path"),
+    [
+        ("vllm", "/pooling"),
+        ("vllm", "/v1/embeddings"),
+        ("sglang", "/v1/embeddings"),
+        ("dynamo", "/v1/embeddings"),
+    ],
+)
+async def test_stream_on_a_route_that_never_streams_is_one_answer(
+    make_stack: StackFactory, protocol: str, backend: str, path: str
+) -> None:
+    """`"stream": true` where the engine's request type has no `stream`: the engine answers one
+    whole response, and pylon reads the request as the engine does. Its head is due within the
+    response-head timeout, not the first-output timeout of a stream (read as a stream, an
+    engine that takes 0.8 s to answer got pylon's 504 at 0.3 s)."""
+    stack = await make_stack(backend, first_output_timeout=0.3)
+    await stack.faults([{"delay_ms": 800, "times": 1}])
+    body = json.dumps({"model": MODEL, "input": "hi", "stream": True}).encode()
+    reply = await stack.send(protocol, path, HEADERS, body)
+    assert reply.status == 200, reply.body
+    assert reply.headers["content-type"].startswith("application/json")
+    record = await stack.last_request()
+    assert record["path"] == path and record["body"]["stream"] is True

@@ -38,7 +38,9 @@ class WithoutModelRule:
 
     def route(self, method: str, path: str) -> Route | None:
         route = self._inner.route(method, path)
-        return None if route is None else Route(schedules=route.schedules, body_model=False)
+        if route is None:
+            return None
+        return Route(schedules=route.schedules, body_model=False, streams=route.streams)
 
     def derive(self, rank: int | None) -> PriorityWrite:
         return self._inner.derive(rank)

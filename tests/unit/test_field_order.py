@@ -21,7 +21,7 @@ from pylon.core.body import BodyView, inspect_body
 from pylon.core.contract import TunnelRequest, parse_request
 from pylon.core.head import RequestHead, http1_head, pseudo_head
 from pylon.core.plan import ForwardPlan, Planner
-from pylon.core.priority import NOT_SCHEDULED, PriorityWrite
+from pylon.core.priority import PriorityWrite, Route
 from pylon.core.queue import QueueDecision, QueueGate, QueuePolicy, QueueTable, Result
 from pylon.core.sanitize import ResponseHead, sanitize_response_head
 from pylon.core.upstream import Upstream
@@ -178,9 +178,10 @@ def test_the_pseudo_head_puts_each_value_in_its_field() -> None:
 
 
 def planner() -> Planner:
-    # Any route (this request's is no engine's): the test is about where each value goes.
+    # Any route (this request's is no engine's): the test is about where each value goes. Not
+    # scheduled (no body priority written), but reading `stream`, so every field has a value.
     adapter = build_adapter("vllm", AdapterOptions(3600), derive=True)
-    return Planner(EveryRoute(adapter, NOT_SCHEDULED))
+    return Planner(EveryRoute(adapter, Route(schedules=False, body_model=False, streams=True)))
 
 
 def test_the_plan_puts_each_value_in_its_field() -> None:

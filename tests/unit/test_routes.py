@@ -67,6 +67,34 @@ GOLDEN: dict[str, dict[tuple[str, str], str]] = {
     },
 }
 
+# The scheduled routes whose engine request type reads a body `stream` (chat, completions,
+# responses, generate, Anthropic messages; SageMaker's /invocations as chat): on every other
+# scheduled route (embeddings, pooling, scoring, reranking) the engine answers one whole
+# response whatever `stream` says, and pylon must read the request the same way.
+READS_STREAM: dict[str, set[tuple[str, str]]] = {
+    "vllm": {
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/responses"),
+        ("POST", "/invocations"),
+        ("POST", "/inference/v1/generate"),
+    },
+    "sglang": {
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/responses"),
+        ("POST", "/invocations"),
+        ("POST", "/generate"),
+        ("PUT", "/generate"),
+    },
+    "dynamo": {
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/responses"),
+        ("POST", "/v1/messages"),
+    },
+}
+
 # Routes the engines serve (or a client may try) that pylon must refuse toward each backend.
 REFUSED: dict[str, list[tuple[str, str]]] = {
     "vllm": [
@@ -225,3 +253,18 @@ def documented_routes(backend: str) -> set[tuple[str, str]]:
 @pytest.mark.parametrize("backend", sorted(GOLDEN))
 def test_the_contract_lists_each_backends_routes(backend: str) -> None:
     assert documented_routes(backend) == set(GOLDEN[backend])
+
+
+@pytest.mark.parametrize(
+    ("backend", "method", "path", "how"), [r for r in served() if r[3] != NOT_SCHEDULED]
+)
+def test_stream_is_read_only_where_the_engine_reads_it(
+    backend: str, method: str, path: str, how: str
+) -> None:
+    """`"stream": true` on embeddings or a pooling route is one whole response from the
+    engine: pylon must not time it or sample it as a stream (first-output timeout on the head,
+    a prefill sample with no tokens)."""
+    planned = plan(backend, method, path, b'{"model":"m","input":"x","stream":true}')
+    assert planned.stream_requested is ((method, path) in READS_STREAM[backend])
+    # The body goes as sent either way (the engine ignores the field where it has none).
+    assert json.loads(planned.body)["stream"] is True
