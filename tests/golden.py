@@ -238,6 +238,11 @@ BODY_FIELDS: tuple[Golden, ...] = (
         "EP A2 body routing fields",
     ),
     G(
+        "lora_id",
+        "SGLang GenerateReqInput: LoRA adapter uid, 'should be initialized by tokenizer "
+        "manager'; a client's picks an adapter x-model never named (issue 17, rule 2)",
+    ),
+    G(
         "request_id",
         "EP A1 body fields that steer caching or routing; EP implications: "
         "'request_id/X-Request-Id (re-mint)'",

@@ -114,6 +114,7 @@ DENIED_BODY_FIELDS: Mapping[str, str] = {
     "conversation_id": "sglang: conversation affinity",
     "custom_labels": "sglang: custom labels (routing and metrics keys)",
     "return_routed_experts": "sglang: discloses the routed experts in the response",
+    "lora_id": "sglang: LoRA adapter uid (its tokenizer manager sets it from lora_path)",
     "request_id": "vllm: request id (pylon's x-request-id is the only one)",
     "vllm_xargs": "vllm: free-form extension arguments (can carry session_id)",
 }
