@@ -12,6 +12,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from pylon.adapters import AdapterOptions, build_adapter
 from pylon.core import body as body_module
 from pylon.core.body import (
     _OBJECT_AS_ARRAY,
@@ -24,7 +25,7 @@ from pylon.core.body import (
     with_token_data,
 )
 from pylon.core.errors import BodyError, BodyFieldError, ErrorCode
-from pylon.core.plan import has_duplicate_keys
+from pylon.core.plan import Planner, has_duplicate_keys
 from pylon.core.sanitize import sanitize_body
 
 from .helpers import tunnel
@@ -477,3 +478,57 @@ def test_pylon_reads_stream_as_the_engine_does_or_refuses(value: object, ws: byt
     assert view.stream is bool(engine) is (value is True)
     # The plain path and the census path agree (a denied field forces the census).
     assert inspect_body(body[:-1] + b',"rid":1}').stream is view.stream
+
+
+# --- repeated and escaped keys: the engine reads what pylon read, or nothing -------------------
+
+# Top-level members pylon acts on (and a few it does not), with values that mean something.
+_ACTED_ON: dict[str, list[bytes]] = {
+    "stream": [b"true", b"false", b"null"],
+    "model": [b'"m"', b'"other"', b"null"],
+    "priority": [b"1", b"-5"],
+    "lora_path": [b"null", b'"m"', b'"adapter"'],
+    "messages": [b"[]"],
+    "user": [b'"u"'],
+}
+
+
+@st.composite
+def spelt_key(draw: st.DrawFn, key: str) -> bytes:
+    """`key` as JSON text, each character plain or `\\u`-escaped (the same key once decoded)."""
+    chars = [
+        f"\\u{ord(c):04x}" if draw(st.booleans()) else c
+        for c in key  # ASCII names: an escape is the only other spelling
+    ]
+    return ('"' + "".join(chars) + '"').encode()
+
+
+@st.composite
+def acted_on_bodies(draw: st.DrawFn) -> bytes:
+    names = draw(st.lists(st.sampled_from(sorted(_ACTED_ON)), min_size=1, max_size=8))
+    members = [
+        draw(spelt_key(name)) + b":" + draw(st.sampled_from(_ACTED_ON[name])) for name in names
+    ]
+    return b"{" + b",".join(members) + b"}"
+
+
+@settings(max_examples=400, deadline=None)
+@given(acted_on_bodies(), st.sampled_from(["vllm", "sglang"]))
+@example(b'{"model":"m","stream":false,"stream":true}', "vllm")
+@example(b'{"model":"m","str\\u0065am":true}', "vllm")
+@example(b'{"model":"m","m\\u006fdel":"other"}', "vllm")
+@example(b'{"model":"m","priority":1,"pri\\u006frity":-5}', "sglang")
+def test_repeated_and_escaped_keys_read_as_the_engine_reads_them(body: bytes, backend: str) -> None:
+    """Whatever the repeats and spellings of `stream`, `model`, `priority` and `lora_path`, the
+    engine (Python's json and pydantic: the last of repeated keys, escapes decoded) reads in
+    the body pylon forwards exactly what pylon acted on, or pylon refused the body."""
+    steering = Planner(build_adapter(backend, AdapterOptions(3600), derive=True))
+    try:
+        plan = steering.plan(tunnel(), body)
+    except BodyError:
+        return
+    engine = json.loads(plan.body)
+    assert engine["model"] == "m"  # x-model's, the model the gateway authorised
+    assert engine.get("lora_path") in (None, "m")
+    assert engine["priority"] == plan.priority.body_priority  # pylon's, once
+    assert engine_reads_a_stream(engine.get("stream")) is plan.stream_requested
