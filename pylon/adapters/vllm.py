@@ -42,7 +42,11 @@ ROUTES: RouteTable = {
     ("POST", "/rerank"): SCHEDULED_NO_STREAM,
     ("POST", "/v1/rerank"): SCHEDULED_NO_STREAM,
     ("POST", "/v2/rerank"): SCHEDULED_NO_STREAM,
-    ("POST", "/invocations"): SCHEDULED,
+    # Run as chat when the body has `messages`, as completions with `prompt` (the two read
+    # `stream`), else as embeddings or a pooling task (no `stream`): vLLM tries them in order.
+    ("POST", "/invocations"): Route(
+        schedules=True, body_model=True, streams=True, stream_keys=("messages", "prompt")
+    ),
     ("POST", "/inference/v1/generate"): SCHEDULED,
     ("GET", "/v1/models"): NOT_SCHEDULED,
     ("HEAD", "/v1/models"): NOT_SCHEDULED,

@@ -298,6 +298,12 @@ def object_members(text: bytes) -> dict[str, msgspec.Raw]:
     return members
 
 
+def has_top_level_key(text: bytes, keys: tuple[str, ...]) -> bool:
+    """Whether a validated JSON object has a top-level member named one of `keys` (however
+    spelt: escapes decoded)."""
+    return not set(keys).isdisjoint(_top_level_keys(text))
+
+
 def _top_level_keys(text: bytes) -> list[str]:
     """Every key of a validated JSON object, in order and with repeats; see `_OBJECT_AS_ARRAY`."""
     array = text.translate(_OBJECT_AS_ARRAY)

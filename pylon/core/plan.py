@@ -8,7 +8,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pylon.core.body import BodyView, append_raw_member, inspect_body, rewrite_body
+from pylon.core.body import (
+    BodyView,
+    append_raw_member,
+    has_top_level_key,
+    inspect_body,
+    rewrite_body,
+)
 from pylon.core.contract import HealthRequest, TraceContext, TunnelRequest
 from pylon.core.errors import BodyError, ErrorCode, RouteError
 from pylon.core.http import Header
@@ -125,7 +131,7 @@ class Planner:
             request.model,
             # The engine's reading: a route whose request type has no `stream` (embeddings,
             # pooling) answers one whole response, whatever the body says.
-            stream and route.streams,  # stream_requested
+            stream and route.streams and _shape_streams(body, route),  # stream_requested
             sanitized.stripped + body_stripped,  # stripped
             write,  # priority
         )
@@ -164,6 +170,12 @@ class Planner:
                 return body, (), view.stream
             return append_member(body, "priority", priority), (), view.stream
         return rewrite_body(body, view, priority), view.stripped, view.stream
+
+
+def _shape_streams(body: bytes, route: Route) -> bool:
+    """Whether a body with `"stream": true` runs as a request type that reads it, where the
+    engine picks the type by the body's shape (vLLM's `/invocations`); True elsewhere."""
+    return not route.stream_keys or has_top_level_key(body, route.stream_keys)
 
 
 def append_member(body: bytes, key: str, value: int) -> bytes:

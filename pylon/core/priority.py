@@ -39,12 +39,15 @@ class Route:
     body must name `x-model`'s; False where the route has no model field at all. `streams`:
     the engine's request type reads a body `stream` (chat, completions, generate); where it
     does not (embeddings, pooling, scoring), the engine answers one whole response whatever
-    the body says, so pylon times and samples the request as one too.
+    the body says, so pylon times and samples the request as one too. `stream_keys`: where the
+    engine picks the request type by the body's shape, the top-level keys of the types that
+    read `stream` (empty: every body does).
     """
 
     schedules: bool
     body_model: bool
     streams: bool
+    stream_keys: tuple[str, ...] = ()
 
 
 SCHEDULED = Route(schedules=True, body_model=True, streams=True)

@@ -4,7 +4,7 @@ route forwarded unsteered, the missing-model refusal, and the strict reading of 
 from __future__ import annotations
 
 from mutations.anchors import DropEntry, Never, ReplaceExpr, ReplaceStatements
-from mutations.spec import BODY, PLAN, Mutation, per_transport
+from mutations.spec import BODY, PLAN, TRANSPORTS, Mutation, per_transport
 
 VLLM = "pylon/adapters/vllm.py"
 PRIORITY = "pylon/core/priority.py"
@@ -91,10 +91,30 @@ MUTATIONS = [
     Mutation(
         "body fields",
         "stream read on routes whose engine request has none (embeddings timed as a stream)",
-        ReplaceExpr(PLAN, "Planner.plan", "stream and route.streams", "stream"),
+        ReplaceExpr(
+            PLAN,
+            "Planner.plan",
+            "stream and route.streams and _shape_streams(body, route)",
+            "stream",
+        ),
         {
             "core": (f"{ROUTES_T}::test_stream_is_read_only_where_the_engine_reads_it[*]",),
             **per_transport(f"{SERVED_T}::test_stream_on_a_route_that_never_streams_is_one_answer"),
+        },
+    ),
+    Mutation(
+        "body fields",
+        "vllm /invocations reads stream whatever request type the body runs as",
+        ReplaceExpr(PLAN, "_shape_streams", "has_top_level_key(body, route.stream_keys)", "True"),
+        {
+            "core": (f"{ROUTES_T}::test_vllm_invocations_streams_only_as_chat_or_completions[*]",),
+            **{
+                t: (
+                    f"{SERVED_T}::test_stream_on_a_route_that_never_streams_is_one_answer"
+                    f"[vllm-/invocations-{t}]",
+                )
+                for t in TRANSPORTS
+            },
         },
     ),
     Mutation(

@@ -148,6 +148,7 @@ async def test_a_lora_path_naming_another_model_is_refused(
     [
         ("vllm", "/pooling"),
         ("vllm", "/v1/embeddings"),
+        ("vllm", "/invocations"),  # run as embeddings: the body has no messages or prompt
         ("sglang", "/v1/embeddings"),
         ("dynamo", "/v1/embeddings"),
     ],

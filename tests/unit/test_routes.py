@@ -68,7 +68,8 @@ GOLDEN: dict[str, dict[tuple[str, str], str]] = {
 }
 
 # The scheduled routes whose engine request type reads a body `stream` (chat, completions,
-# responses, generate, Anthropic messages; SageMaker's /invocations as chat): on every other
+# responses, generate, Anthropic messages; SGLang's /invocations as chat) for a body of
+# `{"model", "input", "stream"}` (vLLM runs that on /invocations as embeddings): on every other
 # scheduled route (embeddings, pooling, scoring, reranking) the engine answers one whole
 # response whatever `stream` says, and pylon must read the request the same way.
 READS_STREAM: dict[str, set[tuple[str, str]]] = {
@@ -76,7 +77,6 @@ READS_STREAM: dict[str, set[tuple[str, str]]] = {
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/responses"),
-        ("POST", "/invocations"),
         ("POST", "/inference/v1/generate"),
     },
     "sglang": {
@@ -268,3 +268,23 @@ def test_stream_is_read_only_where_the_engine_reads_it(
     assert planned.stream_requested is ((method, path) in READS_STREAM[backend])
     # The body goes as sent either way (the engine ignores the field where it has none).
     assert json.loads(planned.body)["stream"] is True
+
+
+@pytest.mark.parametrize(
+    ("body", "streams"),
+    [
+        (b'{"model":"m","messages":[],"stream":true}', True),  # chat
+        (b'{"model":"m","prompt":"x","stream":true}', True),  # completions
+        (b'{"model":"m","m\\u0065ssages":[],"stream":true}', True),  # chat, however spelt
+        (b'{"model":"m","input":"x","stream":true}', False),  # embeddings
+        (b'{"model":"m","queries":"q","documents":["d"],"stream":true}', False),  # rerank
+        (b'{"model":"m","input":"x","o":{"messages":[]},"stream":true}', False),  # nested
+        (b'{"model":"m","messages":[],"stream":false}', False),
+    ],
+)
+def test_vllm_invocations_streams_only_as_chat_or_completions(body: bytes, streams: bool) -> None:
+    """vLLM runs `/invocations` as the first request type the body validates as: chat (it has
+    `messages`), completions (`prompt`), then embeddings and the pooling tasks, which have no
+    `stream`. Pylon reads `stream` the same way."""
+    planned = plan("vllm", "POST", "/invocations", body)
+    assert planned.stream_requested is streams
