@@ -129,9 +129,14 @@ class Planner:
             new_body,
             request.request_id,
             request.model,
-            # The engine's reading: a route whose request type has no `stream` (embeddings,
-            # pooling) answers one whole response, whatever the body says.
-            stream and route.streams and _shape_streams(body, route),  # stream_requested
+            # stream_requested, the engine's reading: a route whose request type has no
+            # `stream` (embeddings, pooling) answers one whole response, whatever the body
+            # says; where the engine picks the type by the body's shape (vLLM's
+            # `/invocations`), only the types that read it stream. (Inline: this runs for
+            # every streaming request.)
+            stream
+            and route.streams
+            and (not route.stream_keys or has_top_level_key(body, route.stream_keys)),
             sanitized.stripped + body_stripped,  # stripped
             write,  # priority
         )
@@ -170,12 +175,6 @@ class Planner:
                 return body, (), view.stream
             return append_member(body, "priority", priority), (), view.stream
         return rewrite_body(body, view, priority), view.stripped, view.stream
-
-
-def _shape_streams(body: bytes, route: Route) -> bool:
-    """Whether a body with `"stream": true` runs as a request type that reads it, where the
-    engine picks the type by the body's shape (vLLM's `/invocations`); True elsewhere."""
-    return not route.stream_keys or has_top_level_key(body, route.stream_keys)
 
 
 def append_member(body: bytes, key: str, value: int) -> bytes:

@@ -94,7 +94,8 @@ MUTATIONS = [
         ReplaceExpr(
             PLAN,
             "Planner.plan",
-            "stream and route.streams and _shape_streams(body, route)",
+            "stream and route.streams and "
+            "(not route.stream_keys or has_top_level_key(body, route.stream_keys))",
             "stream",
         ),
         {
@@ -105,7 +106,7 @@ MUTATIONS = [
     Mutation(
         "body fields",
         "vllm /invocations reads stream whatever request type the body runs as",
-        ReplaceExpr(PLAN, "_shape_streams", "has_top_level_key(body, route.stream_keys)", "True"),
+        ReplaceExpr(PLAN, "Planner.plan", "has_top_level_key(body, route.stream_keys)", "True"),
         {
             "core": (f"{ROUTES_T}::test_vllm_invocations_streams_only_as_chat_or_completions[*]",),
             **{
