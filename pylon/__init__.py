@@ -52,7 +52,8 @@ Glossary (one word per concept, in code, logs and docs):
 - moment: one step of an exchange told to its subscribers (`ExchangeHooks`): dispatched,
   response head, first output, output, then complete or rejected.
 - route: a request's method and percent-decoded path. Each backend serves a fixed table of
-  them (`PriorityAdapter.route`: scheduled, scheduled with no model field, or not scheduled);
+  them (`PriorityAdapter.route`: scheduled, scheduled with no model field, or not scheduled;
+  and whether its request type reads a body `stream`);
   any other is refused (`route_not_served`), never forwarded unsteered.
 - plan: `ForwardPlan`, exactly what goes to the engine (method, request-target, fields, body)
   and, once routed, where.

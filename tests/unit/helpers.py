@@ -40,7 +40,12 @@ class WithoutModelRule:
         route = self._inner.route(method, path)
         if route is None:
             return None
-        return Route(schedules=route.schedules, body_model=False, streams=route.streams)
+        return Route(
+            schedules=route.schedules,
+            body_model=False,
+            streams=route.streams,
+            stream_keys=route.stream_keys,
+        )
 
     def derive(self, rank: int | None) -> PriorityWrite:
         return self._inner.derive(rank)
