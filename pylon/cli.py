@@ -122,7 +122,11 @@ def help_text(name: str) -> str:
 class PlainHelp(TyperCommand):
     """`--help` as plain text, by topic: each flag on a line of its own, its help wrapped
     below it, so that no flag or env var name is ever cut, at any width (a table of three
-    columns cuts them at 80). Typer's rich panels stay for the other commands."""
+    columns cuts them at 80). Typer's rich panels stay for the other commands.
+    `settings_help`: a flag named as a setting takes the setting's help (pylon's commands; a
+    command with flags of its own, such as `mock-dynamo`, says False)."""
+
+    settings_help = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -136,7 +140,7 @@ class PlainHelp(TyperCommand):
             if record is None:
                 continue
             name = param.name or ""
-            if name in Settings.model_fields:
+            if self.settings_help and name in Settings.model_fields:
                 description, notes = help_parts(name)
             else:
                 description, notes = record[1], []
