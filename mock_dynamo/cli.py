@@ -13,6 +13,7 @@ import typer
 
 from mock_dynamo.config import DEFAULT_MODEL, MockConfig
 from mock_dynamo.server import start_mock
+from pylon.cli import PlainHelp
 
 PROG = "mock-dynamo"
 cli = typer.Typer(add_completion=False)
@@ -69,7 +70,14 @@ def _run(config: MockConfig, host: str, port: int) -> None:
         uvloop.run(_serve(config, host, port))
 
 
-@cli.command()
+class MockHelp(PlainHelp):
+    """pylon's plain help, each flag on a line of its own (typer's table cut the --tokenizer
+    help and the --log-level choices at 80 columns), with the mock's own flag help."""
+
+    settings_help = False
+
+
+@cli.command(cls=MockHelp)
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port; 0 picks a free one.")] = 8000,

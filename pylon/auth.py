@@ -47,6 +47,7 @@ class TokenAuth:
         self._path = path
         self._log = get_logger()
         self._state: tuple[int, int, int] | None = None
+        self._unusable: tuple[int, int, int] | None = None  # the broken file last told about
         self._next_check = 0.0
         token = self._read()
         if token is None:
@@ -83,10 +84,13 @@ class TokenAuth:
         state = _file_state(self._path)
         if state is None or state == self._state:
             return
+        if state == self._unusable:
+            return  # a broken file is told about once, not at every check while it stays so
         token = self._read()
         if token is None:
             # Mid-rotation (truncated, renamed away) or broken: keep the last good token rather
             # than lock every caller out; the next change is picked up as usual.
+            self._unusable = state
             self._log.warning("tunnel_token_unusable", path=str(self._path))
             return
         if token != self._token:

@@ -122,7 +122,11 @@ def help_text(name: str) -> str:
 class PlainHelp(TyperCommand):
     """`--help` as plain text, by topic: each flag on a line of its own, its help wrapped
     below it, so that no flag or env var name is ever cut, at any width (a table of three
-    columns cuts them at 80). Typer's rich panels stay for the other commands."""
+    columns cuts them at 80). Typer's rich panels stay for the other commands.
+    `settings_help`: a flag named as a setting takes the setting's help (pylon's commands; a
+    command with flags of its own, such as `mock-dynamo`, says False)."""
+
+    settings_help = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -136,7 +140,7 @@ class PlainHelp(TyperCommand):
             if record is None:
                 continue
             name = param.name or ""
-            if name in Settings.model_fields:
+            if self.settings_help and name in Settings.model_fields:
                 description, notes = help_parts(name)
             else:
                 description, notes = record[1], []
@@ -282,6 +286,10 @@ def main_options(
 @_with_settings_signature
 def serve(**kwargs: Any) -> None:
     """Run pylon in front of an engine (or an embedded mock_dynamo when --upstream is unset)."""
+    from pylon.signals import EarlySignals
+
+    early = EarlySignals()  # first: no signal may end pylon silently while it starts
+    early.install()
     settings = _build(kwargs)
     from pylon.preflight import check_files, check_routing, check_tracing, load_tokenizer
     from pylon.startup import StartupError
@@ -297,8 +305,12 @@ def serve(**kwargs: Any) -> None:
     observer = _start_logging(settings)
     import uvloop
 
+    # Imported before the loop starts: from then until `pylon.run.serve` installs the loop's
+    # signal handlers, a signal reaches both those and `early`; the window stays short.
+    import pylon.run  # noqa: F401
+
     try:
-        status = uvloop.run(_serving(settings, observer, tokenizer, native))
+        status = uvloop.run(_serving(settings, observer, tokenizer, native, early))
     except StartupError as exc:
         _die(str(exc))
     except OSError as exc:
@@ -323,12 +335,14 @@ def _native_stderr(settings: Settings) -> Any:
     return native
 
 
-async def _serving(settings: Settings, observer: Any, tokenizer: Any, native: Any) -> int:
-    from pylon.run import serve as run_server
+async def _serving(
+    settings: Settings, observer: Any, tokenizer: Any, native: Any, early: Any
+) -> int:
+    from pylon.run import serve as run_server  # imported already (`serve`)
 
     if native is not None:
         native.attach(asyncio.get_running_loop())
-    return await run_server(settings, observer=observer, tokenizer=tokenizer)
+    return await run_server(settings, observer=observer, tokenizer=tokenizer, early=early)
 
 
 @app.command(cls=PlainHelp)

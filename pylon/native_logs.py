@@ -13,7 +13,11 @@ pylon's (`native_line`): event `dynamo_native_log`, pylon's level names, the nat
 text format, a C library's output) is kept whole as `text`.
 
 The reader thread hands each line to the event loop (`attach`), which writes every log line;
-without a running loop (before the start, after the stop) it logs the line itself.
+without a running loop (before the start, after the stop) it logs the line itself. A native
+call site that repeats (a warning per KV event, per request) is written at a bounded rate, as
+pylon's own repeated faults are: per (level, target, file, line) `NATIVE_BURST` lines per
+`REPEAT_INTERVAL_S`, then the next line carries `suppressed`. The thread holds them back, so a
+burst costs the event loop nothing either (a callback per line would queue without bound).
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ import asyncio
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import orjson
 
+from pylon.core.log_rate import LogRate
 from pylon.logs import get_logger
+from pylon.observe import REPEAT_INTERVAL_S
 
 EVENT = "dynamo_native_log"
 MAX_LINE_BYTES = 64 * 1024  # a longer native line is cut there (`truncated: true`)
@@ -34,6 +42,9 @@ MAX_LINE_BYTES = 64 * 1024  # a longer native line is cut there (`truncated: tru
 LEVELS = {"ERROR": "error", "WARN": "warning", "INFO": "info", "DEBUG": "debug", "TRACE": "debug"}
 # Keys pylon's renderer writes itself: a native field of that name is kept as native_<name>.
 _OWN_KEYS = frozenset({"event", "level", "timestamp"})
+# Lines of one native call site per interval before any is held back: a call site that names
+# different things (the catalog's "Adding worker" for each worker of a fleet) is not cut short.
+NATIVE_BURST = 16
 
 
 def native_line(line: bytes) -> tuple[str, dict[str, Any]]:
@@ -54,6 +65,15 @@ def native_line(line: bytes) -> tuple[str, dict[str, Any]]:
     return level, fields
 
 
+def native_key(level: str, fields: dict[str, Any]) -> Hashable:
+    """The call site a native line came from (its fault kind and source, for the rate limit):
+    the same for every line of one `tracing` macro, whatever its message says. Text lines and
+    cut lines have no call site: each kind shares one."""
+    if "text" in fields:
+        return (level, "truncated" if fields.get("truncated") else "text")
+    return (level, fields.get("target"), fields.get("file"), fields.get("line"))
+
+
 def _log(level: str, fields: dict[str, Any]) -> None:
     getattr(get_logger(), level)(EVENT, **fields)
 
@@ -62,10 +82,12 @@ class NativeStderr:
     """File descriptor 2 as a pipe whose lines become `dynamo_native_log` lines (`start`),
     until `stop` puts the original stderr back."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._original: int | None = None
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._clock = clock
+        self._rate = LogRate(REPEAT_INTERVAL_S, burst=NATIVE_BURST)  # the reader thread's only
 
     def start(self) -> None:
         """Before pylon configures its logging: `sys.stderr` is then the original stderr."""
@@ -102,10 +124,20 @@ class NativeStderr:
                 if truncated:
                     while (rest := pipe.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
                         pass  # the rest of an over-long line is dropped
-                level, fields = native_line(line)
-                if truncated:
-                    fields = {"text": line.decode("utf-8", "replace"), "truncated": True}
-                self._emit(level, fields)
+                self.line(line, truncated)
+
+    def line(self, line: bytes, truncated: bool = False) -> None:
+        """One line from the pipe (cut at `MAX_LINE_BYTES` when `truncated`): logged, unless
+        its call site is over its rate."""
+        level, fields = native_line(line)
+        if truncated:
+            level, fields = "warning", {"text": line.decode("utf-8", "replace"), "truncated": True}
+        held = self._rate.admit(native_key(level, fields), self._clock())
+        if held is None:
+            return
+        if held:
+            fields["suppressed"] = held
+        self._emit(level, fields)
 
     def _emit(self, level: str, fields: dict[str, Any]) -> None:
         loop = self._loop

@@ -35,7 +35,7 @@ from pylon.preflight import (
 from pylon.routing import Router
 from pylon.routing.build import Routing, build_routing
 from pylon.settings import Settings
-from pylon.signals import Signals
+from pylon.signals import EarlySignals, Signals
 from pylon.startup import StartupError
 from pylon.tracing import ExchangeTracer
 
@@ -443,18 +443,20 @@ async def serve(
     observer: Observer | None = None,
     force: asyncio.Event | None = None,
     tokenizer: Tokenizer | None = None,
+    early: EarlySignals | None = None,
 ) -> int:
     """Run pylon until `stop` is set or SIGINT/SIGTERM/SIGQUIT arrives, then stop gracefully
     (what every other signal does: `pylon.signals`).
 
     A second signal during the drain (or `force`) ends what still runs at once. Returns the
     exit status: 0 after a graceful stop, 128 + the signal's number after a forced one (1 when
-    `force` was set without a signal).
+    `force` was set without a signal). `early`: the signals held since the command started,
+    acted on once the loop's handlers are in (`pylon.signals.EarlySignals`).
     """
     observer = observer or LogObserver()
     signals = Signals(stop or asyncio.Event(), force or asyncio.Event(), observer.process_event)
     # Handled before the listeners start: a signal during the start stops it too.
-    with signals.handled() if handle_signals else nullcontext():
+    with signals.handled(early) if handle_signals else nullcontext():
         async with start(settings, observer, wait_ready=False, tokenizer=tokenizer) as running:
             signals.on_reload = running.reload
             signals.on_report = running.report

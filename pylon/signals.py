@@ -11,6 +11,12 @@
 - SIGPIPE stays ignored (Python's default): a write to a closed socket is an error on that
   connection, never the end of the process.
 
+From the first line of `pylon serve` until the event loop's handlers take over, `EarlySignals`
+holds every signal above (imports, settings, the tokenizer's load can take seconds, and each
+signal's default would end pylon silently meanwhile); the loop's handlers then act on them in
+the order they came: a stop signal stops pylon as soon as it has started (nothing runs yet to
+drain), SIGHUP and SIGUSR1/2 are said as `signal_ignored` (still starting).
+
 `faulthandler` stays off: it runs every handler on a small alternate signal stack, and a burst
 of different signals (each may interrupt the one before) overflows it: a SIGSEGV, measured
 with the 38 signals above sent at once.
@@ -45,6 +51,34 @@ def signal_name(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"SIGRTMIN+{sig - signal.SIGRTMIN}"
+
+
+class EarlySignals:
+    """Python-level handlers for `HANDLED`, from `install` until `Signals.handled` replaces them
+    with the loop's: each signal is only remembered (a handler that did more could run inside
+    any start-up code), to be acted on by `Signals.handled` (`take`)."""
+
+    def __init__(self) -> None:
+        self._pending: list[int] = []
+
+    def install(self) -> None:
+        for sig in HANDLED:
+            try:
+                signal.signal(sig, self._received)
+            except (OSError, RuntimeError, ValueError):
+                if sig not in IGNORED:
+                    raise  # (as `Signals._install`: the runtime may keep a real-time signal)
+
+    def _received(self, sig: int, _frame: object) -> None:
+        self._pending.append(sig)
+
+    def take(self) -> list[int]:
+        """The signals received so far, each once, in the order they first came; forgotten
+        here. Once: nothing runs yet that a second stop signal could cut short, and a signal
+        that came after the loop started may also reach the loop's handler (Python wrote it to
+        the loop's wakeup fd too)."""
+        pending, self._pending = self._pending, []
+        return list(dict.fromkeys(pending))
 
 
 class Signals:
@@ -88,10 +122,13 @@ class Signals:
         action(sig)
 
     @contextmanager
-    def handled(self) -> Iterator[None]:
-        """The handlers are installed in the running loop for the `with` block."""
+    def handled(self, early: EarlySignals | None = None) -> Iterator[None]:
+        """The handlers are installed in the running loop for the `with` block; then the
+        signals `early` held before are acted on, in order."""
         loop = asyncio.get_running_loop()
         installed = [sig for sig in HANDLED if self._install(loop, sig)]
+        for sig in early.take() if early is not None else ():
+            self.received(sig)
         try:
             yield
         finally:

@@ -133,4 +133,10 @@ MUTATIONS = [
         ),
         per_transport(f"{SAME}::test_missing_token_is_answered_before_the_declared_body_length"),
     ),
+    Mutation(
+        "tunnel token auth",
+        "a broken token file is told at every check (one line a second while it stays broken)",
+        Never(AUTH, "TokenAuth._refresh", "state == self._unusable"),
+        {"core": (f"{AUTH_T}::test_a_broken_token_file_is_told_once_not_at_every_check",)},
+    ),
 ]

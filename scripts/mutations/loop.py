@@ -3,7 +3,7 @@ a repeated fault writes a bounded number of log lines (its counters stay exact).
 
 from __future__ import annotations
 
-from mutations.anchors import DropEntry, Never
+from mutations.anchors import DropEntry, Never, ReplaceExpr
 from mutations.spec import HTTP1, HTTP2, KV_ROUTING_T, KV_WATCH, LOG_RATE, OBSERVE, Mutation
 
 _LOG_RATE_T = "tests/unit/test_log_rate.py"
@@ -46,7 +46,32 @@ LOOP_FAIRNESS = [
     ),
 ]
 
+_NATIVE = "pylon/native_logs.py"
+_NATIVE_T = "tests/unit/test_native_logs.py"
+
 LOG_RATE_LIMIT = [
+    Mutation(
+        "log rate limit",
+        "native (Dynamo) log lines not limited per call site",
+        Never(_NATIVE, "NativeStderr.line", "held is None"),
+        {
+            "core": (
+                f"{_NATIVE_T}::test_a_burst_from_one_native_call_site_writes_a_bounded_number_of_lines",
+                f"{_NATIVE_T}::test_cut_lines_and_text_lines_are_limited_too",
+            )
+        },
+    ),
+    Mutation(
+        "log rate limit",
+        "LogRate's burst never runs out",
+        ReplaceExpr(LOG_RATE, "LogRate.admit", "slot[2] > 0", "True"),
+        {
+            "core": (
+                f"{_LOG_RATE_T}::test_a_burst_goes_out_per_interval_then_lines_are_held_back",
+                f"{_NATIVE_T}::test_a_burst_from_one_native_call_site_writes_a_bounded_number_of_lines",
+            )
+        },
+    ),
     Mutation(
         "log rate limit",
         "LogRate never holds a line back",

@@ -10,6 +10,8 @@ SIGNALS = "pylon/signals.py"
 SIGNALS_T = "tests/integration/test_signals.py"
 _HUP = f"{SIGNALS_T}::test_sighup_reloads_mid_stream_and_no_other_signal_ends_pylon"
 _SETS = f"{SIGNALS_T}::test_the_signal_sets_are_what_the_docs_say"
+_EARLY = f"{SIGNALS_T}::test_signals_while_pylon_starts_are_acted_on_once_it_runs"
+CLI = "pylon/cli.py"
 
 MUTATIONS = [
     Mutation(
@@ -40,5 +42,17 @@ MUTATIONS = [
         "SIGUSR1/SIGUSR2 not handled (their default ends pylon)",
         DropEntry(SIGNALS, "HANDLED", "*REPORT"),
         {"core": (_HUP, _SETS)},
+    ),
+    Mutation(
+        "signals",
+        "signals before the loop runs keep their defaults (end a starting pylon silently)",
+        ReplaceStatements(CLI, "serve", "early.install()", "pass"),
+        {"core": (_EARLY,)},
+    ),
+    Mutation(
+        "signals",
+        "signals held at the start are acted on as often as they came (two SIGTERMs force)",
+        ReplaceExpr(SIGNALS, "EarlySignals.take", "list(dict.fromkeys(pending))", "pending"),
+        {"core": (_EARLY,)},
     ),
 ]

@@ -13,6 +13,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from aioquic.asyncio import connect
 from pylon.signals import HANDLED, IGNORED, REPORT, STOP, signal_name
 from tests.certs import fingerprint, make_leaf, write_pair
 from tests.h3client import H3Client, client_configuration
-from tests.integration.test_cli import ENGINE, log_lines, start_pylon
+from tests.integration.test_cli import ENGINE, clean_env, log_lines, start_pylon
 
 TOKENS = 300  # the stream: 300 tokens, 20 ms apart (6 s), in flight through every signal
 
@@ -275,3 +276,47 @@ def test_a_signal_the_runtime_keeps_is_skipped_but_a_stop_signal_must_install() 
     assert set(asyncio.run(main(kept))) == set(HANDLED) - {kept}
     with pytest.raises(OSError):
         asyncio.run(main(signal.SIGTERM))
+
+
+# `pylon serve` with every stop, reload and report signal sent to itself while it loads its
+# tokenizer (its start, before the event loop runs): what a signal during a slow start meets.
+_EARLY = """
+import os, signal, sys
+import pylon.preflight
+real = pylon.preflight.load_tokenizer
+sent = []
+def load_tokenizer(settings):
+    if not sent:  # the command's own load, before the loop (start() calls it again)
+        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGTERM, signal.SIGTERM, signal.SIGHUP):
+            os.kill(os.getpid(), sig)  # the handler runs before kill returns (main thread)
+            sent.append(sig)
+    return real(settings)
+pylon.preflight.load_tokenizer = load_tokenizer
+sys.argv[0] = "pylon"
+from pylon.cli import main
+main()
+"""
+
+
+def test_signals_while_pylon_starts_are_acted_on_once_it_runs() -> None:
+    """Before the event loop's handlers are in, each signal's default would end pylon with no
+    line (SIGHUP, SIGTERM, SIGUSR1 all did, measured 0.3 s after the start): they are held and
+    acted on once it runs, each once: SIGHUP and SIGUSR1 said as still starting, SIGTERM a
+    graceful stop with nothing to drain (exit 0)."""
+    args = ["serve", "--listen", "127.0.0.1:0", "--admin-listen", ""]
+    proc = subprocess.run(
+        [sys.executable, "-c", _EARLY, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=clean_env(),
+    )
+    lines = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert proc.returncode == 0, proc.stderr
+    events = [line["event"] for line in lines]
+    ignored = [line for line in lines if line["event"] == "signal_ignored"]
+    assert [line["signal"] for line in ignored] == ["SIGHUP", "SIGUSR1"], ignored
+    assert all(line["detail"].startswith("still starting") for line in ignored)
+    assert "drained" in events and events.index("stopping") < events.index("drained"), events
+    assert "forced_stop" not in events  # two SIGTERMs held: one stop, not a forced one

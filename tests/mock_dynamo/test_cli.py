@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import sys
@@ -104,3 +105,48 @@ async def test_python_dash_m_help() -> None:
     )
     out, _ = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0 and b"--token-delay-ms" in out
+
+
+# Every flag of `mock-dynamo` with a word of its own help (not pylon's help for a setting of
+# the same name), written here by hand.
+MOCK_FLAGS = {
+    "--host": "bind.",
+    "--port": "free",
+    "--flavor": "contract",
+    "--model": "Served",
+    "--ttft-ms": "first",
+    "--token-delay-ms": "between",
+    "--num-tokens": "reply.",
+    "--capacity": "Recorded",
+    "--kv-block-size": "block",
+    "--kv-cache-blocks": "capacity",
+    "--prefill-tokens-per-s": "uncached",
+    "--tokenizer": "word.",
+    "--kv-events-port": "--kv-cache-blocks.",
+    "--kv-events-encoding": "positional",
+    "--log-level": "verbosity.",
+}
+
+
+@pytest.mark.parametrize("columns", [80, 400])
+async def test_help_is_whole_at_80_columns(columns: int) -> None:
+    """Each flag on its own line, its help whole below it: typer's table cut the --tokenizer
+    help and the --log-level choices at 80 columns."""
+    proc = await asyncio.create_subprocess_exec(
+        str(EXE),
+        "--help",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": str(columns), "TERM": "dumb"},
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0
+    text = out.decode()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in text
+    assert "PYLON_" not in text, "pylon's setting help in the mock's"
+    assert "<debug|info|warning|error>" in text
+    for flag, word in MOCK_FLAGS.items():
+        row = next(i for i, line in enumerate(lines) if line.split(" ")[2:3] == [flag])
+        following = next(i for i in range(row + 1, len(lines)) if lines[i].startswith("  -"))
+        assert word in " ".join(lines[row:following]).split(), flag

@@ -238,3 +238,22 @@ async def test_only_get_and_head_of_exactly_health_skip_the_token(
         assert reply.status == 401, (method, path, reply.status)
         assert reply.json()["code"] == "unauthorized"
     assert [record["path"] for record in await stack.records()] == ["/health"] * len(probes)
+
+
+def test_a_broken_token_file_is_told_once_not_at_every_check(
+    token_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file is checked at most every RECHECK_SECONDS (0 here: at every request): a file
+    left empty writes one `tunnel_token_unusable` line, not one per check (3,600 an hour)."""
+    configure_logging("json", "warning")
+    checker = TokenAuth(token_file)
+    good = [(b"authorization", f"Bearer {TOKEN}".encode())]
+    token_file.write_text("")
+    for _ in range(1_000):
+        assert checker.allows(good)
+    assert capsys.readouterr().err.count("tunnel_token_unusable") == 1
+    token_file.write_text("two\nlines")  # broken another way: a change, told again
+    assert checker.allows(good)
+    assert capsys.readouterr().err.count("tunnel_token_unusable") == 1
+    token_file.write_text("next")
+    assert checker.allows([(b"authorization", b"Bearer next")])

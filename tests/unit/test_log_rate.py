@@ -28,6 +28,13 @@ def test_the_first_line_goes_out_then_one_per_interval_with_the_count_held_back(
     assert rate.admit("gap", 500.5) is None
 
 
+def test_a_burst_goes_out_per_interval_then_lines_are_held_back() -> None:
+    rate = LogRate(10.0, burst=3)
+    assert [rate.admit("site", t) for t in (0.0, 0.1, 0.2, 0.3, 5.0)] == [0, 0, 0, None, None]
+    assert [rate.admit("site", t) for t in (10.0, 10.1, 10.2, 10.3)] == [2, 0, 0, None]
+    assert rate.admit("site", 30.0) == 1
+
+
 def test_each_key_has_its_own_budget() -> None:
     rate = LogRate(10.0)
     assert rate.admit(("kv_events_gap", "w0"), 0.0) == 0
