@@ -12,6 +12,7 @@ import asyncio
 import socket
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
@@ -267,3 +268,66 @@ async def test_the_move_on_every_transport(make_stack: StackFactory, protocol: s
     span = (await spans.span(f"moved-{protocol}")).attributes
     assert span is not None
     assert (span["pylon.worker"], span["pylon.attempts"]) == (fleet.workers[1].label, 2)
+
+
+# A worker that answers 200 and then breaks: the fault, and the reason its ejection names.
+BROKEN_AFTER_HEAD = {
+    "cut_body": ({"drop_after_events": 1}, False, "broken"),
+    "cut_stream": ({"drop_after_events": 1}, True, "broken"),
+    "stalled_stream": ({"stall_after_events": 1}, True, "timeout"),
+}
+
+
+@pytest.mark.parametrize(
+    ("routing", "fault"),
+    [
+        ("round-robin", "cut_body"),
+        ("round-robin", "cut_stream"),
+        ("round-robin", "stalled_stream"),
+        ("least-loaded", "cut_stream"),
+        ("kv", "cut_body"),
+        ("kv", "stalled_stream"),
+    ],
+)
+async def test_a_worker_that_answers_200_and_then_breaks_leaves_rotation(
+    make_fleet: FleetFactory, routing: str, fault: str
+) -> None:
+    """A good head is no success until its response is whole: a worker whose bodies are cut,
+    whose streams end short or stall is ejected like one that answers 500."""
+    spec, stream, reason = BROKEN_AFTER_HEAD[fault]
+    fake = FakeNative()
+    fleet = await make_fleet(
+        workers=2,
+        routing=routing,
+        native=(lambda: fake) if routing == "kv" else None,
+        worker_outlier_failures=2,
+        worker_outlier_ejection=3600.0,
+        worker_outlier_max_ejection=3600.0,
+        output_gap_timeout=0.3,
+        first_output_timeout=5.0,
+    )
+    try:
+        assert await statuses(fleet, "probe", 1) == [200]
+        bad = await fleet.served_by("probe-0")
+        good = 1 - bad
+        await fleet.control(bad, "faults", [spec])
+        mark = fleet.observer.mark()
+        # Every answer's head is a 200; the broken ones never complete (their end is cut).
+        whole = 0
+        for n in range(12):
+            body = {**chat(n), "stream": stream}
+            try:
+                reply = await fleet.post(CHAT, body, headers={"x-request-id": f"load-{n}"})
+            except httpx.HTTPError:
+                continue  # the cut body: the connection ends short
+            assert reply.status_code == 200
+            whole += b"event: error" not in reply.content
+        ejected = await fleet.observer.wait_for(
+            "worker_outlier_ejected", after=mark, worker=fleet.label(bad)
+        )
+        assert (ejected["reason"], ejected["failures"]) == (reason, 2)
+        assert [w.label for w in fleet.routing.fleet.in_rotation] == [fleet.label(good)]
+        # Only the two breaks that ejected it reached the client.
+        assert whole == 10
+    finally:
+        fake.join_helpers()
