@@ -55,13 +55,13 @@ PASSIVE_HEALTH = [
         "passive health",
         "a round-robin or least-loaded booking never judges a response by how it ended",
         Always(FLEET, "WorkerBooking.complete", "record.first_byte_at is None"),
-        {"core": (_JUDGED, f"{_BREAKS}[round-robin-cut_stream]")},
+        {"core": (_JUDGED, f"{_BREAKS}[round-robin-cut_body]")},
     ),
     Mutation(
         "passive health",
         "a kv booking never judges a response by how it ended",
         Always(KV, "KvBooking.complete", "record.first_byte_at is None"),
-        {"core": (f"{_BREAKS}[kv-stalled_stream]",)},
+        {"core": (f"{_BREAKS}[kv-cut_body]",)},
     ),
     Mutation(
         "passive health",
