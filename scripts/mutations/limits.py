@@ -47,6 +47,12 @@ HEADER_LIMITS = [
     ),
     Mutation(
         "header limits",
+        "HTTP/1.1 head bytes not counted as they arrive (one endless line buffered whole)",
+        Never(HTTP1, "Http1Connection._count_fed", "self._head_fed > limit + _HEAD_SLACK"),
+        {"http1": (f"{ERRORS_T}::test_one_endless_header_line_is_refused_as_it_arrives[*]",)},
+    ),
+    Mutation(
+        "header limits",
         "HTTP/1.1 header count not checked (max_headers)",
         Never(
             HTTP1,
