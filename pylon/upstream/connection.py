@@ -351,9 +351,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._count_head(len(status))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Once per field of every response: the byte count is inlined (see `_count_head`);
-        # the 4 are the field's `: ` and line end, as the client side counts them.
-        self._head_bytes += len(name) + len(value) + 4
+        # Once per field of every response: the byte count is inlined (see `_count_head`).
+        self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_RESPONSE_HEAD:
             self._count_head(0)
         attempt = self.attempt
