@@ -106,6 +106,14 @@ PASSIVE_HEALTH = [
 CONNECT_MOVE = [
     Mutation(
         "connect-failure move",
+        "a request a fresh connection's engine read and reset is sent again",
+        DropOperand("pylon/upstream/connection.py", "Attempt.stale_connection", "conn.reused"),
+        per_transport(
+            f"{_PASSIVE_T}::test_a_reset_after_the_request_was_written_is_not_moved_nor_retryable"
+        ),
+    ),
+    Mutation(
+        "connect-failure move",
         "a request that reached no worker is never moved to another",
         Never(FORWARDING, "Proxy._forward", "not moved and not isinstance(exc, UpstreamBusy)"),
         {

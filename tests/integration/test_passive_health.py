@@ -22,6 +22,7 @@ from pylon.routing.fleet import Fleet
 from pylon.routing.round_robin import RoundRobinRouter
 from pylon.routing.spec import parse_worker_spec
 from tests.fleet import FleetFactory, FleetStack, RoutingObserver
+from tests.integration.test_engine_faults import Pieces, ScriptedEngine
 from tests.integration.test_tracing import SpanWaiter
 from tests.router_ffi.fake_native import FakeNative
 from tests.stack import MODEL, PROTOCOLS, StackFactory
@@ -331,3 +332,37 @@ async def test_a_worker_that_answers_200_and_then_breaks_leaves_rotation(
         assert whole == 10
     finally:
         fake.join_helpers()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_reset_after_the_request_was_written_is_not_moved_nor_retryable(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    """A worker that read the request and then reset the connection (no response byte) may
+    have started on it: the request is not moved to another worker and its 502 is not
+    retryable (only a request that provably reached no engine moves)."""
+    scripted = ScriptedEngine([Pieces(lambda: iter(()), then="reset")])
+    server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
+    scripted.port = server.sockets[0].getsockname()[1]
+    try:
+        observer, late = RoutingObserver(), LateRouter()
+        stack = await make_stack("dynamo", observer=observer, router=late)
+        urls = (f"http://127.0.0.1:{scripted.port}", stack.mock.base_url)
+        fleet = Fleet.from_specs([parse_worker_spec(f"url={url}") for url in urls], None)
+        for worker in fleet.workers:
+            fleet.set_in_rotation(worker, True)
+        late.router = RoundRobinRouter(fleet)
+        rid = f"reset-{protocol}"
+        headers = [("x-request-id", rid), ("x-model", MODEL)]
+        reply = await stack.send(protocol, CHAT, headers, orjson.dumps(chat(0)))
+        assert reply.status == 502, reply.body
+        assert reply.json()["code"] == "upstream_protocol_error"
+        assert reply.headers["x-stargate-retryable"] == "false"
+        await observer.wait_done(1)
+        record = observer.finished[rid]
+        assert (record.attempts, record.worker) == (1, fleet.workers[0].label)
+        assert observer.of("upstream_moved") == []
+        assert scripted.connections == 1  # not sent again either
+        assert await stack.records() == []  # the other worker never saw it
+    finally:
+        server.close()
