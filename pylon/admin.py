@@ -8,7 +8,8 @@ tunnel ports and without tunnel auth.
 
 Small and bounded, on httptools (the parser pylon's HTTP/1.1 listener uses): GET and HEAD only
 (405 otherwise), no request body (413), a request head of at most `MAX_HEAD_BYTES` in at most
-`MAX_HEADERS` fields (431), `REQUEST_TIMEOUT` seconds to send a request (408), idle keep-alive
+`MAX_HEADERS` fields (431, counted as the bytes arrive: one endless header line is refused, not
+buffered), `REQUEST_TIMEOUT` seconds to send a request (408), idle keep-alive
 connections closed after `IDLE_TIMEOUT`. Every error is an RFC 9457 JSON problem.
 
 No client holds the loop or grows pylon's memory (a flood of pipelined `/metrics` must not
@@ -38,6 +39,11 @@ from pylon.settings import split_host_port
 from pylon.startup import cannot_listen
 
 MAX_HEAD_BYTES = 16 * 1024
+# httptools buffers a header field's name and value until its line ends, so one endless line
+# would be held whole (and copied on every read) before `on_header` could count it: the raw
+# bytes of a head are also counted as they are fed. The slack covers what the field count
+# leaves out (the request line's method and version, line ends, whitespace around values).
+_HEAD_SLACK = 1024
 MAX_HEADERS = 64
 REQUEST_TIMEOUT = 10.0  # seconds to send a whole request, from its first byte or the last answer
 IDLE_TIMEOUT = 30.0  # seconds a kept-alive connection may wait for its next request
@@ -129,6 +135,7 @@ class AdminConnection(asyncio.Protocol):
         self._url = b""
         self._accept = b""
         self._head_bytes = 0
+        self._head_fed = 0  # raw bytes of the current request head fed so far
         self._headers = 0
         # Bytes received and not fed to the parser yet: `_buffer[_fed:]` (before them, up to 3
         # bytes already fed, to find a head's end that a read split).
@@ -195,6 +202,12 @@ class AdminConnection(asyncio.Protocol):
             self._send(problem(400, "malformed_request", "protocol upgrade is not supported"), True)
         except httptools.HttpParserError as exc:
             self._send(problem(400, "malformed_request", f"malformed HTTP/1.1: {exc}"), True)
+        if self._in_request and not self._closing:
+            # Pieces start where the last head ended: these are the bytes of this head.
+            self._head_fed += stop - start
+            if self._head_fed > MAX_HEAD_BYTES + _HEAD_SLACK:
+                detail = f"request head over {MAX_HEAD_BYTES} bytes"
+                self._send(problem(431, "headers_too_large", detail), True)
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -223,6 +236,7 @@ class AdminConnection(asyncio.Protocol):
         self._url = b""
         self._accept = b""
         self._head_bytes = 0
+        self._head_fed = 0
         self._headers = 0
         self._arm(REQUEST_TIMEOUT)
 

@@ -95,6 +95,10 @@ class AnswerReport(Protocol):
         """A response head with `status` arrived."""
         ...
 
+    def ended(self, worker: Worker, status: int, outcome: str) -> None:
+        """The response a head with `status` began is over, as `outcome` says."""
+        ...
+
     def unanswered(self, worker: Worker, outcome: str) -> None:
         """The exchange ended (or moved) with no response head, as `outcome` says."""
         ...
@@ -253,14 +257,17 @@ class WorkerBooking(ExchangeHooks):
             passive.answered(self._worker, record.status)
 
     def complete(self, record: RequestRecord) -> None:
-        """The exchange is over: the worker carries one request less (idempotent); an exchange
-        that ended with no response head is judged by its outcome."""
+        """The exchange is over: the worker carries one request less (idempotent); the worker
+        is judged by how it ended (no head, a head and a broken body, a whole response)."""
         if not self._released:
             self._released = True
             self._worker.active -= 1
             passive = self._passive
-            if passive is not None and record.first_byte_at is None:
-                passive.unanswered(self._worker, record.outcome)
+            if passive is not None:
+                if record.first_byte_at is None:
+                    passive.unanswered(self._worker, record.outcome)
+                else:
+                    passive.ended(self._worker, record.status, record.outcome)
 
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         """Released without the worker having seen the request (see `Exchange.rebooked`):

@@ -128,14 +128,18 @@ class KvBooking(ExchangeHooks):
 
     def complete(self, record: RequestRecord) -> None:
         """The exchange is over: free the reservation (idempotent; a no-op after the core's
-        shutdown); an exchange that ended with no response head is judged by its outcome."""
+        shutdown); the worker is judged by how the exchange ended (no head, a head and a broken
+        body, a whole response)."""
         if not self._released:
             self._released = True
             self._worker.active -= 1
             self._reservation.free()
             passive = self._passive
-            if passive is not None and record.first_byte_at is None:
-                passive.unanswered(self._worker, record.outcome)
+            if passive is not None:
+                if record.first_byte_at is None:
+                    passive.unanswered(self._worker, record.outcome)
+                else:
+                    passive.ended(self._worker, record.status, record.outcome)
 
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         """Released without the worker having seen the request (`Exchange.rebooked`)."""

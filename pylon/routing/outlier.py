@@ -9,7 +9,11 @@ judges each worker by what its bookings saw:
 - a failure: a 5xx response head other than 503 (503 is an engine's own admission refusal:
   busy, not broken, and its load is the routers' business), or no response head at all because
   the worker could not be reached, broke the exchange or timed out;
-- a success: any other response head (a 4xx is the client's fault, not the worker's).
+- a failure too: a response that began well (any other head) and then broke: its body cut, its
+  event stream ended before any output or inside an event, or its output stopped (a worker
+  that answers `200` and then always fails must leave rotation like one that answers `500`);
+- a success: any other response, once it is over (a 4xx is the client's fault, not the
+  worker's); a response the client left is neither.
 
 `consecutive` failures in a row eject the worker for `base_ejection` seconds, doubled on each
 ejection that follows the last one without a success in between, at most `max_ejection`. Then
@@ -42,11 +46,24 @@ UNANSWERED = {
     "upstream_protocol_error": BROKEN,
     "upstream_timeout": TIMEOUT,
 }
+# The exchange outcome of a response that began with a head that was no failure and then broke
+# (`pylon.proxy.forwarding`: a cut body, an event stream ended short, output that stopped).
+BROKEN_AFTER_HEAD = {
+    "upstream_broken_mid_body": BROKEN,
+    "upstream_protocol_error": BROKEN,
+    "upstream_timeout": TIMEOUT,
+}
 
 
 def failure_of_status(status: int) -> str | None:
     """The failure a response head with `status` is, or None (a success)."""
     return STATUS_5XX if status >= 500 and status != 503 else None
+
+
+def failure_after_head(outcome: str) -> str | None:
+    """The failure a response whose head was no failure and that ended with `outcome` is, or
+    None (`ok`: a success; the client left: nothing the worker did)."""
+    return BROKEN_AFTER_HEAD.get(outcome)
 
 
 def failure_of_outcome(outcome: str) -> str | None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pylon.routing.fleet import AnswerReport, Fleet, Worker
 from pylon.routing.outlier import (
+    BROKEN_AFTER_HEAD,
     STATUS_5XX,
     UNANSWERED,
     Held,
@@ -47,14 +48,26 @@ class PassiveHealth:
         return self._detector
 
     def answered(self, worker: Worker, status: int) -> None:
-        """A booking on `worker` heard a response head with `status` (once per request: the
-        success path is two attribute reads)."""
+        """A booking on `worker` heard a response head with `status`: a 5xx is a failure at
+        once (the worker leaves before more requests reach it); any other head is judged when
+        its response is over (`ended`)."""
         if status >= 500 and status != 503:
             self._failed(worker, STATUS_5XX)
+
+    def ended(self, worker: Worker, status: int, outcome: str) -> None:
+        """The response a head with `status` began on `worker` is over, as `outcome` says: a
+        whole one is a success (the path is a compare and two attribute reads), one that broke
+        after a good head a failure; a 5xx was counted at its head."""
+        if status >= 500 and status != 503:
             return
-        state = worker.outlier
-        if state.failures or state.probation:
-            self._detector.success(state)
+        if outcome == "ok":
+            state = worker.outlier
+            if state.failures or state.probation:
+                self._detector.success(state)
+            return
+        reason = BROKEN_AFTER_HEAD.get(outcome)
+        if reason is not None:
+            self._failed(worker, reason)
 
     def unanswered(self, worker: Worker, outcome: str) -> None:
         """A booking on `worker` ended with no response head, as `outcome` says."""

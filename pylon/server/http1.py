@@ -61,6 +61,11 @@ _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 # most one piece's worth of parsed requests, and one read's worth of bytes, whatever it sends.
 # A declared body is parsed in one go (its size is known, its cost is per byte).
 FEED_BYTES = 4096
+# llhttp delivers a header field only once it has ended, and httptools buffers its name and value
+# until then (growing them piece by piece): one endless header line would be buffered whole, and
+# copied again on every piece, before `on_header` could count it. So the bytes of a head are
+# also counted as they are fed, at most one piece past the head limit.
+_HEAD_SLACK = FEED_BYTES
 
 
 class _StopParsing(Exception):
@@ -84,6 +89,8 @@ class Http1Connection(asyncio.Protocol):
         self._url = b""
         self._headers: list[Header] = []
         self._head_bytes = 0
+        self._in_head = False  # between a request's first byte and the end of its head
+        self._head_fed = 0  # bytes fed since the request's first byte, while in its head
         # Body bytes the head declared and not yet received (None: not declared, e.g. chunked);
         # the piece that completes them ends the request (`_ended`), as END_STREAM does in h2.
         self._body_left: int | None = None
@@ -150,6 +157,19 @@ class Http1Connection(asyncio.Protocol):
             self._refuse(ContractError("protocol upgrade is not supported"))
         except httptools.HttpParserError as exc:
             self._refuse(ContractError(f"malformed HTTP/1.1 request: {exc}"))
+        if self._in_head:
+            self._count_fed(len(data))
+
+    def _count_fed(self, size: int) -> None:
+        """`size` more bytes of a head went into the parser (which holds an unfinished field
+        line whole): past the head limit, the head is refused (431) before it is buffered."""
+        self._head_fed += size
+        limit = self._max_head_bytes
+        if self._head_fed > limit + _HEAD_SLACK:
+            error = LimitError(
+                f"request head exceeds {limit} bytes", code=ErrorCode.HEADERS_TOO_LARGE
+            )
+            self._refuse(error)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
@@ -175,6 +195,8 @@ class Http1Connection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._head_bytes = 0
+        self._in_head = True
+        self._head_fed = 0
         self._ended = False
         self._timer.arm(self._limits.stall_timeout)
 
@@ -192,6 +214,7 @@ class Http1Connection(asyncio.Protocol):
             self._head_over_limits()
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         stream = self._stream
         assert stream is not None, "llhttp calls on_message_begin first"
         parser = self._parser

@@ -35,6 +35,10 @@ _HIGH_WATER = 256 * 1024  # buffered, unconsumed response bytes before we stop r
 # a field only once it has ended (httptools buffers a value until then), so the cap is counted
 # on the bytes as they arrive, per read, not on what the callbacks deliver.
 MAX_RESPONSE_HEAD = 60 * 1024
+# Fields in one engine response head (Envoy's `max_headers_count` is 100; an engine sends a
+# handful): each field is a Python tuple of two objects, so tiny fields under the byte cap
+# would still cost ~100 bytes of memory per 6 bytes received, tens of thousands per read.
+MAX_RESPONSE_FIELDS = 256
 # Linux only; elsewhere None and the delayed-ACK push below is skipped.
 _TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
@@ -353,9 +357,15 @@ class UpstreamConnection(asyncio.Protocol):
             self._count_head(0)
         attempt = self.attempt
         if attempt is not None:
+            fields = attempt.headers
+            if len(fields) >= MAX_RESPONSE_FIELDS:
+                self._break(
+                    UpstreamBroken(f"engine response head over {MAX_RESPONSE_FIELDS} fields")
+                )
+                raise _HeadTooLarge
             # llhttp refuses whitespace in a field name and drops a value's leading whitespace,
             # not its trailing: lower-casing and `rstrip` are the whole normalisation.
-            attempt.headers.append((name.lower(), value.rstrip(_OWS)))
+            fields.append((name.lower(), value.rstrip(_OWS)))
 
     def on_headers_complete(self) -> None:
         attempt = self.attempt

@@ -46,6 +46,16 @@ ADMIN_FLOODS = [
         {"core": (_FLOOD,)},
     ),
     Mutation(
+        "admin flood",
+        "admin head bytes not counted as they arrive (one endless line buffered whole)",
+        Never(
+            ADMIN,
+            "AdminConnection._feed_one",
+            "self._head_fed > MAX_HEAD_BYTES + _HEAD_SLACK",
+        ),
+        {"core": (f"{ADMIN_T}::test_one_endless_header_line_is_refused_as_it_arrives[*]",)},
+    ),
+    Mutation(
         "admin connection cap",
         "silent connections at the cap starve the probes (the new one is refused)",
         ReplaceStatements(

@@ -47,6 +47,12 @@ HEADER_LIMITS = [
     ),
     Mutation(
         "header limits",
+        "HTTP/1.1 head bytes not counted as they arrive (one endless line buffered whole)",
+        Never(HTTP1, "Http1Connection._count_fed", "self._head_fed > limit + _HEAD_SLACK"),
+        {"http1": (f"{ERRORS_T}::test_one_endless_header_line_is_refused_as_it_arrives[*]",)},
+    ),
+    Mutation(
+        "header limits",
         "HTTP/1.1 header count not checked (max_headers)",
         Never(
             HTTP1,
@@ -232,8 +238,18 @@ ENGINE_SIDE = [
         ),
         {
             **per_transport(f"{FAULTS_T}::test_one_huge_engine_header_line_is_a_502_before_*"),
-            "core": (f"{FAULTS_T}::test_one_huge_engine_trailer_line_cuts_the_stream_*",),
+            "core": (
+                f"{FAULTS_T}::test_one_huge_engine_trailer_line_cuts_the_stream_*",
+                f"{FAULTS_T}::test_every_shape_of_endless_engine_framing_*[*-interim_heads]",
+                f"{FAULTS_T}::test_every_shape_of_endless_engine_framing_*[*-chunk_extension]",
+            ),
         },
+    ),
+    Mutation(
+        "engine response head cap",
+        "no cap on the count of fields in an engine's response head",
+        Never(CONNECTION, "UpstreamConnection.on_header", "len(fields) >= MAX_RESPONSE_FIELDS"),
+        {**per_transport(f"{FAULTS_T}::test_an_engine_head_over_the_field_count_is_502")},
     ),
     Mutation(
         "engine response head cap",

@@ -10,12 +10,15 @@ from mutations.spec import ASSEMBLE, FORWARDING, Mutation, per_transport
 OUTLIER = "pylon/routing/outlier.py"
 PASSIVE = "pylon/routing/passive.py"
 FLEET = "pylon/routing/fleet.py"
+KV = "pylon/routing/kv.py"
 EXCHANGE = "pylon/proxy/exchange.py"
 
 _UNIT_T = "tests/unit/test_outlier.py"
 _PASSIVE_T = "tests/integration/test_passive_health.py"
 _SEAM_T = "tests/unit/test_seam_proxy.py"
 _EJECTS = f"{_PASSIVE_T}::test_a_worker_that_answers_500_leaves_rotation_after_n_failures[*]"
+_BREAKS = f"{_PASSIVE_T}::test_a_worker_that_answers_200_and_then_breaks_leaves_rotation"
+_JUDGED = f"{_UNIT_T}::test_a_good_head_is_judged_when_its_response_is_over"
 _DEAD = f"{_PASSIVE_T}::test_a_dead_worker_costs_the_client_nothing"
 _UNREACHED = f"{_PASSIVE_T}::test_a_request_no_worker_can_be_reached_for_is_a_retryable_503[*]"
 _MOVES = f"{_SEAM_T}::test_a_worker_that_cannot_be_reached_moves_the_request_and_its_booking"
@@ -41,6 +44,24 @@ PASSIVE_HEALTH = [
         "a 5xx answer is not counted as a failure",
         Never(PASSIVE, "PassiveHealth.answered", "status >= 500 and status != 503"),
         {"core": (_EJECTS,)},
+    ),
+    Mutation(
+        "passive health",
+        "a response that breaks after a good head is not counted as a failure",
+        Never(PASSIVE, "PassiveHealth.ended", "reason is not None"),
+        {"core": (_JUDGED, f"{_BREAKS}[round-robin-cut_body]", f"{_BREAKS}[kv-cut_body]")},
+    ),
+    Mutation(
+        "passive health",
+        "a round-robin or least-loaded booking never judges a response by how it ended",
+        Always(FLEET, "WorkerBooking.complete", "record.first_byte_at is None"),
+        {"core": (_JUDGED, f"{_BREAKS}[round-robin-cut_body]")},
+    ),
+    Mutation(
+        "passive health",
+        "a kv booking never judges a response by how it ended",
+        Always(KV, "KvBooking.complete", "record.first_byte_at is None"),
+        {"core": (f"{_BREAKS}[kv-cut_body]",)},
     ),
     Mutation(
         "passive health",
@@ -83,6 +104,14 @@ PASSIVE_HEALTH = [
 ]
 
 CONNECT_MOVE = [
+    Mutation(
+        "connect-failure move",
+        "a request a fresh connection's engine read and reset is sent again",
+        DropOperand("pylon/upstream/connection.py", "Attempt.stale_connection", "conn.reused"),
+        per_transport(
+            f"{_PASSIVE_T}::test_a_reset_after_the_request_was_written_is_not_moved_nor_retryable"
+        ),
+    ),
     Mutation(
         "connect-failure move",
         "a request that reached no worker is never moved to another",

@@ -155,6 +155,26 @@ async def test_bounded_requests(monkeypatch: pytest.MonkeyPatch) -> None:
         assert (status, body["code"]) == (408, "request_timeout")
 
 
+@pytest.mark.parametrize("where", ["value", "name", "after_a_request"])
+async def test_one_endless_header_line_is_refused_as_it_arrives(where: str) -> None:
+    """httptools holds an unfinished field line whole before `on_header` can count it: the
+    head's raw bytes are counted as they are fed, so a line that never ends is a 431 at once
+    (before the fix: 155 MiB buffered in 10 s, RSS +190 MiB, then a 408)."""
+    async with bare_admin(Lifecycle()) as server:
+        host, port = server.address.rsplit(":", 1)
+        endless = {"value": b"x-pad: " + b"a" * 4 * admin.MAX_HEAD_BYTES}
+        endless["name"] = b"x" * 4 * admin.MAX_HEAD_BYTES
+        endless["after_a_request"] = b"host: x\r\n\r\nGET /metrics HTTP/1.1\r\n" + endless["value"]
+        data = b"GET /live HTTP/1.1\r\n" + endless[where]
+        # The line never ends: only the count of what arrived can answer before the timeout.
+        reply = await raw_exchange(host, int(port), data, timeout=admin.REQUEST_TIMEOUT / 2)
+        if where == "after_a_request":
+            assert reply.startswith(b"HTTP/1.1 200 OK")
+            reply = reply[reply.index(b"HTTP/1.1 ", 1) :]
+        status, fields, body = problem_of(reply)
+        assert (status, body["code"], fields["connection"]) == (431, "headers_too_large", "close")
+
+
 async def test_silent_connections_at_the_cap_never_starve_the_probes() -> None:
     """The cap's worth of connections that never speak: `/live` and `/ready` still answer at
     once (the least recently active connection is evicted for the new one)."""

@@ -19,6 +19,7 @@ from aioquic.h3.connection import ErrorCode
 from pylon.core.record import RequestRecord
 from pylon.core.upstream import Upstream
 from pylon.observe import LogObserver
+from pylon.upstream.connection import MAX_RESPONSE_FIELDS
 from pylon.upstream.probe import FetchError, fetch
 from tests.h3client import request_headers
 from tests.integration.conftest import read_request
@@ -251,6 +252,83 @@ async def test_one_huge_engine_header_line_is_a_502_before_it_is_buffered(
     # Everything this process allocated meanwhile (pylon, the client, the engine's one piece):
     # far below the line's size.
     assert peak < HUGE // 4, peak
+
+
+def endless_interim_heads() -> Iterator[bytes]:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    for _ in range(HUGE // PIECE):
+        yield interim * (PIECE // len(interim))
+
+
+def endless_tiny_fields() -> Iterator[bytes]:
+    yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    for _ in range(HUGE // PIECE):
+        yield b"a: b\r\n" * (PIECE // 6)
+
+
+def endless_chunk_extension() -> Iterator[bytes]:
+    yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    yield b"1;ext="
+    for _ in range(HUGE // PIECE):
+        yield b"e" * PIECE
+
+
+ENDLESS_SHAPES = {
+    "interim_heads": endless_interim_heads,
+    "tiny_fields": endless_tiny_fields,
+    "chunk_extension": endless_chunk_extension,
+}
+
+
+@pytest.mark.parametrize("shape", sorted(ENDLESS_SHAPES))
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_every_shape_of_endless_engine_framing_is_cut_as_it_arrives(
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str, shape: str
+) -> None:
+    """The byte count holds whatever shape the bytes take: a flood of `100 Continue` heads,
+    thousands of tiny fields, a chunk extension that never ends. Before a head: the 502; after
+    it: a cut response. Either way the engine is cut off long before it has sent it all."""
+    script = [Pieces(ENDLESS_SHAPES[shape])]
+    stack, scripted = await stack_before(make_stack, engine, script)
+    tracemalloc.start()
+    try:
+        if shape == "chunk_extension" and protocol == "h3":
+            async with stack.connect() as client:
+                wire = request_headers("POST", CHAT, headers("endless-h3"), BODY)
+                response = await client.send(wire, BODY).wait(10)
+            # Reset, with or without the head (it may still have been queued): never complete.
+            assert response.reset_code == ErrorCode.H3_INTERNAL_ERROR, response
+        elif shape == "chunk_extension":
+            await send_expecting_a_cut(stack, protocol, f"endless-{shape}")
+        else:
+            reply = await stack.send(protocol, CHAT, headers(f"endless-{shape}"), BODY)
+            assert reply.status == 502, reply
+            assert reply.json()["code"] == "upstream_protocol_error"
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert scripted.sent < HUGE, scripted.sent
+    assert peak < HUGE // 4, peak
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_an_engine_head_over_the_field_count_is_502(
+    make_stack: StackFactory, engine: Callable[[Script], object], protocol: str
+) -> None:
+    """A head far under the byte cap in more fields than any engine sends: each field costs
+    pylon a tuple, so the count is capped too (the 502, not a relayed head)."""
+    fields = b"".join(b"x-f%d: v\r\n" % n for n in range(MAX_RESPONSE_FIELDS + 1))
+    reply = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + fields
+    stack, _ = await stack_before(make_stack, engine, [reply + b"content-length: 2\r\n\r\n{}"])
+    answer = await stack.send(protocol, CHAT, headers("many-fields"), BODY)
+    assert answer.status == 502, answer
+    assert answer.json()["code"] == "upstream_protocol_error"
+    # The same count of fields less one is an engine's business: relayed.
+    fewer = b"".join(b"x-f%d: v\r\n" % n for n in range(MAX_RESPONSE_FIELDS - 3))
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + fewer
+    stack, _ = await stack_before(make_stack, engine, [head + b"content-length: 2\r\n\r\n{}"])
+    answer = await stack.send(protocol, CHAT, headers("fewer-fields"), BODY)
+    assert answer.status == 200, answer
 
 
 def one_huge_trailer_line() -> Iterator[bytes]:

@@ -391,3 +391,35 @@ async def test_stream_that_ends_without_output_is_an_error(make_stack: StackFact
     error = terminal_error(events)
     assert error["code"] == "upstream_protocol_error"
     assert "before any output" in str(error["message"])
+
+
+@pytest.mark.parametrize("where", ["value", "name", "after_a_request"])
+async def test_one_endless_header_line_is_refused_as_it_arrives(
+    make_stack: StackFactory, where: str
+) -> None:
+    """httptools holds an unfinished field line whole (and copies it on every read) before any
+    callback can count it: the head's bytes are counted as they are fed, so a line that never
+    ends is a 431 once the head limit is passed, not a head buffered until the stall timeout."""
+    stack = await make_stack("dynamo", max_header_bytes=2048, quic_listen=None)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+    endless = {"value": b"x-big: " + b"v" * 64 * 1024, "name": b"x" * 64 * 1024}
+    if where == "after_a_request":
+        # A whole request first, on the same connection and in the same write: the count
+        # starts at the second request's first byte.
+        body = json.dumps(BODY).encode()
+        whole = (
+            head
+            + f"x-request-id: first\r\nx-model: {MODEL}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        )
+        data = whole + body + head + endless["value"]
+    else:
+        data = head + endless[where]
+    host, port = stack.pylon_address
+    reply = await raw_exchange(host, port, data, timeout=5.0)
+    # The line never ended: only the count of what arrived can have refused it.
+    last = reply.rfind(b"HTTP/1.1 ")
+    assert reply[last:].startswith(b"HTTP/1.1 431 "), reply[:200]
+    problem(431, reply[reply.index(b"\r\n\r\n", last) + 4 :], "headers_too_large")
+    if where == "after_a_request":
+        assert reply.startswith(b"HTTP/1.1 200 ")

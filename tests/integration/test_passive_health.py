@@ -12,6 +12,7 @@ import asyncio
 import socket
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
@@ -21,6 +22,7 @@ from pylon.routing.fleet import Fleet
 from pylon.routing.round_robin import RoundRobinRouter
 from pylon.routing.spec import parse_worker_spec
 from tests.fleet import FleetFactory, FleetStack, RoutingObserver
+from tests.integration.test_engine_faults import Pieces, ScriptedEngine
 from tests.integration.test_tracing import SpanWaiter
 from tests.router_ffi.fake_native import FakeNative
 from tests.stack import MODEL, PROTOCOLS, StackFactory
@@ -267,3 +269,100 @@ async def test_the_move_on_every_transport(make_stack: StackFactory, protocol: s
     span = (await spans.span(f"moved-{protocol}")).attributes
     assert span is not None
     assert (span["pylon.worker"], span["pylon.attempts"]) == (fleet.workers[1].label, 2)
+
+
+# A worker that answers 200 and then breaks: the fault, and the reason its ejection names.
+BROKEN_AFTER_HEAD = {
+    "cut_body": ({"drop_after_events": 1}, False, "broken"),
+    "cut_stream": ({"drop_after_events": 1}, True, "broken"),
+    "stalled_stream": ({"stall_after_events": 1}, True, "timeout"),
+}
+
+
+@pytest.mark.parametrize(
+    ("routing", "fault"),
+    [
+        ("round-robin", "cut_body"),
+        ("round-robin", "cut_stream"),
+        ("round-robin", "stalled_stream"),
+        ("least-loaded", "cut_stream"),
+        ("kv", "cut_body"),
+        ("kv", "stalled_stream"),
+    ],
+)
+async def test_a_worker_that_answers_200_and_then_breaks_leaves_rotation(
+    make_fleet: FleetFactory, routing: str, fault: str
+) -> None:
+    """A good head is no success until its response is whole: a worker whose bodies are cut,
+    whose streams end short or stall is ejected like one that answers 500."""
+    spec, stream, reason = BROKEN_AFTER_HEAD[fault]
+    fake = FakeNative()
+    fleet = await make_fleet(
+        workers=2,
+        routing=routing,
+        native=(lambda: fake) if routing == "kv" else None,
+        worker_outlier_failures=2,
+        worker_outlier_ejection=3600.0,
+        worker_outlier_max_ejection=3600.0,
+        output_gap_timeout=0.3,
+        first_output_timeout=5.0,
+    )
+    try:
+        assert await statuses(fleet, "probe", 1) == [200]
+        bad = await fleet.served_by("probe-0")
+        good = 1 - bad
+        await fleet.control(bad, "faults", [spec])
+        mark = fleet.observer.mark()
+        # Every answer's head is a 200; the broken ones never complete (their end is cut).
+        whole = 0
+        for n in range(12):
+            body = {**chat(n), "stream": stream}
+            try:
+                reply = await fleet.post(CHAT, body, headers={"x-request-id": f"load-{n}"})
+            except httpx.HTTPError:
+                continue  # the cut body: the connection ends short
+            assert reply.status_code == 200
+            whole += b"event: error" not in reply.content
+        ejected = await fleet.observer.wait_for(
+            "worker_outlier_ejected", after=mark, worker=fleet.label(bad)
+        )
+        assert (ejected["reason"], ejected["failures"]) == (reason, 2)
+        assert [w.label for w in fleet.routing.fleet.in_rotation] == [fleet.label(good)]
+        # Only the two breaks that ejected it reached the client.
+        assert whole == 10
+    finally:
+        fake.join_helpers()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_reset_after_the_request_was_written_is_not_moved_nor_retryable(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    """A worker that read the request and then reset the connection (no response byte) may
+    have started on it: the request is not moved to another worker and its 502 is not
+    retryable (only a request that provably reached no engine moves)."""
+    scripted = ScriptedEngine([Pieces(lambda: iter(()), then="reset")])
+    server = await asyncio.start_server(scripted.handle, "127.0.0.1", 0)
+    scripted.port = server.sockets[0].getsockname()[1]
+    try:
+        observer, late = RoutingObserver(), LateRouter()
+        stack = await make_stack("dynamo", observer=observer, router=late)
+        urls = (f"http://127.0.0.1:{scripted.port}", stack.mock.base_url)
+        fleet = Fleet.from_specs([parse_worker_spec(f"url={url}") for url in urls], None)
+        for worker in fleet.workers:
+            fleet.set_in_rotation(worker, True)
+        late.router = RoundRobinRouter(fleet)
+        rid = f"reset-{protocol}"
+        headers = [("x-request-id", rid), ("x-model", MODEL)]
+        reply = await stack.send(protocol, CHAT, headers, orjson.dumps(chat(0)))
+        assert reply.status == 502, reply.body
+        assert reply.json()["code"] == "upstream_protocol_error"
+        assert reply.headers["x-stargate-retryable"] == "false"
+        await observer.wait_done(1)
+        record = observer.finished[rid]
+        assert (record.attempts, record.worker) == (1, fleet.workers[0].label)
+        assert observer.of("upstream_moved") == []
+        assert scripted.connections == 1  # not sent again either
+        assert await stack.records() == []  # the other worker never saw it
+    finally:
+        server.close()

@@ -131,6 +131,7 @@ def answered(booking: WorkerBooking, status: int) -> None:
     record = RequestRecord("http1", 1, 0.0)
     record.status = status
     record.first_byte_at = 0.0
+    record.outcome = "ok"
     booking.response_head(record)
     booking.complete(record)
 
@@ -191,3 +192,28 @@ def test_a_fleet_without_passive_health_only_counts() -> None:
     booking = WorkerBooking(fleet.workers[0], "round-robin", None)
     answered(booking, 500)
     assert fleet.workers[0].active == 0 and fleet.workers[0].in_rotation
+
+
+async def test_a_good_head_is_judged_when_its_response_is_over() -> None:
+    fleet = fleet_of(3)
+    fleet.passive = PassiveHealth(fleet, OPTIONS, EventObserver())
+    worker = fleet.workers[0]
+
+    def ended(status: int, outcome: str) -> None:
+        record = RequestRecord("http1", 1, 0.0)
+        record.status, record.first_byte_at, record.outcome = status, 0.0, outcome
+        booking = WorkerBooking(worker, "round-robin", fleet.passive)
+        booking.response_head(record)
+        booking.complete(record)
+
+    ended(200, "upstream_broken_mid_body")  # a cut body
+    ended(200, "client_disconnected")  # the client left: neither
+    ended(404, "upstream_timeout")  # its output stopped
+    assert worker.outlier.failures == 2
+    ended(200, "ok")  # a whole response forgives
+    assert worker.outlier.failures == 0
+    ended(200, "upstream_protocol_error")  # an event stream ended short
+    ended(500, "ok")  # counted once, at its head
+    ended(200, "upstream_broken_mid_body")
+    assert not worker.in_rotation and worker.ejections == {BROKEN: 1}
+    await fleet.passive.aclose()
