@@ -370,6 +370,9 @@ _DENIED_PREFIX_NAMES = tuple(prefix.decode("ascii") for prefix, _ in DENIED_REQU
 _TWIN_NAMES = frozenset(
     name.decode("ascii").replace("-", "_") for name in PYLON_OWNED_REQUEST_HEADERS | _CONTRACT_TWINS
 )
+# `keep_alive`, `proxy_connection`, ...: the underscore spellings of hop-by-hop fields, which a
+# stack that reads `_` as `-` would take for connection management: stripped and reported.
+_HOP_BY_HOP_TWINS = frozenset(name.decode("ascii").replace("-", "_") for name in HOP_BY_HOP)
 _BODY_LABELS = frozenset(
     [
         *DENIED_BODY_FIELDS,
@@ -390,7 +393,7 @@ def stripped_control_label(name: str) -> tuple[str, str]:
     if name in _BODY_LABELS:
         return name, BODY
     if "_" in name:
-        if name in _TWIN_NAMES:
+        if name in _TWIN_NAMES or name in _HOP_BY_HOP_TWINS:
             return name, HEADER
         rule = _header_rule(name.replace("_", "-"))
         return (rule.replace("-", "_"), HEADER) if rule is not None else (OTHER_CONTROL, HEADER)
@@ -401,5 +404,11 @@ def stripped_control_label(name: str) -> tuple[str, str]:
 def stripped_control_labels() -> frozenset[tuple[str, str]]:
     """Every (control, location) `stripped_control_label` can return."""
     rules = {*_DENIED_HEADER_NAMES, *(prefix + "*" for prefix in _DENIED_PREFIX_NAMES)}
-    headers = {*rules, *(rule.replace("-", "_") for rule in rules), *_TWIN_NAMES, OTHER_CONTROL}
+    headers = {
+        *rules,
+        *(rule.replace("-", "_") for rule in rules),
+        *_TWIN_NAMES,
+        *_HOP_BY_HOP_TWINS,
+    }
+    headers.add(OTHER_CONTROL)
     return frozenset({*((label, HEADER) for label in headers), *((p, BODY) for p in _BODY_LABELS)})

@@ -92,6 +92,15 @@ def test_every_stripped_header_has_a_bounded_label(names: list[str]) -> None:
         assert label[0] != "_other", name  # whatever the sanitizer strips, a rule matched
 
 
+def test_the_underscore_twin_of_a_hop_by_hop_field_has_its_own_label() -> None:
+    """`keep_alive` is stripped (a stack reading `_` as `-` takes it for `keep-alive`): its
+    label names it, as hypothesis once found it fell to `_other`."""
+    for name in ("keep_alive", "proxy_connection", "transfer_encoding"):
+        assert sanitize_request_headers([(name.encode(), b"1")]).stripped == (name,)
+        assert stripped_control_label(name) == (name, "header")
+        assert stripped_control_label(name) in stripped_control_labels()
+
+
 # --- the observer --------------------------------------------------------------------------
 
 
