@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -207,3 +207,13 @@ def _authority(spec: str, authority: str) -> tuple[str, int]:
             raise _error(spec, f"url has an invalid port: {port_text!r}")
         port = int(port_text)
     return host, port
+
+
+def catalogue_digest(specs: Iterable[WorkerSpec]) -> str:
+    """A short digest of a worker catalogue as the selection core's replica sync sees it: each
+    worker's id, block size and data-parallel size, in id order. Replicas (local processes or
+    pylons on other nodes) whose digests differ drop each other's sync events for the workers
+    they do not share; the digest is what they compare. The URL and KV-event endpoints are left
+    out: two nodes may reach the same worker by different addresses."""
+    lines = sorted(f"{s.worker_id}:{s.block_size}:{s.dp_size}" for s in specs)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
