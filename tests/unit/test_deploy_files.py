@@ -4,7 +4,7 @@
   checks (its TLS files replaced by real ones);
 - deploy/systemd/pylon.service: `systemd-analyze verify` accepts it with no warning (a broken
   copy fails the same check), and its reload, stop and restart settings match pylon's signals,
-  drain and exit statuses;
+  drain and exit statuses, and `systemd-analyze security` rates it "OK";
 - deploy/kubernetes/pylon-daemonset.yaml: valid against the Kubernetes schemas
   (kubernetes-validate, strict), and its probes, ports and grace period match the settings pylon
   really runs with there (the image's environment, the container's, the ConfigMap's TOML);
@@ -131,23 +131,40 @@ def read_unit(text: str) -> configparser.ConfigParser:
 SERVICE = read_unit(UNIT.read_text())["Service"]
 
 
-def verify_unit(text: str, tmp_path: Path) -> str:
-    """`systemd-analyze verify` on a copy of the unit whose ExecStart runs this interpreter's
-    pylon (verify refuses a binary that is not there); its complaints, '' when it has none.
-    Every complaint counts: a misspelt key or a bad value is only a warning to systemd."""
-    verify = shutil.which("systemd-analyze")
-    if verify is None:
+def systemd_analyze(command: str, text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`systemd-analyze COMMAND` on a copy of the unit whose ExecStart runs this interpreter's
+    pylon (verify refuses a binary that is not there)."""
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
         pytest.skip("systemd-analyze is not installed (Debian package systemd)")
     binary = SERVICE["ExecStart"].split()[0]
-    copy = tmp_path / UNIT.name  # the same name: verify reads the unit's name from it
+    copy = tmp_path / UNIT.name  # the same name: systemd reads the unit's name from it
     copy.write_text(text.replace(f"ExecStart={binary}", f"ExecStart={sys.executable} -m pylon"))
-    result = subprocess.run(
-        [verify, "verify", "--man=no", str(copy)], capture_output=True, text=True, timeout=60
-    )
+    argv = [tool, *command.split(), str(copy)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def verify_unit(text: str, tmp_path: Path) -> str:
+    """What `systemd-analyze verify` says about the unit, '' when it has no complaint. Every
+    complaint counts: a misspelt key or a bad value is only a warning to systemd."""
+    result = systemd_analyze("verify --man=no", text, tmp_path)
     complaints = (result.stdout + result.stderr).strip()
     if result.returncode != 0 and not complaints:
         complaints = f"exit status {result.returncode}"
     return complaints
+
+
+def unit_exposure_fits(text: str, tmp_path: Path) -> bool:
+    """Does `systemd-analyze security` rate the unit's exposure at most 2.0 of 10 ("OK")?"""
+    # --threshold counts tenths of the 0-10 scale the report prints.
+    command = "security --offline=yes --threshold=20 --no-pager"
+    return systemd_analyze(command, text, tmp_path).returncode == 0
+
+
+def test_systemd_analyze_security_rates_the_unit_ok(tmp_path: Path) -> None:
+    assert unit_exposure_fits(UNIT.read_text(), tmp_path)
+    weak = [line for line in UNIT.read_text().splitlines() if not line.startswith("Protect")]
+    assert not unit_exposure_fits("\n".join(weak), tmp_path)
 
 
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
