@@ -42,7 +42,7 @@ from pylon.admin import AdminRoutes
 from pylon.cli import app as pylon_app
 from pylon.lifecycle import Lifecycle
 from pylon.metrics.catalogue import METRICS, STATUS_CLASS
-from pylon.preflight import check_files, check_routing
+from pylon.preflight import check_files, check_routing, config_warnings, insecure_listeners
 from pylon.run import EXIT_ENGINE_NOT_READY
 from pylon.settings import Settings, load_settings, split_host_port
 from tests.certs import make_ca, make_leaf, write_pair
@@ -104,8 +104,9 @@ def test_pylon_config_accepts_the_sample() -> None:
 
 
 def test_pylon_serve_start_checks_accept_the_sample(tmp_path: Path) -> None:
-    """What `serve` checks beyond `config`: the TLS files (real ones here, at the sample's
-    names) and the routing mode's needs."""
+    """What `serve` checks beyond `config`: the TLS files (real ones in place of the sample's
+    paths, which exist on a node only) and the routing mode's needs; and it starts with no
+    warning (a listener beyond loopback has mutual TLS)."""
     ca = make_ca()
     cert, key = write_pair(tmp_path, make_leaf(ca))
     client_ca = tmp_path / "ca.crt"
@@ -116,6 +117,7 @@ def test_pylon_serve_start_checks_accept_the_sample(tmp_path: Path) -> None:
     check_files(settings)
     check_routing(settings)
     assert settings.routing != "off" and len(settings.worker) >= 2
+    assert config_warnings(settings) == [] and insecure_listeners(settings) == []
 
 
 # --- deploy/systemd/pylon.service ---
@@ -307,6 +309,10 @@ def test_probes_ask_pylons_admin_listener(pod_settings: Settings) -> None:
     assert _routes().answer("GET", live["path"], "").status == 200
     assert _routes().answer("GET", ready["path"], "").status == 503
     assert (live["path"], ready["path"]) == ("/live", "/ready")
+
+
+def test_pod_starts_with_no_warning(pod_settings: Settings) -> None:
+    assert config_warnings(pod_settings) == [] and insecure_listeners(pod_settings) == []
 
 
 def test_ports_are_pylons_listeners(pod_settings: Settings) -> None:
