@@ -26,7 +26,7 @@ QUIC = [
     Mutation(
         "QUIC 0-RTT",
         "session tickets issued (resumption, hence replayable 0-RTT)",
-        AddArguments(HTTP3, "Http3Server.start", "QuicServer", _TICKET_STORE),
+        AddArguments(HTTP3, "Http3Server.start", "_ResettingQuicServer", _TICKET_STORE),
         {"h3": (f"{QCA_T}::test_quic_issues_no_session_ticket",)},
     ),
     Mutation(

@@ -13,14 +13,16 @@ import contextlib
 import dataclasses
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from aioquic.asyncio.client import connect
 
 from pylon.server.http3 import Http3Server
+from pylon.server.stateless_reset import ResetBudget, min_trigger_size
 from tests.h3client import H3Client, chat, client_configuration
+from tests.integration.test_metrics_scrape import scrape, value
 from tests.stack import Stack, StackFactory
 
 KEY = b"k" * 32
@@ -138,13 +140,15 @@ async def test_a_reset_under_another_key_is_not_taken(make_stack: StackFactory) 
 
 async def test_two_processes_on_one_port_keep_every_connection(make_stack: StackFactory) -> None:
     stack = await make_stack("dynamo")
-    connections, requests = 16, 8
+    connections, requests = 16, 6
     async with process(stack, KEY) as first:
         port = port_of(first)
         async with process(stack, KEY, port) as second:
             counted = [Resets(first), Resets(second)]
             async with contextlib.AsyncExitStack() as clients:
-                opened = [await clients.enter_async_context(client_of(port)) for _ in range(connections)]
+                opened = await asyncio.gather(
+                    *(clients.enter_async_context(client_of(port)) for _ in range(connections))
+                )
                 assert first.connections and second.connections, (
                     f"one process took every connection: {first.connections}, {second.connections}"
                 )
@@ -159,27 +163,70 @@ async def test_two_processes_on_one_port_keep_every_connection(make_stack: Stack
             assert [resets.sent for resets in counted] == [0, 0]
 
 
+def forged(cid: bytes = b"\x11" * 8, size: int = 49) -> bytes:
+    """A short-header packet of a connection nobody holds."""
+    return bytes([0x41]) + cid + b"\x00" * (size - 1 - len(cid))
+
+
+@contextlib.contextmanager
+def udp_socket() -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def received(sock: socket.socket) -> list[bytes]:
+    """What the socket holds now (loopback delivers during the sender's sendto)."""
+    datagrams = []
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            datagrams.append(sock.recv(2048))
+    return datagrams
+
+
 @pytest.mark.parametrize("key", [KEY, None])
 async def test_a_single_process_resets_what_it_does_not_know(
     make_stack: StackFactory, key: bytes | None
 ) -> None:
     """A forged short-header packet gets a reset (shorter than it) from a lone process too,
-    with the random per-process key when none is given."""
+    with the random per-process key when none is given; a runt is never answered."""
     stack = await make_stack("dynamo")
     async with process(stack, key) as server:
         resets = Resets(server)
+        address = ("127.0.0.1", port_of(server))
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        sock.bind(("127.0.0.1", 0))
-        try:
-            cid = b"\x11" * 8
-            packet = bytes([0x41]) + cid + b"\x00" * 40
-            await loop.sock_sendto(sock, packet, ("127.0.0.1", port_of(server)))
+        with udp_socket() as sock:
+            runt = forged(size=min_trigger_size(8) - 1)
+            await loop.sock_sendto(sock, runt, address)
+            packet = forged()
+            await loop.sock_sendto(sock, packet, address)
             async with asyncio.timeout(5):
                 answer = await loop.sock_recv(sock, 2048)
             assert len(answer) < len(packet) and answer[0] & 0xC0 == 0x40
-            assert answer[-16:] == server.reset_token(cid)
-            assert resets.sent == 1
-        finally:
-            sock.close()
+            assert answer[-16:] == server.reset_token(b"\x11" * 8)
+            assert resets.sent == 1, "the runt was answered"
+            assert received(sock) == []
+
+
+async def test_a_flood_of_unknown_connections_gets_a_bounded_number_of_resets(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack("dynamo")
+    async with process(stack, KEY) as server:
+        server._reset_budget = ResetBudget(rate=0.0, burst=5.0)  # no refill: exact counts
+        resets = Resets(server)
+        address = ("127.0.0.1", port_of(server))
+        loop = asyncio.get_running_loop()
+        with udp_socket() as sock:
+            for n in range(50):
+                await loop.sock_sendto(sock, forged(n.to_bytes(8, "big")), address)
+            await resets.wait_for(50)  # every datagram considered
+            assert len(received(sock)) == 5
+        _, samples = await scrape(stack)
+        events = "pylon_transport_events_total"
+        assert value(samples, events, protocol="h3", event="quic_stateless_reset") == 5
+        assert value(samples, events, protocol="h3", event="quic_stateless_reset_limited") == 45
