@@ -87,6 +87,10 @@ class QuicOptions:
     # holds. None: a random key of this process's own (one process per port).
     reset_key: bytes | None = None
 
+    def __post_init__(self) -> None:
+        if self.reset_key is not None and len(self.reset_key) < 16:
+            raise ValueError("a stateless reset key is at least 16 bytes (128 bits)")
+
 
 class Http3Protocol(QuicConnectionProtocol):
     """One QUIC connection: HTTP/3 request streams to the shared stream table."""
