@@ -10,8 +10,15 @@ A malformed request is a stream error (RFC 9114 4.1.2): a 400 problem on that st
 client RESET_STREAM or STOP_SENDING, or the connection going away (on receipt of the client's
 CONNECTION_CLOSE, not at the end of aioquic's draining period), cancels that stream's task,
 which closes its engine connection. The few aioquic internals pylon needs (send backlog, the
-stream cap, the client-certificate request, the peer certificate, the close on receipt) sit in
-`pylon.server.quic_private`, each with a canary test.
+stream cap, the client-certificate request, the peer certificate, the close on receipt, the
+reset tokens and the server's connection-id table) sit in `pylon.server.quic_private`, each
+with a canary test.
+
+Several processes may share the UDP port (`SO_REUSEPORT`, `start(..., sock=)`): a short-header
+packet of a connection this process does not hold gets a stateless reset
+(`pylon.server.stateless_reset`), its token derived from the connection id with the node's key
+(`QuicOptions.reset_key`), so the client ends the connection at once instead of at its idle
+timeout.
 """
 
 from __future__ import annotations
