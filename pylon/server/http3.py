@@ -155,9 +155,10 @@ class Http3Protocol(QuicConnectionProtocol):
             super().transmit()
 
     def abandon(self) -> None:
-        """Go silent: cancel every stream and never send again (see `Http3Server.abandon`)."""
+        """Go silent and gone: cancel every stream, never send again, leave the server's
+        tables (see `Http3Server.abandon`)."""
         self._abandoned = True
-        self._streams_gone()
+        self._terminated()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if self._refused and not isinstance(event, ConnectionTerminated):
@@ -618,13 +619,14 @@ class Http3Server:
             self._quic_server = None
 
     async def abandon(self) -> None:
-        """Close the UDP socket and tell no connection (no CONNECTION_CLOSE): what a process
-        killed with SIGKILL looks like from the network, for tests of what its clients see.
-        Returns once the socket is closed. The connections stay until their idle timeout."""
+        """Drop every connection and close the UDP socket, telling no client (no
+        CONNECTION_CLOSE): what a process killed with SIGKILL looks like from the network, for
+        tests of what its clients see. Returns once the socket is closed."""
         server = self._quic_server
         if server is None or server.transport is None:
             return
         for protocol in list(self._connections):
             protocol.abandon()
         server.transport.close()
-        await server.socket_closed.wait()
+        async with asyncio.timeout(5):  # closed on the loop's next turn
+            await server.socket_closed.wait()
