@@ -102,7 +102,10 @@ async def test_a_connection_of_a_dead_process_is_reset_at_once(make_stack: Stack
             async with process(stack, KEY, port) as second:
                 resets = Resets(second)
                 started = time.monotonic()
-                reply = await client.request(body=chat(), timeout=IDLE_TIMEOUT / 4)
+                try:
+                    reply = await client.request(body=chat(), timeout=IDLE_TIMEOUT / 4)
+                except TimeoutError:
+                    pytest.fail("no stateless reset: the client waits for its idle timeout")
                 elapsed = time.monotonic() - started
                 assert client.stateless_reset, f"the request ended otherwise: {reply}"
                 assert reply.status is None and client.terminated is not None
