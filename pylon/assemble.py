@@ -86,7 +86,10 @@ def relay_limits(settings: Settings) -> RelayLimits:
     )
 
 
-def quic_options(settings: Settings) -> QuicOptions:
+def quic_options(settings: Settings, reset_key: bytes | None = None) -> QuicOptions:
+    """`reset_key`: the node's stateless reset key, the same for every process the supervisor
+    starts on one UDP port (`--processes N`), so any of them can reset a connection that the
+    kernel's hash moved away from its own process. None (one process): a random key."""
     from pylon.server.http3 import QuicOptions  # aioquic: imported only with a QUIC listener
 
     return QuicOptions(
@@ -94,6 +97,7 @@ def quic_options(settings: Settings) -> QuicOptions:
         max_data=settings.quic_max_data,
         max_stream_data=settings.quic_max_stream_data,
         retry=settings.quic_retry,
+        reset_key=reset_key,
     )
 
 

@@ -1,14 +1,23 @@
 """HTTP/3 benchmark: a bare aioquic HTTP/3 server answering canned responses vs pylon over HTTP/3
 in front of the canned HTTP/1.1 upstream (scripts/bench/canned_upstream.py).
 
-One QUIC connection per run with `--concurrency` streams in flight, small non-streaming requests
-and SSE streams (20 events). Reports req/s, latency p50/p99 (client side) and the server
-process's CPU-us per request and per relayed token (utime+stime from /proc/<pid>/stat, which for
-pylon excludes the upstream, a separate process).
+`--connections` QUIC connections per run (default one; each from its own UDP source port) with
+`--concurrency` streams in flight over all of them, small non-streaming requests and SSE streams
+(20 events). Reports req/s, latency p50/p99 (client side) and the server's CPU-us per request and
+per relayed token (utime+stime from /proc/<pid>/stat of the server and every process under it,
+so a supervisor's children count; pylon's upstream is a separate process and does not).
 
     .venv/bin/python scripts/bench_h3.py                 # both servers, both request kinds
     .venv/bin/python scripts/bench_h3.py --requests 4000 --concurrency 32
+    .venv/bin/python scripts/bench_h3.py --only pylon --kinds small --connections 1 4
+    .venv/bin/python scripts/bench_h3.py --only pylon --processes 2 --connections 1 4
+    .venv/bin/python scripts/bench_h3.py --address 127.0.0.1:4433 --connections 1 4  # no CPU
     .venv/bin/python scripts/bench_h3.py --bare-server 4433   # (internal) run the bare server
+
+The kernel steers each QUIC connection to one process of a `SO_REUSEPORT` group by its address
+hash, so one client connection uses one pylon process whatever `--processes` says: the 1 and 4
+connection rows show what several gateway connections buy (docs/operations.md, "HTTP/3 with
+several processes").
 
 The bare server is the floor: it sends each response as HEADERS plus one DATA frame with FIN,
 from memory, with no request parsing beyond aioquic's, no upstream hop and no logging.
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import ssl
@@ -149,20 +159,26 @@ class LoadClient(QuicConnectionProtocol):
         return await future, state[1]
 
 
-async def load(port: int, requests: int, concurrency: int, stream: bool) -> dict[str, Any]:
+async def load(
+    address: tuple[str, int], requests: int, concurrency: int, stream: bool, connections: int = 1
+) -> dict[str, Any]:
     configuration = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
     configuration.verify_mode = ssl.CERT_NONE
     configuration.max_data = 64 * 1024 * 1024
     configuration.max_stream_data = 4 * 1024 * 1024
     latencies: list[float] = []
     tokens = errors = 0
-    async with connect(
-        "127.0.0.1", port, configuration=configuration, create_protocol=LoadClient
-    ) as client:
-        assert isinstance(client, LoadClient)
+    async with contextlib.AsyncExitStack() as stack:
+        clients: list[LoadClient] = []
+        for _ in range(connections):  # each connect() binds its own UDP socket: its own port
+            client = await stack.enter_async_context(
+                connect(*address, configuration=configuration, create_protocol=LoadClient)
+            )
+            assert isinstance(client, LoadClient)
+            clients.append(client)
         queue = iter(range(requests))
 
-        async def worker() -> None:
+        async def worker(client: LoadClient) -> None:
             nonlocal tokens, errors
             for _ in queue:
                 started = time.perf_counter()
@@ -172,7 +188,7 @@ async def load(port: int, requests: int, concurrency: int, stream: bool) -> dict
                 errors += status != 200
 
         began = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(clients[i % connections]) for i in range(concurrency)))
         elapsed = time.perf_counter() - began
     latencies.sort()
     return {
@@ -185,14 +201,39 @@ async def load(port: int, requests: int, concurrency: int, stream: bool) -> dict
     }
 
 
-def measure(pid: int, port: int, args: argparse.Namespace, stream: bool) -> dict[str, Any]:
-    uvloop.run(load(port, max(args.requests // 10, 50), args.concurrency, stream))  # warm-up
-    before = cpu_seconds(pid)
-    result = uvloop.run(load(port, args.requests, args.concurrency, stream))
-    cpu_us = (cpu_seconds(pid) - before) * 1e6
+def measure(
+    pid: int | None,
+    address: tuple[str, int],
+    args: argparse.Namespace,
+    stream: bool,
+    connections: int,
+) -> dict[str, Any]:
+    """One row; `pid` None (a server started elsewhere): no CPU columns."""
+    warm_up = max(args.requests // 10, 50)
+    uvloop.run(load(address, warm_up, args.concurrency, stream, connections))
+    before = tree_cpu_seconds(pid) if pid is not None else 0.0
+    result = uvloop.run(load(address, args.requests, args.concurrency, stream, connections))
+    result["connections"] = connections
+    if pid is None:
+        result["cpu_us_per_req"] = result["cpu_us_per_token"] = None
+        return result
+    cpu_us = (tree_cpu_seconds(pid) - before) * 1e6
     result["cpu_us_per_req"] = cpu_us / args.requests
     result["cpu_us_per_token"] = cpu_us / result["tokens"] if result["tokens"] else None
     return result
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and every process under it (a supervisor and its children)."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(current)
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+    return total
 
 
 def free_udp_port() -> int:
@@ -201,16 +242,28 @@ def free_udp_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_servers(group: ProcessGroup, workdir: Path) -> dict[str, tuple[int, int]]:
+def start_servers(
+    group: ProcessGroup, workdir: Path, only: str | None, processes: int
+) -> dict[str, tuple[int, int]]:
     """name -> (pid, udp port) for the bare server and pylon (plus pylon's canned upstream)."""
+    python = sys.executable
+    servers = {}
+    if only in (None, "bare"):
+        bare_port = free_udp_port()
+        bare, _ = start_listening(group, [python, __file__, "--bare-server", str(bare_port)])
+        servers["bare-aioquic"] = (bare.pid, bare_port)
+    if only in (None, "pylon"):
+        servers["pylon"] = start_pylon(group, workdir, processes)
+    return servers
+
+
+def start_pylon(group: ProcessGroup, workdir: Path, processes: int) -> tuple[int, int]:
     here = Path(__file__).resolve().parent
     python = sys.executable
     upstream, up_port = start_listening(group, [python, str(here / "bench/canned_upstream.py")])
-    bare_port = free_udp_port()
-    bare, _ = start_listening(group, [python, __file__, "--bare-server", str(bare_port)])
     quic_port = free_udp_port()
     pylon_argv = [
-        str(Path(python).parent / "pylon"),
+        python, "-m", "pylon",  # the checkout's pylon (PYTHONPATH), not an installed one
         "serve",
         "--listen", "127.0.0.1:0",
         "--quic-listen", f"127.0.0.1:{quic_port}",
@@ -221,52 +274,95 @@ def start_servers(group: ProcessGroup, workdir: Path) -> dict[str, tuple[int, in
         "--log-level", "warning",
         "--admin-listen", "127.0.0.1:0",  # metrics on, and no fixed port to collide on
     ]  # fmt: skip
+    if processes > 1:
+        pylon_argv += ["--processes", str(processes)]
     pylon = group.start(pylon_argv, workdir / "pylon.log")
-    time.sleep(1.5)  # pylon logs JSON, not the "listening on" line start_listening waits for
+    time.sleep(1.5 + 0.5 * processes)  # pylon logs JSON, not the line start_listening reads
     if pylon.poll() is not None:
         raise RuntimeError((workdir / "pylon.log").read_text())
     del upstream
-    return {"bare-aioquic": (bare.pid, bare_port), "pylon": (pylon.pid, quic_port)}
+    return pylon.pid, quic_port
 
 
-def report(results: dict[tuple[str, str], dict[str, Any]]) -> None:
+def supports_processes() -> bool:
+    """Whether this checkout's `pylon serve` has `--processes` (issue 18's supervisor)."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "pylon", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    return "--processes" in shown.stdout
+
+
+Row = tuple[str, str, int]  # (server, kind, connections)
+
+
+def report(results: dict[Row, dict[str, Any]], processes: int) -> None:
+    print(f"pylon processes: {processes}")
     print(
-        f"{'server':14} {'kind':6} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'server':14} {'kind':6} {'conns':>5} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'CPU us/req':>11} {'CPU us/token':>13} {'errors':>6}"
     )
-    for (name, kind), r in results.items():
+    for (name, kind, connections), r in results.items():
+        per_req = f"{r['cpu_us_per_req']:.0f}" if r["cpu_us_per_req"] is not None else "-"
         per_token = f"{r['cpu_us_per_token']:.1f}" if r["cpu_us_per_token"] else "-"
         print(
-            f"{name:14} {kind:6} {r['rps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
-            f"{r['cpu_us_per_req']:11.0f} {per_token:>13} {r['errors']:6d}"
+            f"{name:14} {kind:6} {connections:5d} {r['rps']:8.0f} {r['p50_ms']:8.2f} "
+            f"{r['p99_ms']:8.2f} {per_req:>11} {per_token:>13} {r['errors']:6d}"
         )
-    for kind in ("small", "sse"):
-        ratio = (
-            results[("pylon", kind)]["cpu_us_per_req"]
-            / results[("bare-aioquic", kind)]["cpu_us_per_req"]
+    for name, kind, connections in results:
+        bare = results.get(("bare-aioquic", kind, connections))
+        if name != "pylon" or bare is None:
+            continue
+        ratio = results[(name, kind, connections)]["cpu_us_per_req"] / bare["cpu_us_per_req"]
+        print(
+            f"pylon / bare CPU per request ({kind}, {connections} conn): {ratio:.2f}x "
+            "(target <= 1.3x)"
         )
-        print(f"pylon / bare CPU per request ({kind}): {ratio:.2f}x (target <= 1.3x)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32, help="streams in flight, in all")
+    ap.add_argument(
+        "--connections", type=int, nargs="+", default=[1], help="QUIC connections (one row each)"
+    )
+    ap.add_argument("--processes", type=int, default=1, help="passed to `pylon serve --processes`")
+    ap.add_argument("--only", choices=("pylon", "bare"), default=None, help="one server")
+    ap.add_argument("--kinds", nargs="+", choices=("small", "sse"), default=["small", "sse"])
+    ap.add_argument("--address", default=None, help="HOST:PORT of an HTTP/3 server already running")
     ap.add_argument("--bare-server", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/pylon-bench-h3"))
     args = ap.parse_args()
     if args.bare_server is not None:
         uvloop.run(run_bare(args.bare_server))
         return
+    if args.processes > 1 and args.address is None and not supports_processes():
+        # TODO(issue 18): once the supervisor is merged `pylon serve --processes N` exists and
+        # this branch is never taken.
+        raise SystemExit("--processes needs `pylon serve --processes` (issue 18's supervisor)")
     args.workdir.mkdir(parents=True, exist_ok=True)
     group = ProcessGroup()
     try:
-        servers = start_servers(group, args.workdir)
-        results = {}
-        for name, (pid, port) in servers.items():
-            for kind in ("small", "sse"):
-                results[(name, kind)] = measure(pid, port, args, stream=kind == "sse")
-        report(results)
+        if args.address is not None:
+            host, _, port = args.address.rpartition(":")
+            targets: dict[str, tuple[int | None, tuple[str, int]]] = {
+                args.address: (None, (host.strip("[]"), int(port)))
+            }
+        else:
+            started = start_servers(group, args.workdir, args.only, args.processes)
+            targets = {name: (pid, ("127.0.0.1", port)) for name, (pid, port) in started.items()}
+        results: dict[Row, dict[str, Any]] = {}
+        for name, (pid, address) in targets.items():
+            for kind in args.kinds:
+                for connections in args.connections:
+                    results[(name, kind, connections)] = measure(
+                        pid, address, args, kind == "sse", connections
+                    )
+        report(results, args.processes)
     finally:
         group.close()
 

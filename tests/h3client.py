@@ -20,6 +20,9 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 from cryptography.hazmat.primitives import hashes
 
+from pylon.server.quic_private import peer_reset_tokens
+from pylon.server.stateless_reset import is_reset
+
 MODEL = "mock-model"
 CHAT = "/v1/chat/completions"
 Headers = list[tuple[bytes, bytes]]
@@ -91,6 +94,7 @@ class H3Client(QuicConnectionProtocol):
         self.http = _RecordingH3(self._quic)
         self.responses: dict[int, H3Response] = {}
         self.terminated: ConnectionTerminated | None = None
+        self.stateless_reset = False  # the connection ended by a stateless reset
         self._progress = asyncio.Event()  # set after every QUIC event the client handles
 
     @property
@@ -102,6 +106,21 @@ class H3Client(QuicConnectionProtocol):
         certificate = self._quic.tls._peer_certificate
         assert certificate is not None
         return certificate.fingerprint(hashes.SHA256()).hex()
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        # aioquic never checks stateless reset tokens (the connection would wait out its idle
+        # timeout); a client that does sees one at once (RFC 9000 10.3.1) and stops there.
+        datagram = bytes(data) if isinstance(data, bytes) else data.encode()
+        if self.stateless_reset:
+            return
+        if self.terminated is None and is_reset(datagram, peer_reset_tokens(self._quic)):
+            self.stateless_reset = True
+            self.quic_event_received(
+                ConnectionTerminated(error_code=0, frame_type=None, reason_phrase="stateless reset")
+            )
+            self._closed.set()
+            return
+        super().datagram_received(data, addr)
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, StreamReset) and event.stream_id in self.responses:

@@ -10,20 +10,30 @@ A malformed request is a stream error (RFC 9114 4.1.2): a 400 problem on that st
 client RESET_STREAM or STOP_SENDING, or the connection going away (on receipt of the client's
 CONNECTION_CLOSE, not at the end of aioquic's draining period), cancels that stream's task,
 which closes its engine connection. The few aioquic internals pylon needs (send backlog, the
-stream cap, the client-certificate request, the peer certificate, the close on receipt) sit in
-`pylon.server.quic_private`, each with a canary test.
+stream cap, the client-certificate request, the peer certificate, the close on receipt, the
+reset tokens and the server's connection-id table) sit in `pylon.server.quic_private`, each
+with a canary test.
+
+Several processes may share the UDP port (`SO_REUSEPORT`, `start(..., sock=)`): a short-header
+packet of a connection this process does not hold gets a stateless reset
+(`pylon.server.stateless_reset`), its token derived from the connection id with the node's key
+(`QuicOptions.reset_key`), so the client ends the connection at once instead of at its idle
+timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import NetworkAddress, QuicConnection
 from aioquic.quic.events import (
     ConnectionTerminated,
     HandshakeCompleted,
@@ -50,11 +60,14 @@ from pylon.server.h3layer import (
 from pylon.server.quic_private import (
     any_unacked,
     closing,
+    derive_reset_tokens,
     limit_peer_bidi_streams,
     peer_certificate,
     request_client_certificate,
     send_backlog,
+    server_knows,
 )
+from pylon.server.stateless_reset import ResetBudget, build_reset, reset_token, short_header_cid
 from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
 from pylon.tls import TlsIdentity
 
@@ -76,6 +89,14 @@ class QuicOptions:
     max_data: int  # bytes: the connection's receive window
     max_stream_data: int  # bytes: each stream's receive window
     retry: bool  # validate client addresses with a QUIC Retry before any handshake
+    # The key of every connection id's stateless reset token (pylon.server.stateless_reset):
+    # the same in every process of a node, so any of them can reset a connection another one
+    # holds. None: a random key of this process's own (one process per port).
+    reset_key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.reset_key is not None and len(self.reset_key) < 16:
+            raise ValueError("a stateless reset key is at least 16 bytes (128 bits)")
 
 
 class Http3Protocol(QuicConnectionProtocol):
@@ -97,8 +118,10 @@ class Http3Protocol(QuicConnectionProtocol):
         self._refused = False
         self._goaway_sent = False
         self._gone = False  # the connection is closing: its streams are cancelled
+        self._abandoned = False  # `Http3Server.abandon`: nothing is sent any more
         self._highest_stream = -4  # last accepted request stream id (for GOAWAY)
         limit_peer_bidi_streams(quic, self._limits.max_quic_streams)
+        derive_reset_tokens(quic, server.reset_token)
         if server.identity.client_ca is not None:
             request_client_certificate(quic)
 
@@ -128,7 +151,14 @@ class Http3Protocol(QuicConnectionProtocol):
         if self._deferred_transmit is not None:
             self._deferred_transmit.cancel()
             self._deferred_transmit = None
-        super().transmit()
+        if not self._abandoned:  # aioquic re-arms its timer here: an abandoned one stops
+            super().transmit()
+
+    def abandon(self) -> None:
+        """Go silent and gone: cancel every stream, never send again, leave the server's
+        tables (see `Http3Server.abandon`)."""
+        self._abandoned = True
+        self._terminated()
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if self._refused and not isinstance(event, ConnectionTerminated):
@@ -458,6 +488,33 @@ class H3Responder:
             http.forget(self.sid)
 
 
+class _ResettingQuicServer(QuicServer):
+    """aioquic's `QuicServer`, plus a stateless reset for a short-header packet of a connection
+    this process does not know (aioquic drops it, and the client waits out its idle timeout)."""
+
+    def __init__(self, owner: Http3Server, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._owner = owner
+        self._cid_length = owner.configuration.connection_id_length
+        self.transport: asyncio.DatagramTransport | None = None
+        self.socket_closed = asyncio.Event()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
+        datagram = cast(bytes, data)
+        cid = short_header_cid(datagram, self._cid_length)
+        if cid is not None and not server_knows(self, cid):
+            self._owner.reset(datagram, cid, addr, self.transport)
+            return
+        super().datagram_received(datagram, addr)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.socket_closed.set()
+
+
 class Http3Server:
     """The UDP listener: one `Http3Protocol` per QUIC connection."""
 
@@ -471,7 +528,9 @@ class Http3Server:
         # The encoded block is at most the decoded size plus a few bytes per field.
         self.max_header_block = limits.max_header_bytes + 1024
         self._connections: set[Http3Protocol] = set()
-        self._quic_server: QuicServer | None = None
+        self._quic_server: _ResettingQuicServer | None = None
+        self._reset_key = options.reset_key or os.urandom(32)
+        self._reset_budget = ResetBudget()
         self._configuration = identity.quic_configuration(
             alpn_protocols=list(H3_ALPN),
             idle_timeout=options.idle_timeout,
@@ -482,20 +541,55 @@ class Http3Server:
         # shared configuration switches new handshakes only.
         identity.on_change(lambda _: identity.install_quic(self._configuration))
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    @property
+    def configuration(self) -> QuicConfiguration:
+        return self._configuration
+
+    async def start(
+        self, host: str, port: int, sock: socket.socket | None = None
+    ) -> tuple[str, int]:
+        """Listen on `host:port`, or on `sock`, a UDP socket bound already (the supervisor's,
+        one of a `SO_REUSEPORT` group shared by the node's processes; host and port are then
+        ignored). Returns the address bound."""
         loop = asyncio.get_running_loop()
         # No session_ticket_fetcher/handler: no resumption, hence no 0-RTT (replayable) requests.
         transport, protocol = await loop.create_datagram_endpoint(
-            lambda: QuicServer(
+            lambda: _ResettingQuicServer(
+                self,
                 configuration=self._configuration,
                 create_protocol=self._create_protocol,
                 retry=self.options.retry,
             ),
-            local_addr=(host, port),
+            **({"sock": sock} if sock is not None else {"local_addr": (host, port)}),
         )
         self._quic_server = protocol
         bound = transport.get_extra_info("sockname")
         return str(bound[0]), int(bound[1])
+
+    def reset_token(self, cid: bytes) -> bytes:
+        """The stateless reset token of connection id `cid` (the node's key)."""
+        return reset_token(self._reset_key, cid)
+
+    def reset(
+        self,
+        datagram: bytes,
+        cid: bytes,
+        addr: NetworkAddress,
+        transport: asyncio.DatagramTransport | None,
+    ) -> None:
+        """Answer a packet of an unknown connection with a stateless reset, within the budget:
+        counted (`quic_stateless_reset`, or `quic_stateless_reset_limited` for one dropped
+        under a flood), its log line rate-limited like every connection-level event."""
+        if transport is None:
+            return
+        if not self._reset_budget.take(asyncio.get_running_loop().time()):
+            self.proxy.observer.transport_event("quic_stateless_reset_limited", "h3")
+            return
+        packet = build_reset(self.reset_token(cid), len(datagram), os.urandom)
+        if packet is None:
+            return
+        transport.sendto(packet, addr)
+        self.proxy.observer.transport_event("quic_stateless_reset", "h3", size=len(datagram))
 
     def _create_protocol(self, quic: QuicConnection, **kwargs: Any) -> Http3Protocol:
         protocol = Http3Protocol(quic, self, **kwargs)
@@ -523,3 +617,16 @@ class Http3Server:
         if self._quic_server is not None:
             self._quic_server.close()
             self._quic_server = None
+
+    async def abandon(self) -> None:
+        """Drop every connection and close the UDP socket, telling no client (no
+        CONNECTION_CLOSE): what a process killed with SIGKILL looks like from the network, for
+        tests of what its clients see. Returns once the socket is closed."""
+        server = self._quic_server
+        if server is None or server.transport is None:
+            return
+        for protocol in list(self._connections):
+            protocol.abandon()
+        server.transport.close()
+        async with asyncio.timeout(5):  # closed on the loop's next turn
+            await server.socket_closed.wait()

@@ -1,6 +1,6 @@
 """Every aioquic private attribute pylon touches, in one place.
 
-aioquic (pinned to 1.7 in pyproject.toml) has no public API for these five needs. Each function
+aioquic (pinned to 1.7 in pyproject.toml) has no public API for these eight needs. Each function
 names the private attribute it uses and why; `check_private_surface` runs at import and fails
 loudly if an aioquic upgrade removed any of them, and tests/unit/test_private_canaries.py checks
 that each still behaves as relied on. Nothing else in pylon may read aioquic private names.
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from aioquic import tls
+from aioquic.asyncio.server import QuicServer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.stream import QuicStreamSender
@@ -104,13 +105,84 @@ def closing(quic: QuicConnection) -> bool:
     return quic._close_event is not None
 
 
+def derive_reset_tokens(quic: QuicConnection, token_of: Callable[[bytes], bytes]) -> None:
+    """Give every connection id this server connection issues the stateless reset token
+    `token_of(cid)` instead of aioquic's `os.urandom(16)`, so that another process holding the
+    same key can reset the connection (RFC 9000 10.3.2).
+
+    Touches `QuicConnection._host_cids` (the ids issued, each a `QuicConnectionId` whose
+    `stateless_reset_token` goes out in the transport parameters for the first and in
+    NEW_CONNECTION_ID frames for the rest, read when each is sent) and wraps the private
+    `_replenish_connection_ids`, which appends the new ids (at the handshake's end and when the
+    peer retires one). The transport parameters are serialised at the first Initial packet, so
+    call this before the first datagram.
+    """
+    if quic.configuration.is_client:
+        raise ValueError("only a QUIC server derives its stateless reset tokens")
+    if hasattr(quic, "tls"):
+        raise RuntimeError("derive_reset_tokens must be called before the first packet")
+
+    def derive() -> None:
+        for connection_id in quic._host_cids:
+            connection_id.stateless_reset_token = token_of(connection_id.cid)
+
+    replenish: Callable[[], None] = quic._replenish_connection_ids
+
+    def replenish_and_derive() -> None:
+        replenish()
+        derive()
+
+    derive()
+    quic._replenish_connection_ids = replenish_and_derive  # type: ignore[method-assign]
+
+
+def peer_reset_tokens(quic: QuicConnection) -> set[bytes]:
+    """The stateless reset tokens the peer announced for the connection ids this end may use:
+    what identifies a stateless reset (RFC 9000 10.3.1). aioquic keeps them and never checks
+    them (a reset goes unnoticed until the idle timeout), so a client that wants to see one
+    compares a datagram's last 16 bytes with these.
+
+    Touches `QuicConnection._peer_cid` (the id in use), `_peer_cid_available` (the spares from
+    NEW_CONNECTION_ID) and each `_network_paths` entry's `peer_cid` (ids on probed paths).
+    """
+    ids = [quic._peer_cid, *quic._peer_cid_available]
+    ids += [path.peer_cid for path in quic._network_paths if path.peer_cid is not None]
+    return {cid.stateless_reset_token for cid in ids if cid.stateless_reset_token}
+
+
+def server_knows(server: QuicServer, cid: bytes) -> bool:
+    """Whether a connection of this `QuicServer` answers to connection id `cid`.
+
+    Touches `QuicServer._protocols`, the table from every live connection id (the client's
+    original destination id and each id issued) to its connection, which aioquic maintains on
+    the connections' CID-issued, CID-retired and terminated callbacks and exposes no lookup of.
+    """
+    return cid in server._protocols
+
+
 def check_private_surface() -> None:
     """Raise ImportError naming the first private aioquic attribute that is gone."""
     quic = QuicConnection(configuration=QuicConfiguration(is_client=True))
     sender = QuicStreamSender(stream_id=0, writable=True)
     context = tls.Context(is_client=False)
     limit = getattr(quic, "_local_max_streams_bidi", None)
+    host_cids = getattr(quic, "_host_cids", None) or [None]
     probes = (
+        ("QuicConnection._host_cids", isinstance(getattr(quic, "_host_cids", None), list)),
+        (
+            "QuicConnectionId.stateless_reset_token",
+            hasattr(host_cids[0], "stateless_reset_token"),
+        ),
+        (
+            "QuicConnection._replenish_connection_ids",
+            callable(getattr(quic, "_replenish_connection_ids", None)),
+        ),
+        ("QuicConnection._peer_cid", hasattr(quic, "_peer_cid")),
+        ("QuicConnection._peer_cid_available", hasattr(quic, "_peer_cid_available")),
+        ("QuicConnection._network_paths", hasattr(quic, "_network_paths")),
+        # A QuicServer needs a running loop to be built: look for the table by name in its
+        # constructor's compiled code instead.
+        ("QuicServer._protocols", "_protocols" in QuicServer.__init__.__code__.co_names),
         ("QuicConnection._streams", isinstance(getattr(quic, "_streams", None), dict)),
         ("QuicConnection._initialize", callable(getattr(quic, "_initialize", None))),
         ("QuicConnection._close_event", hasattr(quic, "_close_event")),

@@ -4,10 +4,16 @@ in-memory connections; a failure after an upgrade names the private attribute th
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections.abc import Sequence
 
 import pytest
+from aioquic.asyncio.server import QuicServer
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from _buffer
+from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, StreamDataReceived
+from aioquic.quic.packet import pull_quic_header
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 
@@ -15,12 +21,23 @@ from pylon.server import quic_private
 from pylon.server.quic_private import (
     check_private_surface,
     closing,
+    derive_reset_tokens,
     limit_peer_bidi_streams,
     peer_certificate,
+    peer_reset_tokens,
     request_client_certificate,
     send_backlog,
+    server_knows,
 )
-from tests.unit.quic_pair import CLIENT_ADDR, QuicPair, certificate
+from pylon.server.stateless_reset import build_reset, is_reset
+from tests.unit.quic_pair import (
+    CLIENT_ADDR,
+    SERVER_ADDR,
+    QuicPair,
+    certificate,
+    client_configuration,
+    server_configuration,
+)
 
 
 def streams_with_data(events: Sequence[object]) -> set[int]:
@@ -196,3 +213,111 @@ def test_closing_is_true_as_soon_as_the_peer_close_arrives() -> None:
     assert not [e for e in pair.server.take_events() if isinstance(e, ConnectionTerminated)], (
         "aioquic now reports ConnectionTerminated on receipt: closing() may be replaced by it"
     )
+
+
+# --- stateless reset: tokens derived from the connection id, seen by the peer ---
+
+
+class Derived:
+    """A token function that records every connection id it was asked about."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[bytes, bytes] = {}
+
+    def __call__(self, cid: bytes) -> bytes:
+        token = self.tokens[cid] = hashlib.sha256(b"key" + cid).digest()[:16]
+        return token
+
+
+def _client_dcid(pair: QuicPair) -> bytes:
+    """The connection id the client sends to now (from a packet it sends)."""
+    client = pair.client.quic
+    client.send_ping(1)
+    datagram, _ = client.datagrams_to_send(now=pair.now)[0]
+    header = pull_quic_header(Buffer(data=datagram), host_cid_length=8)
+    pair.server.quic.receive_datagram(datagram, CLIENT_ADDR, now=pair.now)
+    pair.pump()
+    return bytes(header.destination_cid)
+
+
+def test_derived_reset_tokens_reach_the_peer_for_every_connection_id() -> None:
+    derived = Derived()
+    pair = QuicPair(server_setup=lambda quic: derive_reset_tokens(quic, derived)).connect()
+    client = pair.client.quic
+    tokens = peer_reset_tokens(client)
+    assert len(tokens) >= 2, (
+        "QuicConnection._peer_cid_available holds no NEW_CONNECTION_ID spares, or "
+        "_replenish_connection_ids no longer issues them"
+    )
+    assert tokens <= set(derived.tokens.values()), (
+        "QuicConnectionId.stateless_reset_token is not what aioquic sends (transport parameter "
+        "or NEW_CONNECTION_ID): a token came from elsewhere"
+    )
+    assert derived.tokens[_client_dcid(pair)] in tokens, "the id in use has no derived token"
+    # The client moves to a spare id and retires the old one: the server replenishes, derived.
+    before = len(derived.tokens)
+    client.change_connection_id()
+    dcid = _client_dcid(pair)
+    assert len(derived.tokens) > before, "QuicConnection._replenish_connection_ids not wrapped"
+    assert peer_reset_tokens(client) <= set(derived.tokens.values())
+    assert derived.tokens[dcid] in peer_reset_tokens(client)
+
+
+def test_without_derivation_the_tokens_are_random() -> None:
+    derived = Derived()
+    pair = QuicPair().connect()
+    tokens = peer_reset_tokens(pair.client.quic)
+    assert tokens, "QuicConnection._peer_cid no longer carries the transport parameter's token"
+    dcid = _client_dcid(pair)
+    assert derived(dcid) not in tokens
+
+
+def test_derive_reset_tokens_is_for_servers_before_their_first_packet() -> None:
+    with pytest.raises(ValueError, match="server"):
+        derive_reset_tokens(QuicPair().client.quic, Derived())
+    pair = QuicPair().connect()
+    with pytest.raises(RuntimeError, match="before the first packet"):
+        derive_reset_tokens(pair.server.quic, Derived())
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def sendto(self, data: bytes, addr: object = None) -> None:
+        self.sent.append(data)
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def close(self) -> None:
+        return None
+
+
+async def test_server_knows_the_connection_ids_of_its_connections() -> None:
+    server = QuicServer(configuration=server_configuration())
+    server.connection_made(_Transport())  # type: ignore[arg-type]
+    client = QuicConnection(configuration=client_configuration())
+    client.connect(SERVER_ADDR, now=time.monotonic())
+    initial, _ = client.datagrams_to_send(now=time.monotonic())[0]
+    original = pull_quic_header(Buffer(data=initial), host_cid_length=8).destination_cid
+    assert not server_knows(server, original)
+    server.datagram_received(initial, CLIENT_ADDR)
+    assert server_knows(server, original), "QuicServer._protocols no longer maps connection ids"
+    assert not server_knows(server, b"\x00" * 8)
+    server.close()
+
+
+def test_an_aioquic_client_still_ignores_a_stateless_reset() -> None:
+    """Why tests/h3client.py checks reset tokens itself: aioquic drops a reset as a packet of an
+    unknown connection id. If this fails, aioquic learnt RFC 9000 10.3.1 and the client's own
+    check can go."""
+    derived = Derived()
+    pair = QuicPair(server_setup=lambda quic: derive_reset_tokens(quic, derived)).connect()
+    pair.client.take_events()
+    dcid = _client_dcid(pair)
+    reset = build_reset(derived.tokens[dcid], 60, lambda n: b"\x5a" * n)
+    assert reset is not None and is_reset(reset, peer_reset_tokens(pair.client.quic))
+    pair.client.quic.receive_datagram(reset, SERVER_ADDR, now=pair.now)
+    pair.pump()
+    assert not any(isinstance(e, ConnectionTerminated) for e in pair.client.take_events())
