@@ -150,9 +150,9 @@ class RoutingSettings(BaseModel):
         le=86400,
         allow_inf_nan=False,
         description="--routing kv: seconds after its admission Dynamo's selection core forgets "
-        "a booking, freed or not (its sweep runs about once a minute): bounds how long a "
-        "crashed --replica-peer's bookings linger here (this plus up to 60 s), and drops a "
-        "request that runs longer from the load view; unset = Dynamo's default (300)",
+        "a booking still open (its sweep runs about once a minute): bounds how long a crashed "
+        "--replica-peer's bookings linger here (this plus up to 60 s), and drops a request "
+        "that runs longer from the load view; unset = Dynamo's default (300)",
         json_schema_extra=group(ROUTING),
     )
 
