@@ -11,6 +11,8 @@ the replica sync's PUB (``0.0.0.0:PORT``) is only ever opened inside the namespa
   ``pylon_router_active_bookings`` added up) exactly, within ``PROPAGATION_BOUND_S``; the
   frees propagate the same way, and the per-peer counter saw the peer's events;
 - sync off: each pylon's view is its own bookings only;
+- a peer whose catalogue holds one more worker: its bookings there are counted as dropped
+  (`unknown_worker`, with a warning), the rest still reach the other's view;
 - a replica killed with SIGKILL: its bookings stay in the survivor's view until Dynamo's expiry
   sweep (``--kv-booking-expiry`` plus up to a minute; measured and printed).
 
@@ -201,13 +203,19 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def replicas(
-    nodes: Nodes, tokenizer: Path, *, sync: bool, extra: tuple[str, ...] = ()
+    nodes: Nodes,
+    tokenizer: Path,
+    *,
+    sync: bool,
+    extra: tuple[str, ...] = (),
+    b_only: int = 0,
 ) -> Iterator[tuple[Pylon, Pylon]]:
-    """Two mock workers in A, and a pylon in each namespace in front of both."""
+    """Two mock workers in A, and a pylon in each namespace in front of both (`b_only`: more
+    workers that only B's catalogue holds)."""
     procs: list[Proc] = []
     try:
         workers = []
-        for _ in range(2):
+        for _ in range(2 + b_only):
             mock = Proc(
                 nodes.run_in(
                     nodes.a,
@@ -252,7 +260,7 @@ def replicas(
                 "--first-output-timeout",
                 "900",
             ]
-            for worker in workers:
+            for worker in workers if ns == nodes.b else workers[:2]:
                 args += ["--worker", worker]
             if sync:
                 args += ["--replica-sync-port", str(port), "--replica-peer", f"{peer}:{port}"]
@@ -461,3 +469,53 @@ async def test_a_crashed_replicas_bookings_leave_the_survivors_view_after_the_ex
             print(f"a crashed replica's bookings lingered {lingered:.1f} s in the survivor")
             # Not dropped when B died (no free was sent): only once older than the expiry.
             assert time.monotonic() - crashed >= EXPIRY_S - 2
+
+
+async def test_a_peer_with_another_catalogue_is_seen_dropping_events(
+    nodes: Nodes, tokenizer_models: dict[str, Path]
+) -> None:
+    """B holds a worker A does not: the digests differ, and the bookings B places on it are
+    counted in A as `unknown_worker` (Dynamo's core drops them), with a warning naming the
+    worker; the bookings on the shared workers still reach A's view."""
+    with replicas(nodes, tokenizer_models["chatml"], sync=True, b_only=1) as (a, b):
+        digest_a, digest_b = (
+            p.proc.events("kv_router_started")[0]["catalogue_digest"] for p in (a, b)
+        )
+        assert digest_a != digest_b
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=None)) as client:
+            await joined(client, b, a)
+            before = dropped_events(await client.get(a.admin))  # probes on B's own worker
+            tasks = [hold(client, b, n, "b") for n in range(6)]  # spread over B's 3 workers
+            try:
+
+                async def placed() -> bool:
+                    return sum(own(await scrape(client, b)).values()) == 6
+
+                await until(placed, 30)
+                lb = await scrape(client, b)
+                (only_b,) = set(own(lb)) - set(own(await scrape(client, a)))
+                on_only_b = own(lb)[only_b]
+                assert on_only_b >= 1
+
+                async def mirrored() -> bool:
+                    la = await scrape(client, a)
+                    return sum(core(la).values()) == 6 - on_only_b
+
+                await until(mirrored, PROPAGATION_BOUND_S)
+                warning = a.proc.wait_event("replica_sync_dropped")
+                assert warning["digest"] == digest_a and warning["level"] == "warning"
+                after = dropped_events(await client.get(a.admin))
+            finally:
+                await cancel(tasks)
+        assert after - before == on_only_b  # each add on the worker A does not know
+
+
+def dropped_events(response: Any) -> float:
+    (dropped,) = [
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == "pylon_router_replica_sync_events_total"
+        and sample.labels["result"] == "unknown_worker"
+    ]
+    return dropped
