@@ -17,8 +17,9 @@ The wire format is Dynamo 1.6.1's (docs/routing.md, "Replicas across nodes"): to
 `dynamo.slot-tracker.v1`, then a msgpack map whose `event.worker.worker_id` names the worker.
 It is internal to Dynamo, so this is a read-only observer: nothing here changes what the core
 applies, and a message it cannot read is counted, never fatal. Bounded: the SUB's receive
-high-water mark is `RCV_HWM` messages (beyond it libzmq drops, uncounted), the warnings are
-rate-limited, and the thread polls with a timeout so `aclose` ends it within `POLL_MS`.
+high-water mark is `RCV_HWM` messages (beyond it libzmq drops, uncounted) of at most
+`MAX_MESSAGE_BYTES`, the warnings are rate-limited, and the thread polls with a timeout so
+`aclose` ends it within `POLL_MS`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 TOPIC: Final = b"dynamo.slot-tracker.v1"
 RESULTS: Final = ("applied", "unknown_worker", "malformed")
 RCV_HWM: Final = 10_000  # messages queued per peer before libzmq drops (10x its default)
+# A sync message is a few hundred bytes plus 9 per prompt block (an AddRequest's sequence
+# hashes: ~150 KB for a 262,144-token prompt of 16-token blocks). Past this the peer is
+# disconnected (ZMQ reconnects): the watch's own SUB only, the core's is not touched.
+MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
 POLL_MS: Final = 200
 REPEAT_INTERVAL_S: Final = 10.0
 
@@ -51,7 +56,7 @@ def event_worker(frames: list[bytes]) -> int | None:
         return None
     try:
         message = msgspec.msgpack.decode(frames[1])
-    except msgspec.DecodeError:
+    except (msgspec.MsgspecError, ValueError, RecursionError):  # whatever the bytes are
         return None
     event = message.get("event") if isinstance(message, dict) else None
     worker = event.get("worker") if isinstance(event, dict) else None
@@ -103,6 +108,7 @@ class ReplicaSyncWatch:
             sock = context.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
             sock.connect(endpoint)
             sockets[sock] = peer
