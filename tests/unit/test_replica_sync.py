@@ -315,3 +315,12 @@ async def test_the_watch_counts_each_peers_events_and_warns_at_a_bounded_rate(
         assert len(observer.of("replica_sync_dropped")) == 1  # 300 drops, one line so far
     finally:
         await watch.aclose()
+
+
+@given(st.lists(st.binary(max_size=64), max_size=3), st.binary(max_size=64))
+def test_any_bytes_are_a_worker_id_or_malformed_never_an_error(
+    frames: list[bytes], body: bytes
+) -> None:
+    for candidate in (frames, [TOPIC, body]):
+        worker_id = event_worker(candidate)
+        assert worker_id is None or (isinstance(worker_id, int) and worker_id >= 0)
