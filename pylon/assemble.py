@@ -143,6 +143,9 @@ def kv_options(settings: Settings) -> KvOptions:
         token_data=settings.kv_token_data,
         # A proof probe is a one-token stream: it answers within a first output's time.
         probe_timeout=settings.first_output_timeout,
+        replica_sync_port=settings.replica_sync_port,
+        replica_peers=settings.replica_peer,
+        booking_expiry=settings.kv_booking_expiry,
     )
 
 

@@ -126,6 +126,8 @@ _WARNING_EVENTS = frozenset(
         "kv_events_gap",
         "kv_events_malformed",
         "kv_token_data_refused",
+        "replica_sync_started",  # names an unauthenticated port open on every interface
+        "replica_sync_dropped",
         "signal_ignored",
         "tls_self_signed",
     }

@@ -13,7 +13,8 @@ Dynamo: the native module is imported when a `SelectionCore` is built, and a mis
 - owner.py: `NativeOwner`, the executor: all native calls run on its one owner thread behind a
   `CallGate` (gate.py), a reservation's calls chained in order.
 - types.py: the frozen request/result values; errors.py: the one exception hierarchy.
-- validation.py: start-up checks (block size, unique u64 worker ids, dp size, KV endpoints).
+- validation.py: start-up checks (block size, unique u64 worker ids, dp size, KV endpoints,
+  the replica sync's port and peers).
 - hashing.py: `hash_prompt`, a prompt as a `HashedPrompt`; the hashing itself (Dynamo's block
   and sequence hashes, bit-exact, xxhash) is `pylon.core.blocks`, shared with pylon and the mock.
 
@@ -45,6 +46,7 @@ from router_ffi.types import (
     HashedPrompt,
     OverlapScores,
     Prompt,
+    ReplicaSync,
     Selection,
     SelectRequest,
     ShutdownReport,
@@ -57,6 +59,7 @@ from router_ffi.validation import (
     check_block_size,
     check_dp_size,
     check_kv_events_endpoint,
+    check_replica_sync,
     check_worker,
     check_worker_id,
     check_workers,
@@ -89,6 +92,7 @@ __all__ = [
     "NotFound",
     "OverlapScores",
     "Prompt",
+    "ReplicaSync",
     "Reservation",
     "RouterFfiError",
     "SelectRequest",
@@ -104,6 +108,7 @@ __all__ = [
     "check_block_size",
     "check_dp_size",
     "check_kv_events_endpoint",
+    "check_replica_sync",
     "check_worker",
     "check_worker_id",
     "check_workers",

@@ -23,6 +23,7 @@ from router_ffi.errors import (
     NoWorkerAvailable,
     RouterFfiError,
 )
+from router_ffi.types import ReplicaSync
 
 
 class NativeService(Protocol):
@@ -75,12 +76,19 @@ def load_native() -> Any:
     return _core
 
 
-def native_factory(indexer_threads: int) -> NativeFactory:
-    """A factory for the real SelectionService; the import is checked now (raises at once)."""
+def native_factory(indexer_threads: int, replica_sync: ReplicaSync | None = None) -> NativeFactory:
+    """A factory for the real SelectionService; the import is checked now (raises at once).
+    `replica_sync`: the core's replica sync (its PUB port and its peers' endpoints)."""
     core = load_native()
+    sync: dict[str, Any] = {}
+    if replica_sync is not None:
+        sync = {
+            "replica_sync_port": replica_sync.port,
+            "replica_sync_peers": list(replica_sync.peers),
+        }
 
     def make() -> NativeService:
-        service: NativeService = core.SelectionService(indexer_threads=indexer_threads)
+        service: NativeService = core.SelectionService(indexer_threads=indexer_threads, **sync)
         return service
 
     return make

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
 from router_ffi._native import NativeFactory, NativeService, translate
-from router_ffi.errors import NativeCallFailed, RouterFfiError, ServiceClosed
+from router_ffi.errors import NativeCallFailed, NotFound, RouterFfiError, ServiceClosed
 from router_ffi.gate import CallGate
 from router_ffi.types import Selection, ShutdownReport
 
@@ -131,6 +131,7 @@ class NativeOwner:
         self._shutdown_lock = threading.Lock()
         self._report: ShutdownReport | None = None
         self.failed_ops = 0  # fire-and-forget native calls that failed (written on the owner)
+        self.expired_ops = 0  # ... of a reservation the core had expired (not failures)
         # Owner-thread-only state.
         self._native: NativeService | None = None
         # Reset epochs (`mark_reset`): the latest, and per worker the one of its last reset.
@@ -369,11 +370,18 @@ class NativeOwner:
             self._owner_run_ops(res, *nxt)
 
     def _owner_failed(self, op: str, exc: BaseException) -> None:
+        error = translate(op, exc)
+        if isinstance(error, NotFound) and op in _OP_NAMES:
+            # The core no longer knows the reservation: it expired it (a booking older than
+            # DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS, a long stream's). Its load already left
+            # the view; counted, not reported.
+            self.expired_ops += 1
+            return
         self.failed_ops += 1
         sink = self._on_error
         if sink is not None:
             with contextlib.suppress(Exception):  # a broken sink must not stop the owner loop
-                sink(translate(op, exc))
+                sink(error)
 
     def _owner_stop(self, stopped: cf.Future[None]) -> None:
         native, self._native = self._native, None

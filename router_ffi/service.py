@@ -36,14 +36,15 @@ from router_ffi.types import (
     GroupLoads,
     OverlapScores,
     Prompt,
+    ReplicaSync,
     Selection,
     SelectRequest,
     ShutdownReport,
     WorkerRecord,
 )
-from router_ffi.validation import check_worker, check_worker_id
+from router_ffi.validation import check_replica_sync, check_worker, check_worker_id
 
-__all__ = ["OVERLAP_WEIGHT_ENV", "ErrorSink", "Reservation", "SelectionCore"]
+__all__ = ["EXPIRY_ENV", "OVERLAP_WEIGHT_ENV", "ErrorSink", "Reservation", "SelectionCore"]
 
 
 def _free_if_reserved(cfut: cf.Future[Reservation]) -> None:
@@ -121,6 +122,7 @@ class Reservation(ReservationChain):
 
 
 OVERLAP_WEIGHT_ENV = "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT"
+EXPIRY_ENV = "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS"
 
 
 class SelectionCore:
@@ -141,6 +143,8 @@ class SelectionCore:
         on_error: ErrorSink | None = None,
         native: NativeFactory | None = None,
         overlap_score_weight: float | None = None,
+        replica_sync: ReplicaSync | None = None,
+        active_request_expiry_s: float | None = None,
     ) -> None:
         if indexer_threads < 1:
             raise ValueError(f"indexer_threads must be >= 1, got {indexer_threads}")
@@ -150,7 +154,18 @@ class SelectionCore:
             # The native core reads its cost weights from the environment when it is built (on
             # the owner thread, below), and offers no argument for them: one core per process.
             os.environ[OVERLAP_WEIGHT_ENV] = repr(float(overlap_score_weight))
-        factory = native if native is not None else native_factory(indexer_threads)
+        if active_request_expiry_s is not None:
+            if not 1 <= active_request_expiry_s < float("inf"):
+                raise ValueError(
+                    f"active_request_expiry_s must be >= 1, got {active_request_expiry_s}"
+                )
+            # Read the same way (and as whole seconds): how long a booking the core was never
+            # told to free (a crashed replica's) lingers.
+            os.environ[EXPIRY_ENV] = str(int(active_request_expiry_s))
+        if replica_sync is not None:
+            check_replica_sync(replica_sync)
+        self.replica_sync = replica_sync
+        factory = native if native is not None else native_factory(indexer_threads, replica_sync)
         self._select_timeout_s = select_timeout_s
         self._call_timeout_s = call_timeout_s
         self._ids = itertools.count(1)
@@ -161,6 +176,13 @@ class SelectionCore:
     def failed_ops(self) -> int:
         """Fire-and-forget native calls that failed (their errors went to `on_error`)."""
         return self._owner.failed_ops
+
+    @property
+    def expired_ops(self) -> int:
+        """Fire-and-forget calls of a reservation the native core had already expired (it
+        forgets a booking `active_request_expiry_s` after its admission): no-ops, not
+        failures."""
+        return self._owner.expired_ops
 
     # -- catalog ----------------------------------------------------------------------------
 
@@ -266,10 +288,15 @@ class SelectionCore:
 
     # -- inspection -------------------------------------------------------------------------
 
-    def loads(self) -> tuple[GroupLoads, ...]:
-        """Active load per model/routing group and worker rank (bookings not yet freed)."""
+    def loads(self, *, timeout_s: float | None = None) -> tuple[GroupLoads, ...]:
+        """Active load per model/routing group and worker rank (bookings not yet freed; with
+        replica sync, the peers' too). `timeout_s`: how long to wait for the answer (default
+        the core's call timeout), then `NativeCallFailed`."""
         return self._owner.call(
-            "loads", lambda n: n.loads(), _wire.parse_loads, self._call_timeout_s
+            "loads",
+            lambda n: n.loads(),
+            _wire.parse_loads,
+            self._call_timeout_s if timeout_s is None else timeout_s,
         )
 
     def overlap(

@@ -38,6 +38,18 @@ class CoreWorker:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaSync:
+    """Dynamo's replica sync for one core (constructor-only in 1.6.1): the core binds a ZMQ PUB
+    on `tcp://*:port` (every interface, no authentication) that publishes each booking's
+    add, prefill-complete and free, and subscribes to every peer's (`tcp://HOST:PORT`). Best
+    effort: no sequence numbers, no snapshot; a peer's event for a worker this core does not
+    know is dropped."""
+
+    port: int
+    peers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerRecord:
     """The native catalog's view of a worker after an upsert or removal."""
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TypeGuard
 
 from router_ffi.errors import InvalidConfig
-from router_ffi.types import CoreWorker
+from router_ffi.types import CoreWorker, ReplicaSync
 
 MAX_BLOCK_SIZE = 1024
 U64_MAX = (1 << 64) - 1
@@ -112,3 +112,23 @@ def check_workers(specs: Iterable[CoreWorker]) -> tuple[CoreWorker, ...]:
         seen.add(spec.worker_id)
         out.append(spec)
     return tuple(out)
+
+
+def check_replica_sync(sync: ReplicaSync) -> ReplicaSync:
+    """A replica sync the native core accepts: a port in 1..65535 and at least one peer, each
+    `tcp://HOST:PORT` (1.6.1 refuses a peer without a port, and peers without a port of its
+    own; a port without peers would publish to replicas it never hears from)."""
+    port = sync.port
+    if not _is_int(port) or not 1 <= port <= 65535:
+        raise InvalidConfig(f"replica sync port must be an integer in 1..65535, got {port!r}")
+    if not sync.peers:
+        raise InvalidConfig("replica sync needs at least one peer")
+    for peer in sync.peers:
+        try:
+            ok = isinstance(peer, str) and peer.startswith("tcp://")
+            ok = ok and check_kv_events_endpoint(peer) == peer
+        except InvalidConfig:
+            ok = False
+        if not ok:
+            raise InvalidConfig(f"replica sync peer must be tcp://HOST:PORT, got {peer!r}")
+    return sync

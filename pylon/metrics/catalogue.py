@@ -240,5 +240,27 @@ METRICS: tuple[MetricSpec, ...] = (
         ("policy",),
         "time the event loop waited for Dynamo's native select-and-reserve (--routing kv)",
     ),
+    MetricSpec(
+        "pylon_router_core_active_requests",
+        "gauge",
+        ("worker",),
+        "requests Dynamo's selection core counts on the worker (--routing kv): this pylon's "
+        "bookings plus, with --replica-peer, every peer's it heard of",
+    ),
+    MetricSpec(
+        "pylon_router_catalogue_info",
+        "info",
+        ("digest",),
+        "the digest of the worker catalogue (--routing kv; value 1): replicas that share "
+        "bookings (--replica-peer) must show the same",
+    ),
+    MetricSpec(
+        "pylon_router_replica_sync_events_total",
+        "counter",
+        ("peer", "result"),
+        "booking events heard from the peer replica (--replica-peer): `applied` (a worker this "
+        "pylon knows), `unknown_worker` (Dynamo's core drops it: the catalogues differ), "
+        "`malformed`",
+    ),
 )
 SPECS = {spec.name: spec for spec in METRICS}  # name -> its spec

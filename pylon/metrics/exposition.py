@@ -131,8 +131,9 @@ def queue_families(counts: Counts) -> Iterator[Metric]:
 
 
 def routing_families(counts: Counts) -> Iterator[Metric]:
-    """The workers' bookings, health, passive ejections, decisions and KV-event faults, and
-    the kv selects' latencies (empty families with --routing off)."""
+    """The workers' bookings, health, passive ejections, decisions and KV-event faults, the kv
+    selects' latencies, the core's own load view, the catalogue digest and the replica sync's
+    events per peer (empty families with --routing off)."""
     active = _gauge("pylon_router_active_bookings")
     healthy = _gauge("pylon_router_worker_healthy")
     ejected = _gauge("pylon_router_worker_ejected")
@@ -140,8 +141,18 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
     decisions: dict[tuple[str, str], int] = {}
     faults: dict[tuple[str, str], int] = {}
     select = _histogram("pylon_router_select_seconds")
+    core_active = _gauge("pylon_router_core_active_requests")
+    catalogue = InfoMetricFamily(
+        "pylon_router_catalogue", SPECS["pylon_router_catalogue_info"].help
+    )
+    sync_events: dict[tuple[str, str], int] = {}
     snapshot = counts.routing
     if snapshot is not None:
+        for label, count in snapshot.core_active.items():
+            core_active.add_metric([label], count)
+        if snapshot.catalogue_digest is not None:
+            catalogue.add_metric([], {"digest": snapshot.catalogue_digest})
+        sync_events = snapshot.replica_sync_events
         for worker in snapshot.workers:
             active.add_metric([worker.label], worker.active)
             healthy.add_metric([worker.label], 1 if worker.in_rotation else 0)
@@ -163,6 +174,9 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
     yield _counter("pylon_router_decisions_total", decisions)
     yield _counter("pylon_router_kv_event_faults_total", faults)
     yield select
+    yield core_active
+    yield catalogue
+    yield _counter("pylon_router_replica_sync_events_total", sync_events)
 
 
 def histogram_buckets(bounds: Sequence[float], histogram: Histogram) -> list[tuple[str, float]]:

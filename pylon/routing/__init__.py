@@ -11,7 +11,9 @@ terminal moment: success, engine error, timeout, client cancel and shutdown all 
   flight; `health`: the active health checks that eject and return to rotation workers;
   `outlier`: passive health, the same rotation fed by the workers' real answers.
 - `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol;
-  `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts).
+  `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts);
+  `replica_sync`: with `--replica-peer`, the watch over each peer replica's booking events
+  (counted per peer: applied, or dropped for a worker this pylon does not know).
 - `build`: `build_routing(options, ...)`, the routing parts for `pylon.run.start`; the `kv`
   router's prompt tokens come through the `PromptTokenizer` port (`pylon.tokenize` implements it).
 

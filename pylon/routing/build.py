@@ -24,13 +24,15 @@ from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.outlier import OutlierOptions
 from pylon.routing.passive import PassiveHealth
 from pylon.routing.round_robin import RoundRobinRouter
+from pylon.routing.spec import check_replica_peer
 from pylon.startup import StartupError
 
 if TYPE_CHECKING:
     from pylon.observe import Observer
     from pylon.routing.kv import KvRouter
+    from pylon.routing.replica_sync import ReplicaSyncWatch
     from pylon.routing.spec import WorkerSpec
-    from router_ffi import RouterFfiError, SelectionCore
+    from router_ffi import ReplicaSync, RouterFfiError, SelectionCore
     from router_ffi._native import NativeFactory
 
 
@@ -46,6 +48,14 @@ class KvOptions:
     (`--kv-token-data`)."""
     probe_timeout: float
     """Seconds one `--kv-token-data` proof probe may take to answer."""
+    replica_sync_port: int | None = None
+    """The port Dynamo's replica sync publishes this pylon's bookings on (`0.0.0.0:PORT`,
+    `--replica-sync-port`); None: no sync."""
+    replica_peers: tuple[str, ...] = ()
+    """The other replicas' sync addresses, HOST:PORT (`--replica-peer`)."""
+    booking_expiry: float | None = None
+    """Seconds after which the core forgets a booking it was never told to free (a crashed
+    replica's; `--kv-booking-expiry`); None: Dynamo's default (300)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +84,10 @@ class RoutingSnapshot:
     workers: tuple[WorkerView, ...]
     select_bounds: tuple[float, ...] = ()
     select_seconds: tuple[float, ...] | None = None  # counts per bound, +Inf, sum; None: no kv
+    catalogue_digest: str | None = None  # --routing kv: what replicas compare
+    core_active: dict[str, int] = field(default_factory=dict)  # worker label -> core's count
+    replica_sync_events: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(peer, result) -> sync events heard from that peer (`pylon.routing.replica_sync`)."""
 
 
 @dataclass
@@ -85,6 +99,7 @@ class Routing:
     fleet: Fleet
     checks: HealthChecker
     kv: KvRouter | None = None
+    replica_watch: ReplicaSyncWatch | None = None
     _task: asyncio.Task[None] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -95,17 +110,23 @@ class Routing:
             self._task = asyncio.create_task(self.checks.run(), name="pylon-worker-health")
             if self.kv is not None:
                 self.kv.start()
+            if self.replica_watch is not None:
+                self.replica_watch.start()
 
     def snapshot(self) -> RoutingSnapshot:
         if self.kv is None:
             return RoutingSnapshot(self.mode, self.fleet.views())
         from pylon.routing.kv import SELECT_SECONDS_BUCKETS
 
+        watch = self.replica_watch
         return RoutingSnapshot(
             self.mode,
             self.fleet.views(),
             SELECT_SECONDS_BUCKETS,
             tuple(self.kv.select_seconds),
+            self.kv.catalogue_digest,
+            self.kv.core_active(),
+            dict(watch.counts) if watch is not None else {},
         )
 
     def active_bookings(self) -> dict[str, int]:
@@ -152,7 +173,19 @@ async def build_routing(
         return Routing(mode, LeastLoadedRouter(fleet), fleet, checks, _closers=closers)
     assert options.kv is not None and tokenizer is not None, "kv needs its options and tokenizer"
     kv = await build_kv_router(options.kv, fleet, observer, tokenizer, native=native)
-    return Routing(mode, kv, fleet, checks, kv, _closers=[*closers, kv.aclose])
+    closers.append(kv.aclose)
+    watch = None
+    if options.kv.replica_sync_port is not None:
+        from pylon.routing.replica_sync import ReplicaSyncWatch
+
+        watch = ReplicaSyncWatch(
+            {peer: check_replica_peer(peer) for peer in options.kv.replica_peers},
+            (worker.spec.worker_id for worker in fleet.workers),
+            kv.catalogue_digest,
+            observer,
+        )
+        closers.append(watch.aclose)
+    return Routing(mode, kv, fleet, checks, kv, watch, _closers=closers)
 
 
 async def build_kv_router(
@@ -185,7 +218,21 @@ async def build_kv_router(
         "kv_router_started",
         workers=[worker.label for worker in fleet.workers],
         kv_events={worker.label: list(worker.spec.kv_events) for worker in fleet.workers},
+        catalogue_digest=router.catalogue_digest,
     )
+    if options.replica_sync_port is not None:
+        port = options.replica_sync_port
+        observer.process_event(
+            "replica_sync_started",
+            exposure=f"0.0.0.0:{port}",
+            peers=list(options.replica_peers),
+            catalogue_digest=router.catalogue_digest,
+            booking_expiry=options.booking_expiry,
+            detail=f"Dynamo's replica sync publishes this pylon's bookings on every interface "
+            f"(0.0.0.0:{port}), unauthenticated: allow only the peers to reach it "
+            "(docs/routing.md, 'Replicas across nodes'); every replica must log the same "
+            "catalogue_digest",
+        )
     return router
 
 
@@ -200,7 +247,11 @@ def _upserted_core(
     from router_ffi import SelectionCore
 
     core = SelectionCore(
-        on_error=on_error, native=native, overlap_score_weight=options.overlap_weight
+        on_error=on_error,
+        native=native,
+        overlap_score_weight=options.overlap_weight,
+        replica_sync=_replica_sync(options),
+        active_request_expiry_s=options.booking_expiry,
     )
     try:
         for worker in fleet.workers:
@@ -215,6 +266,16 @@ def _upserted_core(
         core.shutdown()
         raise
     return core
+
+
+def _replica_sync(options: KvOptions) -> ReplicaSync | None:
+    """The core's replica sync from `--replica-sync-port` and `--replica-peer` (None: off)."""
+    if options.replica_sync_port is None:
+        return None
+    from router_ffi import ReplicaSync
+
+    peers = tuple(check_replica_peer(peer) for peer in options.replica_peers)
+    return ReplicaSync(options.replica_sync_port, peers)
 
 
 def _native_errors_to(observer: Observer) -> Callable[[RouterFfiError], None]:

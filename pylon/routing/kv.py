@@ -49,6 +49,7 @@ from pylon.routing.fleet import AnswerReport, Fleet, Worker, count_decision
 from pylon.routing.kv_watch import KvEventWatch
 from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.round_robin import no_worker
+from pylon.routing.spec import catalogue_digest
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
@@ -68,6 +69,9 @@ POLICY = "kv"
 # KiB of multilingual chat); at 16 KiB a new one held it ~4 ms (docs/benchmarks.md, "Loop hold
 # with large prompts").
 INLINE_TOKENIZE_BYTES = 4 * 1024
+# How long a scrape waits for the core's loads (a native call of ~0.1 ms behind the owner
+# thread's queue): a busy or stuck core costs the scrape at most this.
+CORE_LOADS_TIMEOUT_S = 0.25
 # Select-and-reserve latency (seconds), as the event loop waits for it: ~0.12 ms typical.
 SELECT_SECONDS_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0
@@ -202,10 +206,30 @@ class KvRouter:
         self._resetting: set[Worker] = set()  # a reset is running
         self._reset_again: set[Worker] = set()  # another stale report came in meanwhile
         self.resets = 0  # resets done
+        # What replicas sharing bookings must agree on (--replica-peer): logged and exposed.
+        self.catalogue_digest = catalogue_digest(worker.spec for worker in fleet.workers)
 
     @property
     def core(self) -> SelectionCore:
         return self._core
+
+    def core_active(self) -> dict[str, int]:
+        """Requests the selection core counts on each worker (label -> count, every rank):
+        this pylon's bookings plus, with replica sync, every peer's it heard. Read at scrape
+        time, on the event loop: waits at most `CORE_LOADS_TIMEOUT_S` for the owner thread
+        (empty when it did not answer in time or the core is shut down)."""
+        try:
+            groups = self._core.loads(timeout_s=CORE_LOADS_TIMEOUT_S)
+        except self._ffi_error:
+            return {}
+        by_id = self._by_id
+        out = {worker.label: 0 for worker in self._fleet.workers}
+        for group in groups:
+            for load in group.workers:
+                worker = by_id.get(load.worker_id)
+                if worker is not None:
+                    out[worker.label] += load.active_requests
+        return out
 
     def _refilter(self) -> None:
         in_rotation = self._fleet.in_rotation

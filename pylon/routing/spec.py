@@ -217,3 +217,24 @@ def catalogue_digest(specs: Iterable[WorkerSpec]) -> str:
     out: two nodes may reach the same worker by different addresses."""
     lines = sorted(f"{s.worker_id}:{s.block_size}:{s.dp_size}" for s in specs)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def check_replica_peer(text: str) -> str:
+    """`--replica-peer HOST:PORT` (or `[IPv6]:PORT`) -> the ZMQ endpoint Dynamo's replica sync
+    subscribes to, `tcp://HOST:PORT`; `ValueError` (one line) for anything else. The port is
+    required: the native core refuses a peer without one."""
+    if not isinstance(text, str) or not text.isascii() or not text.isprintable():
+        raise ValueError(f"a replica peer is HOST:PORT, got {text!r}")
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"a replica peer is HOST:PORT (the port is required), got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"a replica peer has an invalid IPv6 host: {text!r}") from None
+    elif not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"a replica peer has an invalid host: {text!r}")
+    if not port_text.isdigit() or len(port_text) > 5 or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"a replica peer has an invalid port (1-65535): {text!r}")
+    return f"tcp://{host}:{int(port_text)}"

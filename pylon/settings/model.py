@@ -58,8 +58,9 @@ class Settings(
     def _routing_takes_effect(self) -> Self:
         """Workers and routing modes that could not do what they say refuse the start.
 
-        Spans Routing (`routing`, `worker`, `kv_token_data`) and Engine (`upstream`, `backend`,
-        `tokenizer`). The checks run in a fixed order: the first one that fails is the message.
+        Spans Routing (`routing`, `worker`, `kv_token_data`, the replica sync) and Engine
+        (`upstream`, `backend`, `tokenizer`). The checks run in a fixed order: the first one
+        that fails is the message.
         """
         if self.routing == "off":
             if self.worker:
@@ -140,6 +141,22 @@ class Settings(
                 f"--kv-token-data needs --backend dynamo: only a Dynamo frontend reads "
                 f"nvext.token_data, not {self.backend}"
             )
+        self._replica_sync_complete()
+
+    def _replica_sync_complete(self) -> None:
+        """Replica sync takes both halves: the port this pylon publishes on and the peers it
+        hears (Dynamo refuses peers without a port; a port without peers would expose the
+        bookings to replicas this pylon never counts)."""
+        if self.replica_peer and self.replica_sync_port is None:
+            raise ValueError(
+                "--replica-peer needs --replica-sync-port: Dynamo's replica sync publishes "
+                "this pylon's bookings on it, the peers subscribe to it"
+            )
+        if self.replica_sync_port is not None and not self.replica_peer:
+            raise ValueError(
+                "--replica-sync-port needs at least one --replica-peer HOST:PORT: the other "
+                "replicas whose bookings this pylon counts"
+            )
 
     def _kv_settings_unused(self) -> None:
         """Any mode but kv: the settings only kv routing reads are refused, not ignored."""
@@ -147,6 +164,13 @@ class Settings(
             raise ValueError("--tokenizer is only used by --routing kv")
         if self.kv_token_data:
             raise ValueError("--kv-token-data needs --routing kv (its tokenization)")
+        for name in ("replica_sync_port", "replica_peer", "kv_booking_expiry"):
+            if getattr(self, name):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} needs --routing kv: only Dynamo's selection core shares and "
+                    "expires bookings"
+                )
 
     @classmethod
     def settings_customise_sources(

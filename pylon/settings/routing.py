@@ -8,7 +8,13 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, Field, PlainSerializer, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from pylon.routing.spec import WorkerSpec, WorkerSpecError, parse_worker_spec, worker_from_table
+from pylon.routing.spec import (
+    WorkerSpec,
+    WorkerSpecError,
+    check_replica_peer,
+    parse_worker_spec,
+    worker_from_table,
+)
 from pylon.settings.topics import ORIGIN_FORM, ROUTING, group
 
 RoutingMode = Literal["off", "round-robin", "least-loaded", "kv"]
@@ -119,6 +125,55 @@ class RoutingSettings(BaseModel):
         "mismatch at start refuses it); docs/routing.md",
         json_schema_extra=group(ROUTING),
     )
+
+    replica_sync_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="--routing kv: share active load with the pylon replicas on other nodes "
+        "(--replica-peer) through Dynamo's replica sync, publishing this pylon's bookings on "
+        "0.0.0.0:PORT (all interfaces, unauthenticated: firewall it, docs/routing.md "
+        "'Replicas across nodes'); unset = no sync",
+        json_schema_extra=group(ROUTING, "PORT"),
+    )
+    replica_peer: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="--routing kv, with --replica-sync-port: another pylon replica's sync "
+        "address, whose bookings this pylon counts (repeatable; every replica lists every "
+        "other and holds the same workers)",
+        json_schema_extra=group(ROUTING, "HOST:PORT", repeatable=True),
+    )
+
+    kv_booking_expiry: float | None = Field(
+        None,
+        ge=1,
+        le=86400,
+        allow_inf_nan=False,
+        description="--routing kv: seconds after its admission Dynamo's selection core forgets "
+        "a booking still open (its sweep runs about once a minute): bounds how long a crashed "
+        "--replica-peer's bookings linger here (this plus up to 60 s), and drops a request "
+        "that runs longer from the load view; unset = Dynamo's default (300)",
+        json_schema_extra=group(ROUTING),
+    )
+
+    @field_validator("replica_peer", mode="before")
+    @classmethod
+    def _peers(cls, value: Any) -> Any:
+        """A comma-separated string (environment) or one value -> a list of stripped values."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            return [part.strip() if isinstance(part, str) else part for part in value]
+        return value
+
+    @field_validator("replica_peer")
+    @classmethod
+    def _valid_peers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for peer in value:
+            check_replica_peer(peer)
+        if len(set(value)) != len(value):
+            raise ValueError("a replica peer is given twice")
+        return value
 
     @field_validator("worker", mode="before")
     @classmethod

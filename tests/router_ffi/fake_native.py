@@ -158,7 +158,7 @@ class FakeNative:
     def prefill_complete(self, selection_id: str) -> asyncio.Future[Any]:
         self._record("prefill_complete", selection_id)
         if self.fail_prefill:
-            raise FakeSelectionError(f"reservation {selection_id} not found", "not_found", 404)
+            raise FakeSelectionError(f"prefill of {selection_id} failed", "internal", 500)
         self._reservation(selection_id)["phase"] = "decode"
         if self.hold_prefill is not None:
             return self._held(self.hold_prefill, None)

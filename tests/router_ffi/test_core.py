@@ -17,6 +17,7 @@ from router_ffi import (
     CoreWorker,
     GroupLoads,
     InvalidConfig,
+    NativeCallFailed,
     NativeUnavailable,
     NotFound,
     NoWorkerAvailable,
@@ -344,10 +345,25 @@ def test_fire_and_forget_failures_reach_on_error(core: SelectionCore, fake: Fake
     res.free()
     assert core.quiesce()
     errors = core.errors  # type: ignore[attr-defined]
-    assert len(errors) == 1 and isinstance(errors[0], NotFound)
-    assert errors[0].op == "prefill_complete"
+    assert len(errors) == 1 and isinstance(errors[0], NativeCallFailed)
+    assert errors[0].op == "prefill_complete" and errors[0].status_code == 500
     assert core.failed_ops == 1
     assert fake.reservations == {}  # the free still happened
+
+
+def test_calls_on_a_reservation_the_core_expired_are_counted_not_reported(
+    core: SelectionCore, fake: FakeNative
+) -> None:
+    """The native core forgets a booking older than its expiry (a long stream): the later
+    prefill-complete, output blocks and free answer "not found", which is no failure."""
+    res = core.select_and_reserve(request())
+    fake.reservations.clear()  # what the core's expiry sweep does
+    res.prefill_complete()
+    res.output_block()
+    res.free()
+    assert core.quiesce()
+    assert core.errors == []  # type: ignore[attr-defined]
+    assert core.failed_ops == 0 and core.expired_ops == 3
 
 
 def test_a_broken_error_sink_does_not_stop_the_owner(fake: FakeNative) -> None:

@@ -296,7 +296,21 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
         ),
     )
     select = (4, 1, 0, 0.0125)  # counts per bound, +Inf, sum
-    metrics.routing_snapshot = lambda: RoutingSnapshot("kv", workers, (0.001, 0.01), select)
+    metrics.routing_snapshot = lambda: RoutingSnapshot(
+        "kv",
+        workers,
+        (0.001, 0.01),
+        select,
+        catalogue_digest="0123456789abcdef",
+        core_active={"w0": 5, "w1": 0},
+        replica_sync_events={
+            ("10.0.0.2:7000", "applied"): 9,
+            ("10.0.0.2:7000", "unknown_worker"): 1,
+        },
+    )
+
+
+PEER = "10.0.0.2:7000"
 
 
 def exposition(metrics: MetricsObserver) -> str:

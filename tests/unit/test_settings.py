@@ -259,6 +259,9 @@ TOPIC_FIELDS = {
         "worker_outlier_max_percent",
         "kv_overlap_weight",
         "kv_token_data",
+        "replica_sync_port",
+        "replica_peer",
+        "kv_booking_expiry",
     ),
     BRINGUP: (
         "upstream_health_gate",
