@@ -62,9 +62,10 @@ class Settings(
         `tokenizer`). The checks run in a fixed order: the first one that fails is the message.
         """
         if self.routing == "off":
-            if self.worker:
+            if self.worker or self.workers_file is not None:
+                flag = "--worker" if self.worker else "--workers-file"
                 raise ValueError(
-                    "--worker needs --routing round-robin, least-loaded or kv: with --routing "
+                    f"{flag} needs --routing round-robin, least-loaded or kv: with --routing "
                     "off every request goes to --upstream and the workers would be ignored"
                 )
             self._kv_settings_unused()
@@ -75,6 +76,18 @@ class Settings(
                 f"--routing {self.routing} the workers' own checks (--worker-health-interval) "
                 "decide readiness"
             )
+        if self.workers_file is not None:
+            if self.worker:
+                raise ValueError(
+                    "--workers-file and --worker (or [[worker]] tables in --config) both give "
+                    "the worker catalogue: give it in one place"
+                )
+            # The file's workers are checked when it is read (at start, and at every reload).
+            if self.routing == "kv":
+                self._kv_can_route()
+            else:
+                self._kv_settings_unused()
+            return self
         self._workers_distinct()
         self._upstream_fits_workers()
         if self.routing == "kv":

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, Field, PlainSerializer, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from pylon.routing.spec import WorkerSpec, WorkerSpecError, parse_worker_spec, worker_from_table
+from pylon.routing.spec import (
+    MAX_WORKERS,
+    WorkerSpec,
+    WorkerSpecError,
+    parse_worker_spec,
+    worker_from_table,
+)
 from pylon.settings.topics import ORIGIN_FORM, ROUTING, group
 
 RoutingMode = Literal["off", "round-robin", "least-loaded", "kv"]
@@ -35,6 +42,20 @@ class RoutingSettings(BaseModel):
         "Dynamo instance behind the --upstream frontend), plus kv-events=tcp://HOST:PORT (one "
         "per dp rank), block-size=16, dp-size=1; also [[worker]] tables in --config",
         json_schema_extra=group(ROUTING, "SPEC", repeatable=True, separator=WORKER_ENV_SEPARATOR),
+    )
+    workers_file: Path | None = Field(
+        None,
+        description="a TOML file of [[worker]] tables (the --worker keys) that is the worker "
+        "catalogue while pylon runs: re-read when its content changes and on SIGHUP (a file "
+        "that does not parse keeps the catalogue in use); instead of --worker",
+        json_schema_extra=group(ROUTING, "PATH"),
+    )
+    workers_file_interval: float = Field(
+        2.0,
+        gt=0,
+        le=3600,
+        description="seconds between two reads of --workers-file (its content decides)",
+        json_schema_extra=group(ROUTING),
     )
     worker_health_path: str = Field(
         "/health",
@@ -131,6 +152,8 @@ class RoutingSettings(BaseModel):
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"expected worker specs, got {value!r}")
+        if len(value) > MAX_WORKERS:
+            raise ValueError(f"{len(value)} workers, at most {MAX_WORKERS}")
         specs = []
         for item in value:
             try:
