@@ -1,0 +1,269 @@
+"""The worker catalogue changes while pylon serves (`--workers-file`): real mock workers behind a
+real pylon; the file is rewritten as a deployment does, and pylon follows (its watch, or the
+SIGHUP reload `Running.reload`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pylon.assemble import routing_options
+from pylon.routing.build import build_routing
+from pylon.routing.spec import catalogue_digest, parse_worker_spec
+from pylon.settings import SettingsError, load_settings
+from pylon.startup import StartupError
+from tests.fleet import FleetFactory, FleetStack, RoutingObserver
+from tests.router_ffi.fake_native import FakeNative
+from tests.stack import MODEL
+
+
+def chat(n: int, stream: bool = False) -> dict[str, object]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"prompt number {n}"}],
+        "max_tokens": 8,
+        "stream": stream,
+    }
+
+
+async def workers_listing(fleet: FleetStack) -> dict[str, object]:
+    assert fleet.running.admin_url is not None
+    reply = await fleet.client.get(f"{fleet.running.admin_url}/workers")
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"] == "application/json"
+    listing: dict[str, object] = reply.json()
+    return listing
+
+
+async def served(fleet: FleetStack, count: int, tag: str) -> list[int]:
+    """Send `count` whole requests one after another; which mock served each."""
+    served = []
+    for n in range(count):
+        request_id = f"{tag}-{n}"
+        reply = await fleet.post("/v1/chat/completions", chat(n), {"x-request-id": request_id})
+        assert reply.status_code == 200, reply.text
+        served.append(await fleet.served_by(request_id))
+    return served
+
+
+async def test_a_rewritten_file_adds_and_removes_workers_while_a_stream_finishes(
+    make_fleet: FleetFactory, tmp_path: Path
+) -> None:
+    fleet = await make_fleet(
+        workers=3,
+        routing="least-loaded",
+        workers_file=tmp_path / "workers.toml",
+        in_catalogue=[0, 1],
+        mock={"num_tokens": 30, "token_delay_ms": 5},
+        admin_listen="127.0.0.1:0",
+    )
+    routing = fleet.routing
+    assert [w.label for w in routing.fleet.workers] == [
+        fleet.mocks[0].base_url,
+        fleet.mocks[1].base_url,
+    ]
+    before = await workers_listing(fleet)
+    assert before["catalogue_source"] == f"file {fleet.workers_file}"
+    assert before["catalogue_digest"] == routing.fleet.digest
+
+    headers = {"x-request-id": "long", "x-model": MODEL}
+    async with fleet.client.stream(
+        "POST", f"{fleet.url}/v1/chat/completions", json=chat(0, True), headers=headers
+    ) as stream:
+        chunks = stream.aiter_bytes()
+        first = await anext(chunks)
+        assert first
+        gone = await fleet.served_by("long")  # the mock carrying the stream leaves
+        stays = 1 - gone
+        assert routing.fleet.active == 1
+        mark = fleet.observer.mark()
+        fleet.write_workers([stays, 2])
+        assert fleet.running.reload() == {}  # what SIGHUP does
+        reloaded = await fleet.observer.wait_for("workers_reloaded", after=mark)
+        assert reloaded["removed"] == [fleet.mocks[gone].base_url]
+        assert reloaded["added"] == [fleet.mocks[2].base_url]
+        assert reloaded["kept"] == 1
+        new_specs = [parse_worker_spec(fleet.specs[i]) for i in (stays, 2)]
+        assert reloaded["catalogue_digest"] == catalogue_digest(new_specs)
+        line = fleet.observer.of("reloaded", after=mark)[-1]
+        assert "workers" in line["reloaded"] and line["workers"] == "changed"
+        assert routing.fleet.active == 0  # the removed worker's booking left the load view
+        # The added worker enters rotation once its health check passes (checked at once).
+        await fleet.observer.wait_for("worker_admitted", after=mark, worker=fleet.mocks[2].base_url)
+        listing = await workers_listing(fleet)
+        workers = listing["workers"]
+        assert isinstance(workers, list)
+        assert [w["label"] for w in workers] == [fleet.mocks[i].base_url for i in (stays, 2)]
+        assert all(w["in_rotation"] and w["active"] == 0 for w in workers)
+        assert workers[1]["health"]["passing"] and workers[1]["health"]["last_result"] == "ok"
+        assert workers[1]["spec"] == parse_worker_spec(fleet.specs[2]).text()
+        assert listing["catalogue_digest"] == reloaded["catalogue_digest"]
+        # New requests go to the two in the catalogue, never to the removed one.
+        assert sorted(set(await served(fleet, 6, "after"))) == sorted([stays, 2])
+        metrics = await fleet.metrics()
+        labels = {dict(labels).get("worker") for (name, labels) in metrics if "worker" in name}
+        assert fleet.mocks[gone].base_url not in labels
+        rest = b"".join([chunk async for chunk in chunks])
+    assert stream.status_code == 200
+    assert (first + rest).rstrip().endswith(b"data: [DONE]")  # the stream in flight finished
+    await fleet.observer.wait_done(7)
+    assert routing.fleet.active == 0
+
+
+async def test_the_watch_follows_the_file_and_a_broken_file_keeps_the_catalogue(
+    make_fleet: FleetFactory, tmp_path: Path
+) -> None:
+    fleet = await make_fleet(
+        workers=2,
+        routing="round-robin",
+        workers_file=tmp_path / "workers.toml",
+        in_catalogue=[0],
+        workers_file_interval=0.05,
+    )
+    fleet_view = fleet.routing.fleet
+    mark = fleet.observer.mark()
+    fleet.write_workers([], text="[[worker]]\nurl = 'http://127.0.0.1:1\n")  # a typo
+    failed = await fleet.observer.wait_for("reload_failed", after=mark)
+    assert str(fleet.workers_file) in failed["failed"]["workers"]
+    assert "not valid TOML" in failed["failed"]["workers"]
+    fleet.write_workers([], text="")  # an empty list: refused the same way
+    failed = await fleet.observer.wait_for("reload_failed", after=mark + 1)
+    assert "no [[worker]] table" in failed["failed"]["workers"]
+    assert [w.label for w in fleet_view.workers] == [fleet.mocks[0].base_url]
+    assert await served(fleet, 2, "kept") == [0, 0]
+    # SIGHUP says it again, in its one line, and keeps the catalogue.
+    failures = fleet.running.reload()
+    assert "no [[worker]] table" in failures["workers"]
+
+    mark = fleet.observer.mark()
+    fleet.write_workers([1])  # the whole fleet replaced
+    await fleet.observer.wait_for("workers_reloaded", after=mark, trigger="watch")
+    await fleet.observer.wait_for("worker_admitted", after=mark, worker=fleet.mocks[1].base_url)
+    assert await served(fleet, 2, "swapped") == [1, 1]
+
+
+async def test_kv_a_catalogue_change_reaches_the_selection_core_and_the_event_watch(
+    make_fleet: FleetFactory, tmp_path: Path
+) -> None:
+    native = FakeNative()
+    fleet = await make_fleet(
+        workers=3,
+        routing="kv",
+        native=lambda: native,
+        kv_block_size=16,
+        workers_file=tmp_path / "workers.toml",
+        in_catalogue=[0, 1],
+    )
+    kv = fleet.routing.kv
+    assert kv is not None
+    ids = [parse_worker_spec(spec).worker_id for spec in fleet.specs]
+    endpoints = [fleet.mocks[i].kv_events_endpoint for i in range(3)]
+    assert sorted(native.workers) == sorted(ids[:2])
+    assert sorted(kv.watch.endpoints) == sorted(endpoints[:2])
+    mark = fleet.observer.mark()
+    fleet.write_workers([1, 2])
+    assert fleet.running.reload() == {}
+    await fleet.observer.wait_for("worker_admitted", after=mark, worker=fleet.mocks[2].base_url)
+    async with asyncio.timeout(5):
+        while sorted(native.workers) != sorted(ids[1:]):
+            await asyncio.sleep(0.01)  # the core's calls land on its owner thread
+    assert ("delete_worker", ids[0]) in native.calls
+    assert native.calls.count(("upsert_worker", ids[2])) == 1
+    assert sorted(kv.watch.endpoints) == sorted(endpoints[1:])
+    # The new worker's KV-event socket hears pylon's watch.
+    reply = await fleet.client.get(
+        f"{fleet.mocks[2].base_url}/test-control/kv",
+        params={"wait_subscribers": "1", "timeout": "10"},
+        timeout=15,
+    )
+    reply.raise_for_status()
+    assert set(await served(fleet, 4, "kv")) <= {1, 2}
+
+
+async def test_a_removed_kv_workers_late_free_is_a_no_op(
+    make_fleet: FleetFactory, tmp_path: Path
+) -> None:
+    native = FakeNative()
+    fleet = await make_fleet(
+        workers=2,
+        routing="kv",
+        native=lambda: native,
+        kv_block_size=16,
+        workers_file=tmp_path / "workers.toml",
+        mock={"num_tokens": 30, "token_delay_ms": 5},
+    )
+    kv = fleet.routing.kv
+    assert kv is not None
+    headers = {"x-request-id": "long", "x-model": MODEL}
+    async with fleet.client.stream(
+        "POST", f"{fleet.url}/v1/chat/completions", json=chat(0, True), headers=headers
+    ) as stream:
+        chunks = stream.aiter_bytes()
+        first = await anext(chunks)
+        gone = await fleet.served_by("long")
+        fleet.write_workers([1 - gone])
+        assert fleet.running.reload() == {}
+        rest = b"".join([chunk async for chunk in chunks])
+    assert (first + rest).rstrip().endswith(b"data: [DONE]")
+    await fleet.observer.wait_done(1)
+    assert await asyncio.to_thread(kv.core.quiesce, 5.0)
+    assert kv.core.failed_ops == 0  # the free of a removed worker's booking: a no-op
+    assert not fleet.observer.of("kv_router_error")
+
+
+# --- the start -----------------------------------------------------------------------------
+
+
+def test_workers_file_and_worker_are_one_or_the_other(tmp_path: Path) -> None:
+    path = tmp_path / "w.toml"
+    with pytest.raises(SettingsError, match="--workers-file and --worker"):
+        load_settings(
+            {"routing": "round-robin", "workers_file": path, "worker": ["url=http://a:1"]}
+        )
+    with pytest.raises(SettingsError, match="--workers-file needs --routing"):
+        load_settings({"workers_file": path})
+
+
+@pytest.fixture
+def observer() -> Iterator[RoutingObserver]:
+    yield RoutingObserver()
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (None, "no such file"),
+        ("", "no [[worker]] table"),
+        (
+            "[[worker]]\nurl = 'http://127.0.0.1:1'\n[[worker]]\nurl = 'http://127.0.0.1:1'\n",
+            "twice",
+        ),
+        ("[[worker]]\ninstance-id = 3\n", "needs --backend dynamo and --upstream"),
+    ],
+)
+async def test_a_workers_file_pylon_cannot_route_by_refuses_the_start(
+    tmp_path: Path, observer: RoutingObserver, text: str | None, reason: str
+) -> None:
+    path = tmp_path / "w.toml"
+    if text is not None:
+        path.write_text(text)
+    settings = load_settings({"routing": "least-loaded", "workers_file": path})
+    with pytest.raises(StartupError) as caught:
+        await build_routing(routing_options(settings), observer)
+    assert str(caught.value).startswith(f"--workers-file {path}: ")
+    assert reason in str(caught.value)
+
+
+async def test_workers_is_not_found_without_routing(tmp_path: Path) -> None:
+    from pylon.run import start
+
+    settings = load_settings({"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0"})
+    async with start(settings) as running, httpx.AsyncClient() as client:
+        reply = await client.get(f"{running.admin_url}/workers")
+    assert reply.status_code == 404
+    assert json.loads(reply.text)["code"] == "not_found"
