@@ -34,6 +34,7 @@ from pylon.preflight import (
 )
 from pylon.routing import Router
 from pylon.routing.build import Routing, build_routing
+from pylon.routing.catalogue import InstanceDiscovery
 from pylon.settings import Settings
 from pylon.signals import EarlySignals, Signals
 from pylon.startup import StartupError
@@ -126,7 +127,11 @@ class Running:
             except TokenFileError as exc:
                 failed["tunnel_token"] = str(exc)
         catalogue = self.routing.catalogue if self.routing is not None else None
-        if catalogue is not None:
+        if isinstance(catalogue, InstanceDiscovery):
+            catalogue.wake()  # the read is a request to the frontend: its own line says more
+            reloaded.append("workers")
+            fields["workers"] = "rediscovering"
+        elif catalogue is not None:
             result = catalogue.reload()
             if result.failed is not None:
                 failed["workers"] = result.failed

@@ -22,6 +22,8 @@ from pylon.routing import PromptTokenizer, Router
 from pylon.routing.catalogue import (
     CatalogueError,
     CatalogueWatch,
+    DiscoveryOptions,
+    InstanceDiscovery,
     WorkersFileOptions,
     check_catalogue,
     parse_workers_file,
@@ -76,6 +78,9 @@ class RoutingOptions:
     workers_file: WorkersFileOptions | None = None
     """`--workers-file`: the catalogue comes from it (read at start, then watched), and
     `workers` is empty."""
+    discovery: DiscoveryOptions | None = None
+    """`--discover-instances`: the catalogue is the frontend's instances (the fleet starts
+    empty and fills at the first read), and `workers` is empty."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +104,8 @@ class Routing:
     kv: KvRouter | None = None
     _task: asyncio.Task[None] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
-    catalogue: CatalogueWatch | None = None  # --workers-file; None: --worker, fixed
+    # --workers-file or --discover-instances; None: --worker, fixed.
+    catalogue: CatalogueWatch | InstanceDiscovery | None = None
     _watch: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -116,8 +122,9 @@ class Routing:
 
     @property
     def catalogue_source(self) -> str:
-        """Where the catalogue comes from: `file PATH`, or `flags` (--worker, [[worker]])."""
-        return f"file {self.catalogue.path}" if self.catalogue is not None else "flags"
+        """Where the catalogue comes from: `file PATH`, `discovery URL`, or `flags` (--worker,
+        [[worker]])."""
+        return self.catalogue.source if self.catalogue is not None else "flags"
 
     def snapshot(self) -> RoutingSnapshot:
         if self.kv is None:
@@ -201,13 +208,16 @@ async def build_routing(
     Raises `pylon.startup.StartupError` when the `kv` parts cannot be built.
     """
     mode = options.mode
-    catalogue, workers = None, options.workers
+    catalogue: CatalogueWatch | InstanceDiscovery | None = None
+    workers = options.workers
     if options.workers_file is not None:
         data, workers = _first_catalogue(options.workers_file)
     fleet = Fleet.from_specs(workers, options.frontend)
     if options.workers_file is not None:
         catalogue = CatalogueWatch(fleet, options.workers_file, observer)
         catalogue.prime(data)
+    elif options.discovery is not None:
+        catalogue = InstanceDiscovery(fleet, options.discovery, observer)
     checks = HealthChecker(fleet, options.health, observer=observer)
     closers: list[Callable[[], Awaitable[None]]] = []
     if options.outlier is not None and options.outlier.consecutive > 0:

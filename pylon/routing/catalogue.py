@@ -15,11 +15,18 @@ content; SIGHUP says it again). Never an empty fleet because of a typo.
 
 `read_workers_file` and `check_catalogue` are pure but for the one read; the watch applies and
 reports (`workers_reloaded`: added, removed, kept, the new `catalogue_digest`).
+
+`--discover-instances` (`InstanceDiscovery`) takes the catalogue from a Dynamo 1.6.1 frontend
+instead: every `generate` instance its `/health` lists is an `instance-id=` worker. The
+frontend does not say where an instance publishes its KV events, so discovery serves the modes
+that need none (round-robin, least-loaded); for `kv` the deployment writes a workers file
+(docs/routing.md says how).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import tomllib
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,8 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from pylon.core.upstream import Upstream
 from pylon.routing.fleet import CatalogueChange, Fleet
+from pylon.routing.health import MAX_HEALTH_BODY, listed_instances
 from pylon.routing.spec import MAX_WORKERS, WorkerSpec, WorkerSpecError, worker_from_table
+from pylon.upstream.probe import Fetch, FetchError, fetch
 
 if TYPE_CHECKING:
     from pylon.observe import Observer
@@ -173,6 +183,10 @@ class CatalogueWatch:
         return self._options.path
 
     @property
+    def source(self) -> str:
+        return f"file {self._options.path}"
+
+    @property
     def digest(self) -> str:
         """The catalogue in use's `catalogue_digest`."""
         return self._fleet.digest
@@ -225,6 +239,111 @@ class CatalogueWatch:
         self._last_failure = reason
         self.failures += 1
         if trigger == "watch" and not repeat:
+            self._observer.process_event(
+                "reload_failed",
+                signal=None,
+                reloaded=[],
+                failed={"workers": reason},
+                detail="kept the worker catalogue in use",
+            )
+        return Reload(failed=reason)
+
+
+# --- Dynamo instances, from the frontend ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryOptions:
+    """`--discover-instances`: the Dynamo frontend whose `/health` lists the instances."""
+
+    frontend: Upstream
+    path: str  # the frontend's instance list (`--worker-health-path`, Dynamo's `/health`)
+    interval: float  # seconds between two reads (`--workers-file-interval`)
+    timeout: float  # seconds one read may take (`--worker-health-timeout`)
+
+
+def discovered_specs(body: bytes) -> tuple[WorkerSpec, ...] | None:
+    """The `instance-id=` workers a Dynamo frontend's `/health` lists (its `generate`
+    instances, in id order), or None when the body lists none that way."""
+    ids = listed_instances(body)
+    if ids is None:
+        return None
+    return tuple(WorkerSpec(instance_id=wid) for wid in sorted(ids))
+
+
+class InstanceDiscovery:
+    """`--discover-instances`: the catalogue is the frontend's `generate` instances, read every
+    `interval` seconds and at once on `wake()` (SIGHUP). A read that fails, or lists no
+    instance, keeps the catalogue in use (one `reload_failed` line per reason)."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        options: DiscoveryOptions,
+        observer: Observer,
+        *,
+        fetch: Fetch = fetch,
+    ) -> None:
+        self._fleet = fleet
+        self._options = options
+        self._observer = observer
+        self._fetch = fetch
+        self._wake = asyncio.Event()
+        self._last_failure: str | None = None
+        self.reloads = 0
+        self.failures = 0
+
+    @property
+    def source(self) -> str:
+        return f"discovery http://{self._options.frontend.label}{self._options.path}"
+
+    @property
+    def digest(self) -> str:
+        return self._fleet.digest
+
+    def wake(self) -> None:
+        """Read the frontend's instances now (SIGHUP)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Read at once, then every `interval` seconds (or when woken) until cancelled."""
+        while True:
+            self._wake.clear()
+            await self.look("watch")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._options.interval):
+                    await self._wake.wait()
+
+    async def look(self, trigger: str) -> Reload:
+        options = self._options
+        where = f"--discover-instances http://{options.frontend.label}{options.path}"
+        try:
+            reply = await self._fetch(
+                options.frontend, options.path, timeout=options.timeout, max_body=MAX_HEALTH_BODY
+            )
+        except FetchError as exc:
+            return self._refused(f"{where}: {exc.detail}")
+        if not 200 <= reply.status < 300:
+            return self._refused(f"{where}: status {reply.status}")
+        specs = discovered_specs(reply.body)
+        if not specs:
+            return self._refused(f"{where}: lists no generate instance")
+        if len(specs) > MAX_WORKERS:
+            return self._refused(f"{where}: {len(specs)} instances, at most {MAX_WORKERS}")
+        self._last_failure = None
+        change = self._fleet.replace(specs)
+        if not change.changed:
+            return Reload()
+        self.reloads += 1
+        self._observer.process_event(
+            "workers_reloaded", source=self.source, trigger=trigger, **change.fields()
+        )
+        return Reload(change)
+
+    def _refused(self, reason: str) -> Reload:
+        self.failures += 1
+        if reason != self._last_failure:
+            self._last_failure = reason
             self._observer.process_event(
                 "reload_failed",
                 signal=None,

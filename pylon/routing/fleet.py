@@ -152,7 +152,7 @@ class Fleet:
     """The workers, which are in rotation, and a way to wait for the first worker in rotation."""
 
     def __init__(self, workers: Sequence[Worker], frontend: Upstream | None = None) -> None:
-        assert workers, "a fleet has at least one worker"
+        # Empty only until the first discovery of Dynamo instances (`--discover-instances`).
         self.workers: tuple[Worker, ...] = tuple(workers)
         self.in_rotation: tuple[Worker, ...] = ()
         self.frontend = frontend  # where `instance-id=` workers added later go

@@ -62,8 +62,14 @@ class Settings(
         `tokenizer`). The checks run in a fixed order: the first one that fails is the message.
         """
         if self.routing == "off":
-            if self.worker or self.workers_file is not None:
-                flag = "--worker" if self.worker else "--workers-file"
+            if self.worker or self.workers_file is not None or self.discover_instances:
+                flag = (
+                    "--worker"
+                    if self.worker
+                    else "--workers-file"
+                    if self.workers_file is not None
+                    else "--discover-instances"
+                )
                 raise ValueError(
                     f"{flag} needs --routing round-robin, least-loaded or kv: with --routing "
                     "off every request goes to --upstream and the workers would be ignored"
@@ -76,6 +82,9 @@ class Settings(
                 f"--routing {self.routing} the workers' own checks (--worker-health-interval) "
                 "decide readiness"
             )
+        if self.discover_instances:
+            self._discovery_can_route()
+            return self
         if self.workers_file is not None:
             if self.worker:
                 raise ValueError(
@@ -95,6 +104,27 @@ class Settings(
         else:
             self._kv_settings_unused()
         return self
+
+    def _discovery_can_route(self) -> None:
+        """--discover-instances: the only catalogue, from a Dynamo frontend, without kv."""
+        if self.worker or self.workers_file is not None:
+            other = "--worker" if self.worker else "--workers-file"
+            raise ValueError(
+                f"--discover-instances and {other} both give the worker catalogue: give it in "
+                "one place"
+            )
+        if self.routing == "kv":
+            raise ValueError(
+                "--discover-instances cannot serve --routing kv: Dynamo 1.6.1's frontend does "
+                "not say where an instance publishes its KV events (kv-events=); write a "
+                "--workers-file instead (docs/routing.md)"
+            )
+        if self.backend != "dynamo" or self.upstream is None:
+            raise ValueError(
+                "--discover-instances needs --backend dynamo and --upstream: the Dynamo "
+                "frontend whose /health lists the instances"
+            )
+        self._kv_settings_unused()
 
     def _workers_distinct(self) -> None:
         """At least one worker, and no URL or worker id twice."""

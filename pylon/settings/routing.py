@@ -50,11 +50,20 @@ class RoutingSettings(BaseModel):
         "that does not parse keeps the catalogue in use); instead of --worker",
         json_schema_extra=group(ROUTING, "PATH"),
     )
+    discover_instances: bool = Field(
+        False,
+        description="take the worker catalogue from the --upstream Dynamo frontend: every "
+        "generate instance its --worker-health-path (/health) lists is an instance-id= worker, "
+        "re-read like --workers-file; not with --routing kv (the frontend does not say where "
+        "an instance publishes its KV events)",
+        json_schema_extra=group(ROUTING),
+    )
     workers_file_interval: float = Field(
         2.0,
         gt=0,
         le=3600,
-        description="seconds between two reads of --workers-file (its content decides)",
+        description="seconds between two reads of --workers-file (its content decides) or of "
+        "the frontend's instances (--discover-instances)",
         json_schema_extra=group(ROUTING),
     )
     worker_health_path: str = Field(

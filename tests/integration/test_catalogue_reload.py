@@ -267,3 +267,92 @@ async def test_workers_is_not_found_without_routing(tmp_path: Path) -> None:
         reply = await client.get(f"{running.admin_url}/workers")
     assert reply.status_code == 404
     assert json.loads(reply.text)["code"] == "not_found"
+
+
+# --- Dynamo instances discovered from the frontend -----------------------------------------
+
+
+async def test_discovered_instances_follow_the_frontends_health_list() -> None:
+    from mock_dynamo.server import MockConfig, start_mock
+    from pylon.run import start
+
+    mock = await start_mock(MockConfig(models=(MODEL,)), host="127.0.0.1", port=0)
+    observer = RoutingObserver()
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            control = f"{mock.base_url}/test-control"
+            (await client.put(f"{control}/health", json={"instances": [7, 5]})).raise_for_status()
+            settings = load_settings(
+                {
+                    "listen": "127.0.0.1:0",
+                    "upstream": mock.base_url,
+                    "routing": "round-robin",
+                    "discover_instances": True,
+                    "workers_file_interval": 0.05,
+                    "worker_health_interval": 3600.0,
+                    "model_discovery_interval": 3600.0,
+                    "admin_listen": "127.0.0.1:0",
+                }
+            )
+            async with start(settings, observer) as running:
+                assert running.routing is not None
+                fleet = running.routing.fleet
+                assert [w.label for w in fleet.workers] == ["instance-id=5", "instance-id=7"]
+                listing = (await client.get(f"{running.admin_url}/workers")).json()
+                assert listing["catalogue_source"] == f"discovery {mock.base_url}/health"
+
+                async def pins(tag: str) -> set[str]:
+                    """The instance pins of 4 requests (a reset would forget `instances`)."""
+                    for n in range(4):
+                        reply = await client.post(
+                            f"{running.url}/v1/chat/completions",
+                            json=chat(n),
+                            headers={"x-model": MODEL, "x-request-id": f"{tag}-{n}"},
+                        )
+                        assert reply.status_code == 200, reply.text
+                    records = (await client.get(control)).json()["requests"]
+                    found = set()
+                    for record in records:
+                        headers = {name.lower(): value for name, value in record["headers"]}
+                        if headers.get("x-request-id", "").startswith(f"{tag}-"):
+                            found.add(headers["x-dynamo-worker-instance-id"])
+                    return found
+
+                assert await pins("first") == {"5", "7"}
+                mark = observer.mark()
+                put = await client.put(f"{control}/health", json={"instances": [7, 9]})
+                put.raise_for_status()
+                reloaded = await observer.wait_for("workers_reloaded", after=mark)
+                assert reloaded["added"] == ["instance-id=9"]
+                assert reloaded["removed"] == ["instance-id=5"]
+                await observer.wait_for("worker_admitted", after=mark, worker="instance-id=9")
+                assert await pins("then") == {"7", "9"}
+                # An empty list (every instance restarting) keeps the catalogue.
+                mark = observer.mark()
+                put = await client.put(f"{control}/health", json={"instances": []})
+                put.raise_for_status()
+                failed = await observer.wait_for("reload_failed", after=mark)
+                assert "lists no generate instance" in failed["failed"]["workers"]
+                assert [w.label for w in fleet.workers] == ["instance-id=7", "instance-id=9"]
+    finally:
+        await mock.stop()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"routing": "kv", "tokenizer": "/"}, "cannot serve --routing kv"),
+        ({"backend": "vllm"}, "needs --backend dynamo and --upstream"),
+        ({"upstream": None}, "needs --backend dynamo and --upstream"),
+        ({"worker": ["instance-id=1"]}, "--discover-instances and --worker"),
+        ({"routing": "off"}, "--discover-instances needs --routing"),
+    ],
+)
+def test_discovery_refuses_what_it_cannot_do(overrides: dict[str, object], reason: str) -> None:
+    base: dict[str, object] = {
+        "routing": "round-robin",
+        "upstream": "http://127.0.0.1:8000",
+        "discover_instances": True,
+    }
+    with pytest.raises(SettingsError, match=reason):
+        load_settings({**base, **overrides})

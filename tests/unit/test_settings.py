@@ -249,6 +249,7 @@ TOPIC_FIELDS = {
         "routing",
         "worker",
         "workers_file",
+        "discover_instances",
         "workers_file_interval",
         "worker_health_path",
         "worker_health_interval",
