@@ -106,7 +106,7 @@ def parse_workers_file(data: bytes, where: str) -> tuple[WorkerSpec, ...]:
     except UnicodeDecodeError:
         raise CatalogueError(f"{where}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
-        raise CatalogueError(f"{where}: not valid TOML: {exc}") from None
+        raise CatalogueError(f"{where}: not valid TOML: {' '.join(str(exc).split())}") from None
     unknown = sorted(key for key in document if key != "worker")
     if unknown:
         raise CatalogueError(

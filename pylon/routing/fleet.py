@@ -40,7 +40,7 @@ from pylon.core.http import Header
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.upstream import Upstream
 from pylon.routing.outlier import OutlierState
-from pylon.routing.spec import WorkerSpec, catalogue_digest
+from pylon.routing.spec import WorkerSpec, catalogue_digest, parse_worker_spec
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
@@ -212,6 +212,16 @@ class Fleet:
         if was_in_rotation:
             self._rotated()
         return change
+
+    def spec_texts(self) -> tuple[str, ...]:
+        """The catalogue as canonical SPEC texts, in order: what a booking authority pushes to
+        the mirror fleets of serving processes (`replace_texts` there)."""
+        return tuple(worker.spec.text() for worker in self.workers)
+
+    def replace_texts(self, texts: Sequence[str]) -> CatalogueChange:
+        """`replace` from SPEC texts (a pushed snapshot); `WorkerSpecError` for a bad one,
+        before anything changes."""
+        return self.replace([parse_worker_spec(text) for text in texts])
 
     def set_in_rotation(self, worker: Worker, in_rotation: bool) -> None:
         """The active health checks' verdict: `worker` passes them (or no longer does)."""

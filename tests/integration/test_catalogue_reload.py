@@ -356,3 +356,62 @@ def test_discovery_refuses_what_it_cannot_do(overrides: dict[str, object], reaso
     }
     with pytest.raises(SettingsError, match=reason):
         load_settings({**base, **overrides})
+
+
+def test_sighup_reloads_the_workers_file_of_a_real_pylon(tmp_path: Path) -> None:
+    """`pylon serve --workers-file` as a process: SIGHUP applies the rewritten file (the watch
+    never runs here), and a broken file is one `reload_failed` line that keeps the catalogue."""
+    import re
+    import signal
+    import subprocess
+
+    from tests.integration.test_cli import ENGINE, log_lines, start_pylon
+
+    def engine() -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen(
+            [*ENGINE, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        assert proc.stdout is not None
+        match = re.search(r"listening on (http://\S+)", proc.stdout.readline())
+        assert match
+        return proc, match.group(1).rstrip("/")
+
+    engines = [engine(), engine()]
+    path = tmp_path / "workers.toml"
+    path.write_text(f'[[worker]]\nurl = "{engines[0][1]}"\n')
+    args = ["--listen", "127.0.0.1:0", "--routing", "round-robin", "--workers-file", str(path)]
+    args += ["--workers-file-interval", "3600", "--worker-health-interval", "3600"]
+    try:
+        with start_pylon(*args) as proc:
+            try:
+                lines = log_lines(proc, "ready")
+                listening = next(line for line in lines if line["event"] == "listening")
+                assert listening["catalogue"] == f"file {path}"
+                assert listening["workers"] == [engines[0][1]]
+                path.write_text(
+                    "".join(f'[[worker]]\nurl = "{url}"\n' for _, url in reversed(engines))
+                )
+                proc.send_signal(signal.SIGHUP)
+                lines = log_lines(proc, "reloaded")
+                (reloaded,) = [line for line in lines if line["event"] == "workers_reloaded"]
+                assert reloaded["added"] == [engines[1][1]] and reloaded["kept"] == 1
+                assert reloaded["trigger"] == "signal"
+                assert lines[-1]["reloaded"] == ["workers"] and lines[-1]["workers"] == "changed"
+                assert lines[-1]["catalogue_digest"] == reloaded["catalogue_digest"]
+                path.write_text("[[worker]]\nurl = \n")
+                proc.send_signal(signal.SIGHUP)
+                failed = log_lines(proc, "reload_failed")[-1]
+                assert failed["level"] == "error" and str(path) in failed["failed"]["workers"]
+                assert failed["catalogue_digest"] == reloaded["catalogue_digest"]
+                proc.send_signal(signal.SIGTERM)
+                log_lines(proc, "drained")
+                assert proc.wait(timeout=10) == 0
+            finally:
+                proc.kill()
+                proc.wait()
+    finally:
+        for process, _ in engines:
+            process.terminate()
+            process.wait(timeout=10)
+            assert process.stdout is not None
+            process.stdout.close()

@@ -242,3 +242,31 @@ def test_the_watch_applies_changed_content_and_keeps_the_catalogue_for_a_broken_
     assert result.change is not None and [w.spec for w in result.change.removed] == [a]
     assert watch.reload().change is None and watch.reload().failed is None  # nothing new
     assert watch.reloads == 2 and watch.failures == 3
+
+
+def test_a_mirror_fleet_follows_a_pushed_snapshot_of_spec_texts() -> None:
+    authority = Fleet.from_specs([POOL[0], POOL[2]], None)
+    mirror = Fleet.from_specs([POOL[0], POOL[2]], None)
+    authority.replace([POOL[2], POOL[5]])
+    change = mirror.replace_texts(authority.spec_texts())
+    assert mirror.digest == authority.digest
+    assert [w.spec for w in mirror.workers] == [w.spec for w in authority.workers]
+    assert [w.spec for w in change.removed] == [POOL[0]]
+
+
+@given(st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
+def test_any_bytes_parse_or_are_one_catalogue_error(data: bytes) -> None:
+    try:
+        specs = parse_workers_file(data, "f")
+    except CatalogueError as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert all(isinstance(spec, WorkerSpec) for spec in specs)
+
+
+@given(st.lists(st.sampled_from(POOL), max_size=5))
+def test_a_file_of_tables_parses_back_to_its_specs(specs: list[WorkerSpec]) -> None:
+    text = "".join(
+        f'[[worker]]\nurl = "{spec.url}"\nblock-size = {spec.block_size}\n\n' for spec in specs
+    )
+    assert parse_workers_file(text.encode(), "f") == tuple(specs)
