@@ -140,8 +140,12 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
     decisions: dict[tuple[str, str], int] = {}
     faults: dict[tuple[str, str], int] = {}
     select = _histogram("pylon_router_select_seconds")
+    catalogue: dict[tuple[str], int] = {}
     snapshot = counts.routing
     if snapshot is not None:
+        if snapshot.catalogue_reloads is not None:
+            changed, refused = snapshot.catalogue_reloads
+            catalogue = {("changed",): changed, ("refused",): refused}
         for worker in snapshot.workers:
             active.add_metric([worker.label], worker.active)
             healthy.add_metric([worker.label], 1 if worker.in_rotation else 0)
@@ -156,6 +160,7 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
             latencies = list(snapshot.select_seconds)
             buckets = histogram_buckets(snapshot.select_bounds, latencies)
             select.add_metric([snapshot.policy], buckets, latencies[-1])
+    yield _counter("pylon_router_catalogue_reloads_total", catalogue)
     yield active
     yield healthy
     yield ejected

@@ -91,6 +91,9 @@ class RoutingSnapshot:
     workers: tuple[WorkerView, ...]
     select_bounds: tuple[float, ...] = ()
     select_seconds: tuple[float, ...] | None = None  # counts per bound, +Inf, sum; None: no kv
+    # Catalogue reloads (changed, refused) with --workers-file / --discover-instances; None: a
+    # fixed --worker list.
+    catalogue_reloads: tuple[int, int] | None = None
 
 
 @dataclass
@@ -127,8 +130,10 @@ class Routing:
         return self.catalogue.source if self.catalogue is not None else "flags"
 
     def snapshot(self) -> RoutingSnapshot:
+        catalogue = self.catalogue
+        reloads = (catalogue.reloads, catalogue.failures) if catalogue is not None else None
         if self.kv is None:
-            return RoutingSnapshot(self.mode, self.fleet.views())
+            return RoutingSnapshot(self.mode, self.fleet.views(), catalogue_reloads=reloads)
         from pylon.routing.kv import SELECT_SECONDS_BUCKETS
 
         return RoutingSnapshot(
@@ -136,6 +141,7 @@ class Routing:
             self.fleet.views(),
             SELECT_SECONDS_BUCKETS,
             tuple(self.kv.select_seconds),
+            reloads,
         )
 
     def workers_report(self) -> dict[str, object]:

@@ -176,7 +176,7 @@ class CatalogueWatch:
         self._seen: str | None = None  # the hash of the content last looked at
         self._last_failure: str | None = None  # said once, until another or a success
         self.reloads = 0  # changes applied
-        self.failures = 0  # contents refused
+        self.failures = 0  # refusals reported (a broken file once, then at every SIGHUP)
 
     @property
     def path(self) -> Path:
@@ -235,10 +235,12 @@ class CatalogueWatch:
     def _refused(self, reason: str, digest: str | None, trigger: str) -> Reload:
         if digest is not None:
             self._seen = digest  # not parsed again until it changes
-        repeat = reason == self._last_failure
+        repeat = reason == self._last_failure and trigger == "watch"
         self._last_failure = reason
+        if repeat:
+            return Reload(failed=reason)  # said already: not again at every read
         self.failures += 1
-        if trigger == "watch" and not repeat:
+        if trigger == "watch":
             self._observer.process_event(
                 "reload_failed",
                 signal=None,
@@ -341,8 +343,8 @@ class InstanceDiscovery:
         return Reload(change)
 
     def _refused(self, reason: str) -> Reload:
-        self.failures += 1
         if reason != self._last_failure:
+            self.failures += 1
             self._last_failure = reason
             self._observer.process_event(
                 "reload_failed",

@@ -108,6 +108,9 @@ async def test_a_rewritten_file_adds_and_removes_workers_while_a_stream_finishes
         metrics = await fleet.metrics()
         labels = {dict(labels).get("worker") for (name, labels) in metrics if "worker" in name}
         assert fleet.mocks[gone].base_url not in labels
+        reloads = "pylon_router_catalogue_reloads_total"
+        assert metrics[(reloads, (("result", "changed"),))] == 1
+        assert metrics[(reloads, (("result", "refused"),))] == 0
         rest = b"".join([chunk async for chunk in chunks])
     assert stream.status_code == 200
     assert (first + rest).rstrip().endswith(b"data: [DONE]")  # the stream in flight finished

@@ -270,3 +270,13 @@ def test_a_file_of_tables_parses_back_to_its_specs(specs: list[WorkerSpec]) -> N
         f'[[worker]]\nurl = "{spec.url}"\nblock-size = {spec.block_size}\n\n' for spec in specs
     )
     assert parse_workers_file(text.encode(), "f") == tuple(specs)
+
+
+def test_the_read_interval_without_a_catalogue_source_is_a_warning() -> None:
+    from pylon.preflight import config_warnings
+    from pylon.settings import load_settings
+
+    warned = config_warnings(load_settings({"workers_file_interval": 5}))
+    assert [w.fields["setting"] for w in warned if w.event == "setting_ignored"] == [
+        "workers_file_interval"
+    ]

@@ -296,7 +296,9 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
         ),
     )
     select = (4, 1, 0, 0.0125)  # counts per bound, +Inf, sum
-    metrics.routing_snapshot = lambda: RoutingSnapshot("kv", workers, (0.001, 0.01), select)
+    metrics.routing_snapshot = lambda: RoutingSnapshot(
+        "kv", workers, (0.001, 0.01), select, catalogue_reloads=(3, 1)
+    )
 
 
 def exposition(metrics: MetricsObserver) -> str:
