@@ -371,7 +371,9 @@ class KvRouter:
     def stream_stale(self, worker: Worker, endpoint: str, check: SequenceCheck) -> None:
         """A worker's KV-event stream lost messages or went back: its cache view in the core
         can no longer be trusted. Log, count, and reset it there (once more if another report
-        comes in while a reset runs)."""
+        comes in while a reset runs). Nothing for a worker that left the catalogue."""
+        if worker.removed:
+            return
         faults = worker.kv_faults
         faults[check.kind] = faults.get(check.kind, 0) + 1
         self._observer.process_event(
@@ -395,7 +397,13 @@ class KvRouter:
             while True:
                 self._reset_again.discard(worker)
                 try:
-                    record = await asyncio.to_thread(self._core.reset_worker, native_spec(worker))
+                    # In order with the catalogue changes: a reset never lands after the
+                    # removal of its worker (it would upsert it back into the core).
+                    async with self._catalogue_lock:
+                        if worker.removed:
+                            return
+                        spec = native_spec(worker)
+                        record = await asyncio.to_thread(self._core.reset_worker, spec)
                 except self._ffi_error as exc:
                     self._failed("reset_worker", str(exc))
                 else:
