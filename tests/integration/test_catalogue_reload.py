@@ -418,3 +418,52 @@ def test_sighup_reloads_the_workers_file_of_a_real_pylon(tmp_path: Path) -> None
             process.wait(timeout=10)
             assert process.stdout is not None
             process.stdout.close()
+
+
+@pytest.mark.dynamo
+@pytest.mark.timeout(120)
+async def test_kv_real_core_forgets_a_removed_worker_and_routes_to_an_added_one(
+    make_fleet: FleetFactory, tmp_path: Path
+) -> None:
+    """Dynamo 1.6.1's SelectionService: a removed worker's booking in flight leaves the core's
+    loads at once and its late free fails nothing; the added worker is chosen."""
+    pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime 1.6.1 is not installed")
+    fleet = await make_fleet(
+        workers=3,
+        routing="kv",
+        kv_block_size=4,
+        workers_file=tmp_path / "workers.toml",
+        in_catalogue=[0, 1],
+        mock={"num_tokens": 30, "token_delay_ms": 5},
+    )
+    kv = fleet.routing.kv
+    assert kv is not None
+    core = kv.core
+    ids = [parse_worker_spec(spec).worker_id for spec in fleet.specs]
+    headers = {"x-request-id": "long", "x-model": MODEL}
+    async with fleet.client.stream(
+        "POST", f"{fleet.url}/v1/chat/completions", json=chat(0, True), headers=headers
+    ) as stream:
+        chunks = stream.aiter_bytes()
+        first = await anext(chunks)
+        gone = await fleet.served_by("long")
+        stays = 1 - gone
+        loads = {w.worker_id: w.active_requests for g in core.loads() for w in g.workers}
+        assert loads[ids[gone]] == 1
+        mark = fleet.observer.mark()
+        fleet.write_workers([stays, 2])
+        assert fleet.running.reload() == {}
+        await fleet.observer.wait_for("worker_admitted", after=mark, worker=fleet.mocks[2].base_url)
+        async with asyncio.timeout(10):
+            while sorted(r.worker_id for r in core.workers()) != sorted([ids[stays], ids[2]]):
+                await asyncio.sleep(0.01)
+        loads = {w.worker_id: w.active_requests for g in core.loads() for w in g.workers}
+        assert ids[gone] not in loads  # its booking's load left with it
+        rest = b"".join([chunk async for chunk in chunks])
+    assert (first + rest).rstrip().endswith(b"data: [DONE]")
+    chosen = await served(fleet, 6, "kv-after")
+    assert set(chosen) <= {stays, 2} and 2 in chosen
+    await fleet.observer.wait_done(7)
+    assert core.quiesce()
+    assert core.failed_ops == 0
+    assert all(w.active_requests == 0 for group in core.loads() for w in group.workers)
