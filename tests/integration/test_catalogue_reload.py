@@ -134,8 +134,9 @@ async def test_the_watch_follows_the_file_and_a_broken_file_keeps_the_catalogue(
     failed = await fleet.observer.wait_for("reload_failed", after=mark)
     assert str(fleet.workers_file) in failed["failed"]["workers"]
     assert "not valid TOML" in failed["failed"]["workers"]
+    mark = fleet.observer.mark()
     fleet.write_workers([], text="")  # an empty list: refused the same way
-    failed = await fleet.observer.wait_for("reload_failed", after=mark + 1)
+    failed = await fleet.observer.wait_for("reload_failed", after=mark)
     assert "no [[worker]] table" in failed["failed"]["workers"]
     assert [w.label for w in fleet_view.workers] == [fleet.mocks[0].base_url]
     assert await served(fleet, 2, "kept") == [0, 0]
