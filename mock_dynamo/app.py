@@ -29,12 +29,14 @@ Test-control API (not recorded itself; errors are OpenAI-style JSON bodies):
 - `PUT /test-control/models` `{"models": [names]}`: the served models (what
   `/v1/models` and `/health` list; other names get 404). Empty list allowed.
 - `PUT /test-control/health` `{"status": 200|400-599, "delay_ms": 0,
-  "ready_status": 404}` (partial update): `/health` waits `delay_ms` then
-  answers 200 with its usual payload or `status` with an error body (before
-  faults are consulted). `/v1/health/ready` (the NIM-style readiness path a
-  proxy may probe; Dynamo does not serve it) waits `delay_ms` too, then answers
-  `ready_status`: 404 by default (not served), 200 `{"status": "ready"}`, or
-  that error status. A reset restores all three.
+  "ready_status": 404, "instances": null|[u64]}` (partial update; `instances`: the
+  Dynamo instance ids `/health` lists, in a Dynamo 1.6.1 frontend's `instances[]`
+  shape): `/health` waits `delay_ms` then answers 200 with its usual payload or
+  `status` with an error body (before faults are consulted). `/v1/health/ready`
+  (the NIM-style readiness path a proxy may probe; Dynamo does not serve it)
+  waits `delay_ms` too, then answers `ready_status`: 404 by default (not
+  served), 200 `{"status": "ready"}`, or that error status. A reset restores
+  them all.
 - `PUT /test-control/faults` [fault...] / `DELETE /test-control/faults`.
 - `GET /test-control/kv`: the engine model (see `mock_dynamo.engine`): `{"enabled": cache on,
   "tokenizer": "hf:<dir>" | "words" | null}` plus, with a cache, `block_size`, `capacity`,
@@ -579,11 +581,23 @@ async def handle_health(request: web.Request) -> web.StreamResponse:
     if status != 200:
         # Answered before faults are consulted, so none is used up.
         return error_response(status, "engine unhealthy (set by PUT /test-control/health)")
-    payload = {
+    payload: dict[str, Any] = {
         "status": "healthy",
         "flavor": state.config.flavor,
         "models": list(state.models),
     }
+    if state.health.instances is not None:
+        port = request.url.port or 0
+        payload["instances"] = [
+            {
+                "component": "backend",
+                "endpoint": "generate",
+                "namespace": "dynamo",
+                "instance_id": wid,
+                "transport": {"tcp": f"127.0.0.1:{port}/{wid:x}/dynamo/backend/generate"},
+            }
+            for wid in state.health.instances
+        ]
     fault = state.faults.take(request.path, None, inference=False)
     return await json_reply(request, payload, fault)
 

@@ -368,12 +368,15 @@ class Health:
     status: int = 200
     delay_ms: float = 0
     ready_status: int = 404
+    # Dynamo instance ids `/health` lists as `instances[]` of endpoint `generate` (a Dynamo
+    # 1.6.1 frontend's shape); None: no `instances` field.
+    instances: list[int] | None = None
 
     def update(self, patch: object) -> None:
         """Apply a partial update atomically: validate everything first."""
         if not isinstance(patch, dict):
             raise ValueError("health must be a JSON object")
-        unknown = set(patch) - {"status", "delay_ms", "ready_status"}
+        unknown = set(patch) - {"status", "delay_ms", "ready_status", "instances"}
         if unknown:
             raise ValueError(f"unknown health field(s): {', '.join(sorted(unknown))}")
         status = patch.get("status", 200)
@@ -385,11 +388,25 @@ class Health:
         delay = patch.get("delay_ms", 0)
         if not (_is_number(delay) and 0 <= delay <= MAX_HEALTH_DELAY_MS):
             raise ValueError(f"health.delay_ms must be a number in [0, {MAX_HEALTH_DELAY_MS}]")
+        instances = patch.get("instances")
+        if instances is not None and not (
+            isinstance(instances, list)
+            and len(instances) <= 4096
+            and all(_is_int(i) and 0 <= i < 1 << 64 for i in instances)
+        ):
+            raise ValueError("health.instances must be null or a list of u64 instance ids")
         for name, value in patch.items():
             setattr(self, name, value)
 
     def to_json(self) -> dict[str, Any]:
-        return {"status": self.status, "delay_ms": self.delay_ms, "ready_status": self.ready_status}
+        shown: dict[str, Any] = {
+            "status": self.status,
+            "delay_ms": self.delay_ms,
+            "ready_status": self.ready_status,
+        }
+        if self.instances is not None:
+            shown["instances"] = self.instances
+        return shown
 
 
 @dataclass(slots=True)

@@ -5,6 +5,10 @@ tunnel ports and without tunnel auth.
 - `GET /live`: 200 while the event loop runs (this answer is produced on it).
 - `GET /ready`: 200 when `Lifecycle.readiness()` says ready, else 503 with its reason (and, for
   an engine fault, a `detail`); a drain flips it to 503 at once.
+- `GET /workers` (`--routing` other than off): the worker catalogue as JSON, each worker with its
+  spec, rotation, health, passive ejections, bookings and KV-event faults, and the catalogue's
+  digest and source (`pylon.routing.build.Routing.workers_report`). Bounded: at most
+  `pylon.routing.spec.MAX_WORKERS` workers.
 
 Small and bounded, on httptools (the parser pylon's HTTP/1.1 listener uses): GET and HEAD only
 (405 otherwise), no request body (413), a request head of at most `MAX_HEAD_BYTES` in at most
@@ -81,10 +85,13 @@ class AdminRoutes:
     def __init__(self, lifecycle: Lifecycle, registry: CollectorRegistry) -> None:
         self._lifecycle = lifecycle
         self._registry = registry
+        # The routing's report for `/workers` (`pylon.run.start` sets it); None: no routing.
+        self.workers: Callable[[], object] | None = None
         self._paths: dict[str, Callable[[str], Answer]] = {
             "/metrics": self.metrics,
             "/live": self.live,
             "/ready": self.ready,
+            "/workers": self.workers_listing,
         }
 
     def answer(self, method: str, target: str, accept: str) -> Answer:
@@ -107,6 +114,12 @@ class AdminRoutes:
             answer["detail"] = detail
         body = orjson.dumps(answer)
         return Answer(200 if ready else 503, _JSON, body)
+
+    def workers_listing(self, _accept: str) -> Answer:
+        report = self.workers
+        if report is None:
+            return problem(404, "not_found", "no worker catalogue: --routing is off")
+        return Answer(200, _JSON, orjson.dumps(report()))
 
     def metrics(self, accept: str) -> Answer:
         try:

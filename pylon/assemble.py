@@ -30,6 +30,7 @@ from pylon.observe import LogObserver, Observer, Observers
 from pylon.proxy import Proxy, ProxyAdmission, RelayLimits
 from pylon.routing import Router, SingleUpstream
 from pylon.routing.build import KvOptions, RoutingOptions
+from pylon.routing.catalogue import CatalogueRules, DiscoveryOptions, WorkersFileOptions
 from pylon.routing.health import HealthCheckOptions
 from pylon.routing.outlier import OutlierOptions
 from pylon.server.budget import BodyBudget
@@ -122,6 +123,35 @@ def routing_options(settings: Settings) -> RoutingOptions:
             base_ejection=settings.worker_outlier_ejection,
             max_ejection=settings.worker_outlier_max_ejection,
             max_ejected_share=settings.worker_outlier_max_percent / 100,
+        ),
+        workers_file=workers_file_options(settings),
+        discovery=discovery_options(settings),
+    )
+
+
+def discovery_options(settings: Settings) -> DiscoveryOptions | None:
+    """`--discover-instances`: the frontend, the path that lists its instances, how often."""
+    if not settings.discover_instances:
+        return None
+    assert settings.upstream is not None, "Settings require --upstream for discovery"
+    return DiscoveryOptions(
+        frontend=Upstream.from_url(str(settings.upstream)),
+        path=settings.worker_health_path,
+        interval=settings.workers_file_interval,
+        timeout=settings.worker_health_timeout,
+    )
+
+
+def workers_file_options(settings: Settings) -> WorkersFileOptions | None:
+    """`--workers-file`: where the catalogue is read, how often, and the rules it must keep."""
+    if settings.workers_file is None:
+        return None
+    return WorkersFileOptions(
+        path=settings.workers_file,
+        interval=settings.workers_file_interval,
+        rules=CatalogueRules(
+            mode=settings.routing,
+            instance_ids=settings.backend == "dynamo" and settings.upstream is not None,
         ),
     )
 

@@ -279,6 +279,11 @@ def config_warnings(settings: Settings) -> list[StartupWarning]:
         )
     if settings.routing != "kv":
         ignored("kv_overlap_weight", "only --routing kv weighs cached prefixes")
+    if settings.workers_file is None and not settings.discover_instances:
+        ignored(
+            "workers_file_interval",
+            "no --workers-file nor --discover-instances: the worker catalogue is not re-read",
+        )
     return warnings
 
 

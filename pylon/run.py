@@ -34,6 +34,7 @@ from pylon.preflight import (
 )
 from pylon.routing import Router
 from pylon.routing.build import Routing, build_routing
+from pylon.routing.catalogue import InstanceDiscovery
 from pylon.settings import Settings
 from pylon.signals import EarlySignals, Signals
 from pylon.startup import StartupError
@@ -102,9 +103,10 @@ class Running:
 
     def reload(self, sig: signal.Signals | None = None) -> dict[str, str]:
         """Re-read what can be re-read while serving (SIGHUP): the TLS identity's cert and key
-        files (new handshakes get the new pair; established connections keep theirs) and the
-        tunnel token file. A part that fails keeps what it had in use. One line says what was
-        re-read and what failed (`reloaded`, or `reload_failed` at error); returns the
+        files (new handshakes get the new pair; established connections keep theirs), the
+        tunnel token file and the workers file (`--workers-file`: `workers`, applied as
+        `pylon.routing.catalogue` says). A part that fails keeps what it had in use. One line
+        says what was re-read and what failed (`reloaded`, or `reload_failed` at error); returns the
         failures, part -> reason. Every other setting needs a restart."""
         fields: dict[str, Any] = {"signal": sig.name if sig is not None else None}
         reloaded: list[str] = []
@@ -124,12 +126,28 @@ class Running:
                 reloaded.append("tunnel_token")
             except TokenFileError as exc:
                 failed["tunnel_token"] = str(exc)
+        catalogue = self.routing.catalogue if self.routing is not None else None
+        if isinstance(catalogue, InstanceDiscovery):
+            catalogue.wake()  # the read is a request to the frontend: its own line says more
+            reloaded.append("workers")
+            fields["workers"] = "rediscovering"
+        elif catalogue is not None:
+            result = catalogue.reload()
+            if result.failed is not None:
+                failed["workers"] = result.failed
+            else:
+                reloaded.append("workers")
+                fields["workers"] = "changed" if result.change is not None else "unchanged"
+            fields["catalogue_digest"] = catalogue.digest
         event = "reload_failed" if failed else "reloaded"
         detail = None
         if failed:
             detail = "kept what was in use for what failed"
         elif not reloaded:
-            detail = "nothing to re-read: no --tls-cert/--tls-key, no --tunnel-token-file"
+            detail = (
+                "nothing to re-read: no --tls-cert/--tls-key, no --tunnel-token-file, "
+                "no --workers-file"
+            )
         self.core.observer.process_event(
             event, **fields, reloaded=reloaded, failed=failed or None, detail=detail
         )
@@ -192,7 +210,9 @@ async def start(
         _close_with(stack, settings, core, routing, observer)
         _follow_readiness(core, routing)
         listeners = await start_listeners(settings, core, stack)
-        _announce(settings, listeners, upstream, observer)
+        if listeners.admin is not None and routing is not None:
+            listeners.admin.routes.workers = routing.workers_report
+        _announce(settings, listeners, upstream, observer, routing)
         ready, engine = _start_bring_up(bring_up_options(settings), core, upstream, routing, stack)
         running = Running(core, upstream, listeners, ready, engine, routing)
         if wait_ready:
@@ -305,12 +325,17 @@ async def _close_tracer(tracer: ExchangeTracer) -> None:
     await asyncio.to_thread(tracer.close)
 
 
-def _announce(settings: Settings, listeners: Listeners, upstream: str, observer: Observer) -> None:
+def _announce(
+    settings: Settings,
+    listeners: Listeners,
+    upstream: str,
+    observer: Observer,
+    routing: Routing | None,
+) -> None:
     """Said once every listener is up, so that a refusal stays alone on its line."""
     if listeners.admin_address is not None:
-        observer.process_event(
-            "listening_admin", address=listeners.admin_address, paths="/metrics,/live,/ready"
-        )
+        paths = "/metrics,/live,/ready" + (",/workers" if settings.routing != "off" else "")
+        observer.process_event("listening_admin", address=listeners.admin_address, paths=paths)
     observer.process_event(
         "listening",
         address=listeners.address,
@@ -319,7 +344,12 @@ def _announce(settings: Settings, listeners: Listeners, upstream: str, observer:
         backend=settings.backend,
         derive_priority=settings.derive_priority,
         routing=settings.routing,
-        workers=[spec.label for spec in settings.worker] or None,
+        workers=[w.label for w in routing.fleet.workers] if routing is not None else None,
+        **(
+            {"catalogue_digest": routing.fleet.digest, "catalogue": routing.catalogue_source}
+            if routing is not None
+            else {}
+        ),
     )
     for warning in insecure_listeners(settings):
         observer.process_event(warning.event, **warning.fields)

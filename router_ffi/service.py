@@ -199,14 +199,18 @@ class SelectionCore:
         )
 
     def remove_worker(self, worker_id: int) -> WorkerRecord:
-        """Remove a worker (`NotFound` if unknown); its KV-event listener is torn down."""
+        """Remove a worker (`NotFound` if unknown); its KV-event listener is torn down.
+
+        Reservations made on it before the removal are forgotten as by `reset_worker`: their
+        later calls (a request in flight that ends after its worker left the catalogue) are
+        no-ops, never a `NotFound` from the native core."""
         wid = check_worker_id(worker_id)
-        return self._owner.call(
-            "remove_worker",
-            lambda n: n.delete_worker(wid),
-            _wire.parse_record,
-            self._call_timeout_s,
-        )
+
+        def remove(native: NativeService) -> object:
+            self._owner.mark_reset(wid)  # on the owner thread, before the delete
+            return native.delete_worker(wid)
+
+        return self._owner.call("remove_worker", remove, _wire.parse_record, self._call_timeout_s)
 
     def reset_worker(self, spec: CoreWorker) -> WorkerRecord:
         """Drop everything the native core knows about a worker and start it afresh: its cache

@@ -434,6 +434,12 @@ class DynamoStack:
         if self._own_state_dir and self.state_dir and not os.environ.get("DYNAMO_STACK_KEEP"):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
+    def signal_worker(self, index: int, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` to worker `index`'s process group (SIGTERM: it deregisters in ~0.2 s,
+        and the frontend's /health stops listing its instance)."""
+        worker = next(p for p in self._procs if p.name == f"worker{index}")
+        _signal_group(worker.popen, sig)
+
     # ------------------------------------------------------------------ helpers
     def get_json(self, path: str, timeout: float = 5.0) -> Any:
         with urllib.request.urlopen(self.frontend_url + path, timeout=timeout) as r:

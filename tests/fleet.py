@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -84,6 +85,24 @@ class RoutingObserver(EventObserver):
                 await self._done.wait()
 
 
+def workers_toml(specs: Sequence[str]) -> str:
+    """`--worker` SPECs as the `[[worker]]` tables of a workers file."""
+    tables = []
+    for spec in specs:
+        lines = ["[[worker]]"]
+        events = []
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            if key == "kv-events":
+                events.append(value)
+            else:
+                lines.append(f"{key} = {json.dumps(value)}")
+        if events:
+            lines.append(f"kv-events = {json.dumps(events)}")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables) + "\n"
+
+
 @dataclass
 class FleetStack:
     running: Running
@@ -91,6 +110,17 @@ class FleetStack:
     client: httpx.AsyncClient
     settings: Settings
     observer: RoutingObserver
+    specs: list[str] = field(default_factory=list)  # each mock's SPEC, in mock order
+    workers_file: Path | None = None
+
+    def write_workers(self, indices: Sequence[int], text: str | None = None) -> None:
+        """Rewrite the workers file: the specs of mocks `indices` (or `text` as it is)."""
+        assert self.workers_file is not None, "make_fleet(workers_file=...) was not given"
+        if text is None:
+            text = workers_toml([self.specs[index] for index in indices])
+        staged = self.workers_file.with_suffix(".new")
+        staged.write_text(text)
+        staged.replace(self.workers_file)  # as a deployment does: never a half-written file
 
     @property
     def routing(self) -> Routing:
@@ -182,13 +212,18 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
             wait_ready: bool = True,
             engine_controls: dict[int, dict[str, Any]] | None = None,
             native: NativeFactory | None = None,
+            workers_file: Path | None = None,
+            in_catalogue: Sequence[int] | None = None,
             **settings: Any,
         ) -> FleetStack:
             """`engine_controls`: {mock index: {name: value}} PUT to the mock's
             `/test-control/<name>` before pylon starts (its records are then kept).
             `native`: for `kv`, a stand-in for Dynamo's native selection service (without
             it, the real one: the test needs the `dynamo` marker); the workers then get a
-            placeholder `kv-events=` each unless `kv_block_size` gives them real ones."""
+            placeholder `kv-events=` each unless `kv_block_size` gives them real ones.
+            `workers_file`: the catalogue goes there (`--workers-file`) instead of `--worker`,
+            holding the mocks `in_catalogue` (default all); `FleetStack.write_workers`
+            rewrites it."""
             config: dict[str, Any] = {"models": (MODEL,), **(mock or {})}
             if kv_block_size is not None:
                 config.update(
@@ -226,11 +261,16 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
                         spec += ",kv-events=tcp://127.0.0.1:9"  # read by the stand-in: no one
                     specs.append(spec)
                 upstream = None
+            catalogue: dict[str, Any] = {"worker": specs}
+            if workers_file is not None:
+                chosen = range(len(specs)) if in_catalogue is None else in_catalogue
+                workers_file.write_text(workers_toml([specs[index] for index in chosen]))
+                catalogue = {"workers_file": workers_file}
             defaults: dict[str, Any] = {
                 "listen": "127.0.0.1:0",
                 "upstream": upstream,
                 "routing": routing,
-                "worker": specs,
+                **catalogue,
                 "log_level": "warning",
                 "worker_health_interval": 3600.0,
                 "worker_health_timeout": 2.0,
@@ -258,14 +298,16 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
                 # Every SUB hears every event from now on: pylon's sequence watch, and the real
                 # selection core's own (a stand-in subscribes to nothing).
                 subscribers = "1" if native is not None else "2"
-                for engine in mocks:
+                for index, engine in enumerate(mocks):
+                    if workers_file is not None and index not in (in_catalogue or range(count)):
+                        continue  # not followed (yet)
                     reply = await client.get(
                         f"{engine.base_url}/test-control/kv",
                         params={"wait_subscribers": subscribers, "timeout": "10"},
                         timeout=15,
                     )
                     reply.raise_for_status()
-            return FleetStack(running, mocks, client, built, observer)
+            return FleetStack(running, mocks, client, built, observer, specs, workers_file)
 
         yield factory
 

@@ -193,6 +193,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "the old one)",
     ),
     MetricSpec(
+        "pylon_router_catalogue_reloads_total",
+        "counter",
+        ("result",),
+        "worker catalogue reloads (--workers-file, --discover-instances): `changed` (workers "
+        "added or removed) or `refused` (a source that cannot be the catalogue; the one in use "
+        "stays)",
+    ),
+    MetricSpec(
         "pylon_router_active_bookings",
         "gauge",
         ("worker",),

@@ -142,17 +142,21 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
     faults: dict[tuple[str, str], int] = {}
     select = _histogram("pylon_router_select_seconds")
     core_active = _gauge("pylon_router_core_active_requests")
-    catalogue = InfoMetricFamily(
+    catalogue_info = InfoMetricFamily(
         "pylon_router_catalogue", SPECS["pylon_router_catalogue_info"].help
     )
     sync_events: dict[tuple[str, str], int] = {}
+    catalogue: dict[tuple[str], int] = {}
     snapshot = counts.routing
     if snapshot is not None:
         for label, count in snapshot.core_active.items():
             core_active.add_metric([label], count)
         if snapshot.catalogue_digest is not None:
-            catalogue.add_metric([], {"digest": snapshot.catalogue_digest})
+            catalogue_info.add_metric([], {"digest": snapshot.catalogue_digest})
         sync_events = snapshot.replica_sync_events
+        if snapshot.catalogue_reloads is not None:
+            changed, refused = snapshot.catalogue_reloads
+            catalogue = {("changed",): changed, ("refused",): refused}
         for worker in snapshot.workers:
             active.add_metric([worker.label], worker.active)
             healthy.add_metric([worker.label], 1 if worker.in_rotation else 0)
@@ -167,6 +171,7 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
             latencies = list(snapshot.select_seconds)
             buckets = histogram_buckets(snapshot.select_bounds, latencies)
             select.add_metric([snapshot.policy], buckets, latencies[-1])
+    yield _counter("pylon_router_catalogue_reloads_total", catalogue)
     yield active
     yield healthy
     yield ejected
@@ -175,7 +180,7 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
     yield _counter("pylon_router_kv_event_faults_total", faults)
     yield select
     yield core_active
-    yield catalogue
+    yield catalogue_info
     yield _counter("pylon_router_replica_sync_events_total", sync_events)
 
 

@@ -8,8 +8,11 @@ terminal moment: success, engine error, timeout, client cancel and shutdown all 
 - `SingleUpstream` (`--routing off`, one `--upstream`, today's behaviour) is the default.
 - `spec`: `--worker SPEC` parsed into a frozen `WorkerSpec`.
 - `fleet`: the configured workers, which of them are in rotation (healthy), their bookings in
-  flight; `health`: the active health checks that eject and return to rotation workers;
-  `outlier`: passive health, the same rotation fed by the workers' real answers.
+  flight, and `Fleet.replace`, the one way the catalogue changes while pylon serves;
+  `catalogue`: where a changing catalogue comes from (`--workers-file`, watched and re-read on
+  SIGHUP; `--discover-instances`, a Dynamo frontend's instances); `health`: the active health
+  checks that eject and return to rotation workers; `outlier`: passive health, the same
+  rotation fed by the workers' real answers.
 - `round_robin`, `least_loaded`, `kv`: one router per mode, each behind the `Router` Protocol;
   `kv_watch`: the `kv` router's watch over each worker's KV-event sequence (gaps, restarts);
   `replica_sync`: with `--replica-peer`, the watch over each peer replica's booking events

@@ -1,7 +1,8 @@
 """The routing parts of one pylon, from its `RoutingOptions`: the fleet, its health checks and
 the router (for `kv`, the selection core with every worker upserted).
 
-`pylon.run.start` calls `build_routing` for `--routing` other than off, starts the health checks
+`pylon.run.start` calls `build_routing` for `--routing` other than off (with `--workers-file`,
+the catalogue is read here and watched: `pylon.routing.catalogue`), starts the health checks
 with `start()`, hands `router` to `build_core`, passes `checks` to bring-up, and closes it all
 with `aclose()` at stop (the health loop ends; the `kv` router's selection core shuts down once
 the requests still in flight have released their bookings). `pylon.assemble.routing_options`
@@ -18,7 +19,17 @@ from typing import TYPE_CHECKING, Literal
 
 from pylon.core.upstream import Upstream
 from pylon.routing import PromptTokenizer, Router
-from pylon.routing.fleet import Fleet, WorkerView
+from pylon.routing.catalogue import (
+    CatalogueError,
+    CatalogueWatch,
+    DiscoveryOptions,
+    InstanceDiscovery,
+    WorkersFileOptions,
+    check_catalogue,
+    parse_workers_file,
+    read_workers_file,
+)
+from pylon.routing.fleet import Fleet, Worker, WorkerView
 from pylon.routing.health import HealthChecker, HealthCheckOptions
 from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.outlier import OutlierOptions
@@ -74,6 +85,12 @@ class RoutingOptions:
     """The `kv` router's options; None for the other modes."""
     outlier: OutlierOptions | None = None
     """Passive health: when the workers' real answers eject them; None: never."""
+    workers_file: WorkersFileOptions | None = None
+    """`--workers-file`: the catalogue comes from it (read at start, then watched), and
+    `workers` is empty."""
+    discovery: DiscoveryOptions | None = None
+    """`--discover-instances`: the catalogue is the frontend's instances (the fleet starts
+    empty and fills at the first read), and `workers` is empty."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +105,9 @@ class RoutingSnapshot:
     core_active: dict[str, int] = field(default_factory=dict)  # worker label -> core's count
     replica_sync_events: dict[tuple[str, str], int] = field(default_factory=dict)
     """(peer, result) -> sync events heard from that peer (`pylon.routing.replica_sync`)."""
+    # Catalogue reloads (changed, refused) with --workers-file / --discover-instances; None: a
+    # fixed --worker list.
+    catalogue_reloads: tuple[int, int] | None = None
 
 
 @dataclass
@@ -102,20 +122,35 @@ class Routing:
     replica_watch: ReplicaSyncWatch | None = None
     _task: asyncio.Task[None] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # --workers-file or --discover-instances; None: --worker, fixed.
+    catalogue: CatalogueWatch | InstanceDiscovery | None = None
+    _watch: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Start the health loop (its first round at once) and, for `kv`, the KV-event
-        stream watch."""
+        """Start the health loop (its first round at once), for `kv` the KV-event stream
+        watch, and the workers file's watch."""
         if self._task is None:
             self._task = asyncio.create_task(self.checks.run(), name="pylon-worker-health")
             if self.kv is not None:
                 self.kv.start()
             if self.replica_watch is not None:
                 self.replica_watch.start()
+            if self.catalogue is not None:
+                self._watch = asyncio.create_task(
+                    self.catalogue.run(), name="pylon-workers-file-watch"
+                )
+
+    @property
+    def catalogue_source(self) -> str:
+        """Where the catalogue comes from: `file PATH`, `discovery URL`, or `flags` (--worker,
+        [[worker]])."""
+        return self.catalogue.source if self.catalogue is not None else "flags"
 
     def snapshot(self) -> RoutingSnapshot:
+        catalogue = self.catalogue
+        reloads = (catalogue.reloads, catalogue.failures) if catalogue is not None else None
         if self.kv is None:
-            return RoutingSnapshot(self.mode, self.fleet.views())
+            return RoutingSnapshot(self.mode, self.fleet.views(), catalogue_reloads=reloads)
         from pylon.routing.kv import SELECT_SECONDS_BUCKETS
 
         watch = self.replica_watch
@@ -127,22 +162,63 @@ class Routing:
             self.kv.catalogue_digest,
             self.kv.core_active(),
             dict(watch.counts) if watch is not None else {},
+            catalogue_reloads=reloads,
         )
+
+    def workers_report(self) -> dict[str, object]:
+        """What the admin listener's `GET /workers` answers (JSON-ready; at most
+        `MAX_WORKERS` workers): the catalogue, its digest and source, and each worker's spec,
+        rotation, health, passive ejections, bookings in flight and KV-event faults."""
+        fleet = self.fleet
+        report: dict[str, object] = {
+            "routing": self.mode,
+            "catalogue_digest": fleet.digest,
+            "catalogue_source": self.catalogue_source,
+            "in_rotation": len(fleet.in_rotation),
+            "workers": [worker_report(worker) for worker in fleet.workers],
+        }
+        if self.catalogue is not None:
+            report["reloads"] = self.catalogue.reloads
+            report["reload_failures"] = self.catalogue.failures
+        return report
 
     def active_bookings(self) -> dict[str, int]:
         """Bookings in flight per worker label (all zero when nothing is in flight)."""
         return self.fleet.active_by_worker()
 
     async def aclose(self) -> None:
-        """Stop the health loop, then whatever the router holds (idempotent)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Stop the workers file's watch and the health loop, then whatever the router holds
+        (idempotent)."""
+        for task in (self._watch, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._watch = self._task = None
         closers, self._closers = self._closers, []
         for close in reversed(closers):
             await close()
+
+
+def worker_report(worker: Worker) -> dict[str, object]:
+    """One worker in `GET /workers`."""
+    return {
+        "label": worker.label,
+        "worker_id": worker.spec.worker_id,
+        "spec": worker.spec.text(),
+        "in_rotation": worker.in_rotation,
+        "health": {
+            "passing": worker.checks_pass,
+            "last_result": worker.last_result,
+            "passes": worker.passes,
+            "failures": worker.failures,
+        },
+        "ejected": worker.outlier.ejected,
+        "ejections": dict(worker.ejections),
+        "active": worker.active,
+        "decisions": dict(worker.decisions),
+        "kv_faults": dict(worker.kv_faults),
+    }
 
 
 async def build_routing(
@@ -159,33 +235,62 @@ async def build_routing(
     Raises `pylon.startup.StartupError` when the `kv` parts cannot be built.
     """
     mode = options.mode
-    fleet = Fleet.from_specs(options.workers, options.frontend)
+    catalogue: CatalogueWatch | InstanceDiscovery | None = None
+    workers = options.workers
+    if options.workers_file is not None:
+        data, workers = _first_catalogue(options.workers_file)
+    fleet = Fleet.from_specs(workers, options.frontend)
+    if options.workers_file is not None:
+        catalogue = CatalogueWatch(fleet, options.workers_file, observer)
+        catalogue.prime(data)
+    elif options.discovery is not None:
+        catalogue = InstanceDiscovery(fleet, options.discovery, observer)
     checks = HealthChecker(fleet, options.health, observer=observer)
     closers: list[Callable[[], Awaitable[None]]] = []
-    if options.outlier is not None:
+    if options.outlier is not None and options.outlier.consecutive > 0:
+        # It sets `fleet.passive` while it is enabled (off for a fleet of one worker; a
+        # catalogue change may turn it on or off).
         passive = PassiveHealth(fleet, options.outlier, observer)
-        if passive.detector.enabled:  # off: 0 failures, or a fleet of one worker
-            fleet.passive = passive
-            closers.append(passive.aclose)
+        closers.append(passive.aclose)
     if mode == "round-robin":
-        return Routing(mode, RoundRobinRouter(fleet), fleet, checks, _closers=closers)
-    if mode == "least-loaded":
-        return Routing(mode, LeastLoadedRouter(fleet), fleet, checks, _closers=closers)
-    assert options.kv is not None and tokenizer is not None, "kv needs its options and tokenizer"
-    kv = await build_kv_router(options.kv, fleet, observer, tokenizer, native=native)
-    closers.append(kv.aclose)
-    watch = None
-    if options.kv.replica_sync_port is not None:
-        from pylon.routing.replica_sync import ReplicaSyncWatch
+        router: Router = RoundRobinRouter(fleet)
+    elif mode == "least-loaded":
+        router = LeastLoadedRouter(fleet)
+    else:
+        assert options.kv is not None and tokenizer is not None, "kv needs options, tokenizer"
+        kv = await build_kv_router(options.kv, fleet, observer, tokenizer, native=native)
+        closers.append(kv.aclose)
+        watch = None
+        if options.kv.replica_sync_port is not None:
+            from pylon.routing.replica_sync import ReplicaSyncWatch
 
-        watch = ReplicaSyncWatch(
-            {peer: check_replica_peer(peer) for peer in options.kv.replica_peers},
-            (worker.spec.worker_id for worker in fleet.workers),
-            kv.catalogue_digest,
-            observer,
-        )
-        closers.append(watch.aclose)
-    return Routing(mode, kv, fleet, checks, kv, watch, _closers=closers)
+            watch = ReplicaSyncWatch(
+                {peer: check_replica_peer(peer) for peer in options.kv.replica_peers},
+                (worker.spec.worker_id for worker in fleet.workers),
+                kv.catalogue_digest,
+                observer,
+            )
+            closers.append(watch.aclose)
+            replica_watch = watch
+            fleet.on_catalogue(
+                lambda change: replica_watch.catalogue_changed(
+                    (worker.spec.worker_id for worker in fleet.workers), change.digest
+                )
+            )
+        return Routing(mode, kv, fleet, checks, kv, watch, _closers=closers, catalogue=catalogue)
+    return Routing(mode, router, fleet, checks, _closers=closers, catalogue=catalogue)
+
+
+def _first_catalogue(options: WorkersFileOptions) -> tuple[bytes, tuple[WorkerSpec, ...]]:
+    """The workers file at start: its bytes and specs; `StartupError` (one line) otherwise."""
+    where = f"--workers-file {options.path}"
+    try:
+        data = read_workers_file(options.path)
+        specs = parse_workers_file(data, where)
+        check_catalogue(specs, options.rules, where)
+    except CatalogueError as exc:
+        raise StartupError(str(exc)) from None
+    return data, specs
 
 
 async def build_kv_router(

@@ -19,6 +19,14 @@ its active health checks admit it (`Worker.checks_pass`, set by `Fleet.set_in_ro
 its real answers have not ejected it (`Worker.outlier.ejected`, set by `Fleet.set_ejected`).
 Read it as `Fleet.in_rotation` (a tuple), `Worker.in_rotation`, `Fleet.views()`, and hear its
 changes with `Fleet.on_change`.
+
+The catalogue can change while pylon serves (`Fleet.replace`: a reloaded workers file, or the
+snapshot a serving process's mirror fleet is pushed). Workers are compared by their spec (the
+worker id and every key): a kept worker keeps its state and bookings, an added one starts out of
+rotation and enters it through its health checks like a worker at start, a removed one leaves
+rotation at once and leaves the fleet's load view (its bookings in flight finish; their release
+only touches the detached `Worker`). `on_catalogue` listeners (the health checks, passive
+health, the `kv` router) hear each `CatalogueChange`.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pylon.core.http import Header
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.core.upstream import Upstream
 from pylon.routing.outlier import OutlierState
-from pylon.routing.spec import WorkerSpec
+from pylon.routing.spec import WorkerSpec, catalogue_digest, parse_worker_spec
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
@@ -59,6 +67,7 @@ class Worker:
         "last_result",
         "outlier",
         "passes",
+        "removed",
         "spec",
         "upstream",
     )
@@ -83,6 +92,7 @@ class Worker:
         self.failures = 0  # consecutive failed health checks
         self.passes = 0  # consecutive passed health checks
         self.last_result = "not checked yet"
+        self.removed = False  # left the catalogue (`Fleet.replace`): verdicts about it are moot
 
     def __repr__(self) -> str:
         return f"Worker({self.label!r}, in_rotation={self.in_rotation}, active={self.active})"
@@ -113,28 +123,110 @@ def make_worker(spec: WorkerSpec, index: int, frontend: Upstream | None) -> Work
     return Worker(spec, index, frontend, (pin,))
 
 
+@dataclass(frozen=True, slots=True)
+class CatalogueChange:
+    """What one `Fleet.replace` did: the workers added (out of rotation until their health
+    checks pass), removed (out of rotation and out of the load view) and kept (state intact),
+    and the new catalogue's digest (`pylon.routing.spec.catalogue_digest`)."""
+
+    added: tuple[Worker, ...]
+    removed: tuple[Worker, ...]
+    kept: tuple[Worker, ...]
+    digest: str
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed)
+
+    def fields(self) -> dict[str, object]:
+        """The `workers_reloaded` process event's fields."""
+        return {
+            "added": [w.label for w in self.added],
+            "removed": [w.label for w in self.removed],
+            "kept": len(self.kept),
+            "catalogue_digest": self.digest,
+        }
+
+
 class Fleet:
     """The workers, which are in rotation, and a way to wait for the first worker in rotation."""
 
-    def __init__(self, workers: Sequence[Worker]) -> None:
-        assert workers, "a fleet has at least one worker"
+    def __init__(self, workers: Sequence[Worker], frontend: Upstream | None = None) -> None:
+        # Empty only until the first discovery of Dynamo instances (`--discover-instances`).
         self.workers: tuple[Worker, ...] = tuple(workers)
         self.in_rotation: tuple[Worker, ...] = ()
+        self.frontend = frontend  # where `instance-id=` workers added later go
+        self.digest = catalogue_digest(w.spec for w in self.workers)
         self._changed: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
+        self._catalogue_listeners: list[Callable[[CatalogueChange], None]] = []
         # Passive health, when on (`pylon.routing.build` sets it): the bookings report to it.
         self.passive: AnswerReport | None = None
 
     @classmethod
     def from_specs(cls, specs: Sequence[WorkerSpec], frontend: Upstream | None) -> Fleet:
-        return cls([make_worker(spec, index, frontend) for index, spec in enumerate(specs)])
+        workers = [make_worker(spec, index, frontend) for index, spec in enumerate(specs)]
+        return cls(workers, frontend)
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call `listener` after every change of the set in rotation (e.g. to rebuild a filter)."""
         self._listeners.append(listener)
 
+    def on_catalogue(self, listener: Callable[[CatalogueChange], None]) -> None:
+        """Call `listener` with every `CatalogueChange` that added or removed a worker, before
+        the listeners of the rotation hear it."""
+        self._catalogue_listeners.append(listener)
+
+    def replace(self, specs: Sequence[WorkerSpec]) -> CatalogueChange:
+        """Make `specs` the catalogue (validated by the caller: at least one, no worker id
+        twice). A worker whose spec is unchanged is kept, whatever its position; a spec that
+        is new (or changed for the same worker id) is a new worker, out of rotation; a worker
+        whose spec is gone leaves rotation and the fleet at once (see the module docstring).
+        The one way the catalogue changes, for a reload and for a mirror fleet alike."""
+        assert specs, "a fleet has at least one worker"
+        by_spec = {worker.spec: worker for worker in self.workers}
+        assert len({spec.worker_id for spec in specs}) == len(specs), "a worker id twice"
+        workers: list[Worker] = []
+        added: list[Worker] = []
+        for index, spec in enumerate(specs):
+            worker = by_spec.pop(spec, None)
+            if worker is None:
+                worker = make_worker(spec, index, self.frontend)
+                added.append(worker)
+            worker.index = index
+            workers.append(worker)
+        removed = tuple(by_spec.values())
+        new = set(added)
+        kept = tuple(w for w in workers if w not in new)
+        change = CatalogueChange(tuple(added), removed, kept, catalogue_digest(specs))
+        self.workers = tuple(workers)
+        self.digest = change.digest
+        if not change.changed:
+            return change
+        was_in_rotation = any(w.in_rotation for w in removed)
+        for worker in removed:
+            worker.removed = True
+            worker.in_rotation = worker.checks_pass = False
+        for listener in self._catalogue_listeners:
+            listener(change)
+        if was_in_rotation:
+            self._rotated()
+        return change
+
+    def spec_texts(self) -> tuple[str, ...]:
+        """The catalogue as canonical SPEC texts, in order: what a booking authority pushes to
+        the mirror fleets of serving processes (`replace_texts` there)."""
+        return tuple(worker.spec.text() for worker in self.workers)
+
+    def replace_texts(self, texts: Sequence[str]) -> CatalogueChange:
+        """`replace` from SPEC texts (a pushed snapshot); `WorkerSpecError` for a bad one,
+        before anything changes."""
+        return self.replace([parse_worker_spec(text) for text in texts])
+
     def set_in_rotation(self, worker: Worker, in_rotation: bool) -> None:
         """The active health checks' verdict: `worker` passes them (or no longer does)."""
+        if worker.removed:
+            return  # a check that was in flight when the worker left the catalogue
         worker.checks_pass = in_rotation
         if in_rotation:
             worker.ever_in_rotation = True
@@ -142,6 +234,8 @@ class Fleet:
 
     def set_ejected(self, worker: Worker, ejected: bool) -> None:
         """Passive health's verdict: `worker`'s real answers eject it (or it returns)."""
+        if worker.removed:
+            return
         worker.outlier.ejected = ejected
         self._rotate(worker)
 
@@ -150,6 +244,9 @@ class Fleet:
         if worker.in_rotation == in_rotation:
             return
         worker.in_rotation = in_rotation
+        self._rotated()
+
+    def _rotated(self) -> None:
         self.in_rotation = tuple(w for w in self.workers if w.in_rotation)
         for listener in self._listeners:
             listener()

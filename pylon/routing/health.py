@@ -18,6 +18,10 @@ Reported to the `Observer` as process events (their published names): `worker_ad
 worker enters rotation the first time),
 `worker_ejected` (warning: `worker`, `failures`, `detail`), `worker_readmitted` (`worker`,
 `passes`), and `worker_health_probe` (debug: one failed check).
+
+The workers checked are the fleet's at each round: a worker added by a catalogue reload
+(`Fleet.replace`) is checked at once (the reload wakes the loop) and enters rotation with its
+first pass, exactly as at start; a check of a removed worker that was in flight is dropped.
 """
 
 from __future__ import annotations
@@ -29,11 +33,10 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from pylon.routing.fleet import Fleet, Worker
+from pylon.routing.fleet import CatalogueChange, Fleet, Worker
 from pylon.upstream.probe import Fetch, FetchError, fetch
 
 if TYPE_CHECKING:
-    from pylon.core.upstream import Upstream
     from pylon.observe import Observer
 
 MAX_HEALTH_BODY = 1024 * 1024  # a Dynamo frontend's /health lists every instance
@@ -99,10 +102,14 @@ class HealthChecker:
         self._observer = observer
         self._fetch = fetch
         self._sleep = sleep
-        self._url_workers = tuple(w for w in fleet.workers if w.spec.url is not None)
-        self._pinned = tuple(w for w in fleet.workers if w.spec.instance_id is not None)
         self._first_round = asyncio.Event()
+        self._wake = asyncio.Event()
         self.rounds = 0
+        fleet.on_catalogue(self._catalogue_changed)
+
+    def _catalogue_changed(self, change: CatalogueChange) -> None:
+        if change.added:
+            self._wake.set()  # check the new workers now, not an interval later
 
     @property
     def fleet(self) -> Fleet:
@@ -120,14 +127,32 @@ class HealthChecker:
         """Rounds every `interval` seconds, the first at once, until cancelled."""
         while True:
             await self.check_once()
-            await self._sleep(self._interval)
+            await self._pause()
+
+    async def _pause(self) -> None:
+        """`interval` seconds, or less when a catalogue change added workers meanwhile."""
+        if self._wake.is_set():
+            self._wake.clear()
+            return
+        sleep = asyncio.ensure_future(self._sleep(self._interval))
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait((sleep, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleep.cancel()
+            woken.cancel()
+        self._wake.clear()
 
     async def check_once(self) -> None:
         """One round: every worker probed (concurrently), then every result applied."""
         self.rounds += 1
-        probes: list[Awaitable[None]] = [self._check_url(w) for w in self._url_workers]
-        if self._pinned:
-            probes.append(self._check_pinned(self._pinned[0].upstream))
+        workers = self._fleet.workers
+        probes: list[Awaitable[None]] = [
+            self._check_url(w) for w in workers if w.spec.url is not None
+        ]
+        pinned = tuple(w for w in workers if w.spec.instance_id is not None)
+        if pinned:
+            probes.append(self._check_pinned(pinned))
         await asyncio.gather(*probes)
         self._first_round.set()
 
@@ -142,21 +167,22 @@ class HealthChecker:
         ok = 200 <= reply.status < 300
         self.apply(worker, ok, "ok" if ok else f"status {reply.status}")
 
-    async def _check_pinned(self, frontend: Upstream) -> None:
+    async def _check_pinned(self, pinned: tuple[Worker, ...]) -> None:
+        frontend = pinned[0].upstream
         try:
             reply = await self._fetch(
                 frontend, self._path, timeout=self._timeout, max_body=MAX_HEALTH_BODY
             )
         except FetchError as exc:
-            for worker in self._pinned:
+            for worker in pinned:
                 self.apply(worker, False, f"frontend: {exc.detail}")
             return
         if not 200 <= reply.status < 300:
-            for worker in self._pinned:
+            for worker in pinned:
                 self.apply(worker, False, f"frontend: status {reply.status}")
             return
         listed = listed_instances(reply.body)
-        for worker in self._pinned:
+        for worker in pinned:
             if listed is None or worker.spec.instance_id in listed:
                 self.apply(worker, True, "ok")
             else:
@@ -164,6 +190,8 @@ class HealthChecker:
 
     def apply(self, worker: Worker, ok: bool, result: str) -> None:
         """One check's result: count it, and eject or (re-)admit the worker when due."""
+        if worker.removed:
+            return  # it left the catalogue while the check was in flight
         worker.last_result = result
         fleet = self._fleet
         if ok:

@@ -24,6 +24,11 @@ that worker in the core (`SelectionCore.reset_worker`: its cache view and the lo
 bookings in flight go, so requests stop chasing blocks it may no longer hold; those bookings'
 later calls become no-ops).
 
+A catalogue change (`Fleet.replace`) reaches the core in order: a removed worker is filtered
+out of `allowed_worker_ids` at once and then removed (`SelectionCore.remove_worker`: its load
+and cache view go, its bookings' later calls are no-ops); an added one is upserted, and
+allowed once the upsert landed and its health checks admit it.
+
 A request with nothing to tokenize (another route, a GET, a body the tokenizer cannot read) is
 booked least-loaded over the workers in rotation instead (counted in `KvRouter.fallbacks`), as is
 one the core refuses for a reason other than load (counted in `errors`, reported). No worker in
@@ -45,11 +50,10 @@ from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.routing import Booking, NoWorker, PromptTokenizer, Router
-from pylon.routing.fleet import AnswerReport, Fleet, Worker, count_decision
+from pylon.routing.fleet import AnswerReport, CatalogueChange, Fleet, Worker, count_decision
 from pylon.routing.kv_watch import KvEventWatch
 from pylon.routing.least_loaded import LeastLoadedRouter
 from pylon.routing.round_robin import no_worker
-from pylon.routing.spec import catalogue_digest
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
@@ -192,6 +196,11 @@ class KvRouter:
             worker.spec.worker_id: _rank_headers(worker) for worker in fleet.workers
         }
         self._allowed: tuple[int, ...] | None = None
+        # The worker ids the core knows (upserted, and not removed yet): a worker added by a
+        # catalogue change is allowed only once its upsert landed, and the filter stays on
+        # while the core still knows a removed worker.
+        self._core_ids = {worker.spec.worker_id for worker in fleet.workers}
+        self._catalogue_lock = asyncio.Lock()  # catalogue changes reach the core in order
         self._fallback = LeastLoadedRouter(fleet)
         # One thread: large prompts are tokenized one at a time, in arrival order, and never
         # take the threads of the loop's default executor.
@@ -201,13 +210,18 @@ class KvRouter:
         # Select latencies: one count per SELECT_SECONDS_BUCKETS bound, +Inf, then the sum.
         self.select_seconds: list[float] = [0] * (len(SELECT_SECONDS_BUCKETS) + 1) + [0.0]
         fleet.on_change(self._refilter)
+        fleet.on_catalogue(self._catalogue_changed)
         self.watch = KvEventWatch(fleet.workers, self.stream_stale, observer)
         self._tasks: set[asyncio.Task[None]] = set()
         self._resetting: set[Worker] = set()  # a reset is running
         self._reset_again: set[Worker] = set()  # another stale report came in meanwhile
         self.resets = 0  # resets done
-        # What replicas sharing bookings must agree on (--replica-peer): logged and exposed.
-        self.catalogue_digest = catalogue_digest(worker.spec for worker in fleet.workers)
+
+    @property
+    def catalogue_digest(self) -> str:
+        """What replicas sharing bookings must agree on (--replica-peer): logged and exposed;
+        it follows catalogue reloads."""
+        return self._fleet.digest
 
     @property
     def core(self) -> SelectionCore:
@@ -232,9 +246,56 @@ class KvRouter:
         return out
 
     def _refilter(self) -> None:
-        in_rotation = self._fleet.in_rotation
-        everyone = len(in_rotation) == len(self._fleet.workers)
-        self._allowed = None if everyone else tuple(w.spec.worker_id for w in in_rotation)
+        """The ids the core may choose: the workers in rotation it knows; None (no filter)
+        when that is every worker the core knows."""
+        core_ids = self._core_ids
+        allowed = tuple(
+            w.spec.worker_id for w in self._fleet.in_rotation if w.spec.worker_id in core_ids
+        )
+        self._allowed = None if len(allowed) == len(core_ids) else allowed
+
+    def _catalogue_changed(self, change: CatalogueChange) -> None:
+        """A catalogue change: the removed workers leave the core's choice at once (filtered
+        out, then removed from the core: their bookings' load goes, their late frees are
+        no-ops), the added ones are upserted (allowed once that landed and their health
+        checks pass), and the KV-event watch follows the new endpoints."""
+        for worker in change.removed:
+            wid = worker.spec.worker_id
+            self._by_id.pop(wid, None)
+            self._rank_headers.pop(wid, None)
+        for worker in change.added:
+            wid = worker.spec.worker_id
+            self._by_id[wid] = worker
+            self._rank_headers[wid] = _rank_headers(worker)
+        self._refilter()
+        self.watch.update(change)
+        self._spawn(self._apply_to_core(change), "pylon-kv-catalogue")
+
+    async def _apply_to_core(self, change: CatalogueChange) -> None:
+        async with self._catalogue_lock:
+            for worker in change.removed:
+                wid = worker.spec.worker_id
+                try:
+                    await asyncio.to_thread(self._core.remove_worker, wid)
+                except self._ffi_error as exc:
+                    self._failed("remove_worker", str(exc))
+                else:
+                    self._core_ids.discard(wid)  # a changed spec is upserted back below
+                    self._refilter()
+            for worker in change.added:
+                if worker.removed:
+                    continue  # a later change removed it again
+                try:
+                    record = await asyncio.to_thread(self._core.upsert_worker, native_spec(worker))
+                except self._ffi_error as exc:
+                    self._failed("upsert_worker", f"{worker.label}: {exc}")
+                    continue
+                if not worker.removed:
+                    self._core_ids.add(worker.spec.worker_id)
+                    self._refilter()
+                if not record.schedulable:
+                    reasons = ", ".join(record.not_schedulable_reasons) or record.lifecycle
+                    self._failed("upsert_worker", f"{worker.label}: not schedulable ({reasons})")
 
     async def book(self, plan: ForwardPlan) -> Booking:
         if not self._fleet.in_rotation:
@@ -337,7 +398,9 @@ class KvRouter:
     def stream_stale(self, worker: Worker, endpoint: str, check: SequenceCheck) -> None:
         """A worker's KV-event stream lost messages or went back: its cache view in the core
         can no longer be trusted. Log, count, and reset it there (once more if another report
-        comes in while a reset runs)."""
+        comes in while a reset runs). Nothing for a worker that left the catalogue."""
+        if worker.removed:
+            return
         faults = worker.kv_faults
         faults[check.kind] = faults.get(check.kind, 0) + 1
         self._observer.process_event(
@@ -361,7 +424,13 @@ class KvRouter:
             while True:
                 self._reset_again.discard(worker)
                 try:
-                    record = await asyncio.to_thread(self._core.reset_worker, native_spec(worker))
+                    # In order with the catalogue changes: a reset never lands after the
+                    # removal of its worker (it would upsert it back into the core).
+                    async with self._catalogue_lock:
+                        if worker.removed:
+                            return
+                        spec = native_spec(worker)
+                        record = await asyncio.to_thread(self._core.reset_worker, spec)
                 except self._ffi_error as exc:
                     self._failed("reset_worker", str(exc))
                 else:

@@ -128,15 +128,26 @@ class OutlierDetector:
     """The rule over one fleet of `size` workers (see the module docstring). Pure: the caller
     passes the time and how many workers are in rotation."""
 
-    __slots__ = ("_base", "_consecutive", "_max", "cap", "ejected")
+    __slots__ = ("_base", "_consecutive", "_max", "_share", "cap", "ejected")
 
     def __init__(self, options: OutlierOptions, size: int) -> None:
         self._consecutive = options.consecutive
         self._base = options.base_ejection
         self._max = options.max_ejection
-        # Envoy's max_ejection_percent: at least one, whatever the share; never the whole fleet.
-        self.cap = min(size - 1, max(1, int(size * options.max_ejected_share)))
+        self._share = options.max_ejected_share
+        self.cap = 0
+        self.resize(size)
         self.ejected = 0  # workers ejected now
+
+    def resize(self, size: int) -> None:
+        """The fleet has `size` workers now (a catalogue change): the cap follows."""
+        # Envoy's max_ejection_percent: at least one, whatever the share; never the whole fleet.
+        self.cap = min(size - 1, max(1, int(size * self._share)))
+
+    def forget(self, state: OutlierState) -> None:
+        """The worker left the fleet: an ejection of it no longer counts against the cap."""
+        if state.ejected:
+            self.ejected -= 1
 
     @property
     def enabled(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from pylon.routing.fleet import AnswerReport, Fleet, Worker
+from pylon.routing.fleet import AnswerReport, CatalogueChange, Fleet, Worker
 from pylon.routing.outlier import (
     BROKEN_AFTER_HEAD,
     STATUS_5XX,
@@ -42,6 +42,16 @@ class PassiveHealth:
         self._detector = OutlierDetector(options, len(fleet.workers))
         self._observer = observer
         self._timer: asyncio.TimerHandle | None = None
+        fleet.on_catalogue(self._catalogue_changed)
+        fleet.passive = self if self._detector.enabled else None
+
+    def _catalogue_changed(self, change: CatalogueChange) -> None:
+        """The cap follows the fleet's size (passive health is off for a fleet of one: the
+        bookings stop reporting), and a removed worker's ejection stops counting."""
+        for worker in change.removed:
+            self._detector.forget(worker.outlier)
+        self._detector.resize(len(self._fleet.workers))
+        self._fleet.passive = self if self._detector.enabled else None
 
     @property
     def detector(self) -> OutlierDetector:
@@ -76,6 +86,8 @@ class PassiveHealth:
             self._failed(worker, reason)
 
     def _failed(self, worker: Worker, reason: str) -> None:
+        if worker.removed:
+            return  # a late answer from a worker that left the catalogue
         loop = asyncio.get_running_loop()
         fleet = self._fleet
         verdict = self._detector.failure(

@@ -95,6 +95,12 @@ class ReplicaSyncWatch:
             (peer, result): 0 for peer in self._peers for result in RESULTS
         }
 
+    def catalogue_changed(self, known: Iterable[int], digest: str) -> None:
+        """The catalogue was reloaded: judge later events against the new one (a frozenset
+        swapped whole, so the watch thread reads one catalogue or the other)."""
+        self._known = frozenset(known)
+        self._digest = digest
+
     def start(self) -> None:
         """Connect to every peer and start reading (the SUBs connect in the background: a
         peer that is not up yet is joined when it is)."""

@@ -30,6 +30,9 @@ from router_ffi.errors import InvalidConfig
 from router_ffi.validation import MAX_BLOCK_SIZE, U32_MAX, U64_MAX, check_kv_events_endpoint
 
 DEFAULT_BLOCK_SIZE: Final = 16
+# The most workers one pylon routes to (--worker, [[worker]], a workers file): every per-worker
+# structure (rotation, metrics series, the admin listing) is bounded by it.
+MAX_WORKERS: Final = 1024
 KEYS: Final = ("url", "instance-id", "kv-events", "block-size", "dp-size")
 _HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 _PATH = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+;=:@%-]*)*")

@@ -63,9 +63,16 @@ class Settings(
         that fails is the message.
         """
         if self.routing == "off":
-            if self.worker:
+            if self.worker or self.workers_file is not None or self.discover_instances:
+                flag = (
+                    "--worker"
+                    if self.worker
+                    else "--workers-file"
+                    if self.workers_file is not None
+                    else "--discover-instances"
+                )
                 raise ValueError(
-                    "--worker needs --routing round-robin, least-loaded or kv: with --routing "
+                    f"{flag} needs --routing round-robin, least-loaded or kv: with --routing "
                     "off every request goes to --upstream and the workers would be ignored"
                 )
             self._kv_settings_unused()
@@ -76,6 +83,21 @@ class Settings(
                 f"--routing {self.routing} the workers' own checks (--worker-health-interval) "
                 "decide readiness"
             )
+        if self.discover_instances:
+            self._discovery_can_route()
+            return self
+        if self.workers_file is not None:
+            if self.worker:
+                raise ValueError(
+                    "--workers-file and --worker (or [[worker]] tables in --config) both give "
+                    "the worker catalogue: give it in one place"
+                )
+            # The file's workers are checked when it is read (at start, and at every reload).
+            if self.routing == "kv":
+                self._kv_can_route()
+            else:
+                self._kv_settings_unused()
+            return self
         self._workers_distinct()
         self._upstream_fits_workers()
         if self.routing == "kv":
@@ -83,6 +105,27 @@ class Settings(
         else:
             self._kv_settings_unused()
         return self
+
+    def _discovery_can_route(self) -> None:
+        """--discover-instances: the only catalogue, from a Dynamo frontend, without kv."""
+        if self.worker or self.workers_file is not None:
+            other = "--worker" if self.worker else "--workers-file"
+            raise ValueError(
+                f"--discover-instances and {other} both give the worker catalogue: give it in "
+                "one place"
+            )
+        if self.routing == "kv":
+            raise ValueError(
+                "--discover-instances cannot serve --routing kv: Dynamo 1.6.1's frontend does "
+                "not say where an instance publishes its KV events (kv-events=); write a "
+                "--workers-file instead (docs/routing.md)"
+            )
+        if self.backend != "dynamo" or self.upstream is None:
+            raise ValueError(
+                "--discover-instances needs --backend dynamo and --upstream: the Dynamo "
+                "frontend whose /health lists the instances"
+            )
+        self._kv_settings_unused()
 
     def _workers_distinct(self) -> None:
         """At least one worker, and no URL or worker id twice."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, Field, PlainSerializer, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from pylon.routing.spec import (
+    MAX_WORKERS,
     WorkerSpec,
     WorkerSpecError,
     check_replica_peer,
@@ -41,6 +43,29 @@ class RoutingSettings(BaseModel):
         "Dynamo instance behind the --upstream frontend), plus kv-events=tcp://HOST:PORT (one "
         "per dp rank), block-size=16, dp-size=1; also [[worker]] tables in --config",
         json_schema_extra=group(ROUTING, "SPEC", repeatable=True, separator=WORKER_ENV_SEPARATOR),
+    )
+    workers_file: Path | None = Field(
+        None,
+        description="a TOML file of [[worker]] tables (the --worker keys) that is the worker "
+        "catalogue while pylon runs: re-read when its content changes and on SIGHUP (a file "
+        "that does not parse keeps the catalogue in use); instead of --worker",
+        json_schema_extra=group(ROUTING, "PATH"),
+    )
+    discover_instances: bool = Field(
+        False,
+        description="take the worker catalogue from the --upstream Dynamo frontend: every "
+        "generate instance its --worker-health-path (/health) lists is an instance-id= worker, "
+        "re-read like --workers-file; not with --routing kv (the frontend does not say where "
+        "an instance publishes its KV events)",
+        json_schema_extra=group(ROUTING),
+    )
+    workers_file_interval: float = Field(
+        2.0,
+        gt=0,
+        le=3600,
+        description="seconds between two reads of --workers-file (its content decides) or of "
+        "the frontend's instances (--discover-instances)",
+        json_schema_extra=group(ROUTING),
     )
     worker_health_path: str = Field(
         "/health",
@@ -186,6 +211,8 @@ class RoutingSettings(BaseModel):
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"expected worker specs, got {value!r}")
+        if len(value) > MAX_WORKERS:
+            raise ValueError(f"{len(value)} workers, at most {MAX_WORKERS}")
         specs = []
         for item in value:
             try:

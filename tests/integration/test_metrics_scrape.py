@@ -44,6 +44,7 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "pylon_tls_certificate_expiry_timestamp_seconds": ("gauge", frozenset()),
     "pylon_tls_reloads": ("counter", frozenset({"result"})),
     # With --routing other than off (empty families otherwise: tests/integration/test_routing.py)
+    "pylon_router_catalogue_reloads": ("counter", frozenset({"result"})),
     "pylon_router_active_bookings": ("gauge", frozenset({"worker"})),
     "pylon_router_worker_healthy": ("gauge", frozenset({"worker"})),
     "pylon_router_worker_ejected": ("gauge", frozenset({"worker"})),

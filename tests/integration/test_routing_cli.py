@@ -52,6 +52,18 @@ def without(module: str) -> list[str]:
             ["--routing", "kv", "--worker", KV1, "--tokenizer", "/no/such/dir"],
             "--tokenizer /no/such/dir: no such directory",
         ),
+        (
+            ["--routing", "round-robin", "--workers-file", "/no/such.toml", "--worker", W1],
+            "--workers-file and --worker (or [[worker]] tables in --config) both give",
+        ),
+        (
+            ["--routing", "round-robin", "--workers-file", "/no/such.toml"],
+            "--workers-file /no/such.toml: no such file",
+        ),
+        (
+            ["--routing", "round-robin", "--discover-instances"],
+            "--discover-instances needs --backend dynamo and --upstream",
+        ),
     ],
 )
 def test_routing_refusals_are_one_line(args: list[str], needle: str) -> None:

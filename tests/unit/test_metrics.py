@@ -307,6 +307,7 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
             ("10.0.0.2:7000", "applied"): 9,
             ("10.0.0.2:7000", "unknown_worker"): 1,
         },
+        catalogue_reloads=(3, 1),
     )
 
 

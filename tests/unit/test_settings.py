@@ -248,6 +248,9 @@ TOPIC_FIELDS = {
     ROUTING: (
         "routing",
         "worker",
+        "workers_file",
+        "discover_instances",
+        "workers_file_interval",
         "worker_health_path",
         "worker_health_interval",
         "worker_health_timeout",
