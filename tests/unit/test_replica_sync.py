@@ -324,3 +324,20 @@ def test_any_bytes_are_a_worker_id_or_malformed_never_an_error(
     for candidate in (frames, [TOPIC, body]):
         worker_id = event_worker(candidate)
         assert worker_id is None or (isinstance(worker_id, int) and worker_id >= 0)
+
+
+async def test_a_catalogue_reload_changes_which_workers_the_watch_counts_as_known() -> None:
+    """A worker added by a reload is applied from then on; one removed becomes unknown (the
+    core drops its peers' events too), and the warnings name the new digest."""
+    observer = EventObserver()
+    watch = ReplicaSyncWatch({"peer-b:7100": "tcp://127.0.0.1:1"}, [7], "before", observer)
+    watch.heard("peer-b:7100", sync_message(7))
+    watch.heard("peer-b:7100", sync_message(99))
+    watch.catalogue_changed([99], "after")
+    watch.heard("peer-b:7100", sync_message(99))
+    watch.heard("peer-b:7100", sync_message(7))
+    assert watch.counts[("peer-b:7100", "applied")] == 2
+    assert watch.counts[("peer-b:7100", "unknown_worker")] == 2
+    warnings = await observer.wait_for("replica_sync_dropped", worker="7")
+    assert warnings["digest"] == "after"
+    await watch.aclose()
