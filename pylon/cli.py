@@ -301,6 +301,10 @@ def serve(**kwargs: Any) -> None:
         tokenizer = load_tokenizer(settings)  # loaded once: start() takes this one
     except StartupError as exc:
         _die(str(exc))
+    if settings.processes > 1:
+        del tokenizer  # loaded to refuse one that cannot be; each process loads its own
+        _supervise(settings, early)
+        return
     native = _native_stderr(settings)
     observer = _start_logging(settings)
     import uvloop
@@ -319,6 +323,23 @@ def serve(**kwargs: Any) -> None:
     finally:
         if native is not None:
             native.stop()
+    if status:
+        raise typer.Exit(status)
+
+
+def _supervise(settings: Settings, early: Any) -> None:
+    """`--processes N` (N > 1): the supervisor (`pylon.supervisor`), refusals as one line."""
+    from pylon.startup import StartupError
+    from pylon.supervisor.supervisor import supervise
+
+    observer = _start_logging(settings)
+    try:
+        status = supervise(settings, observer, early)
+    except StartupError as exc:
+        _die(str(exc))
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        _die(f"cannot start: {exc.strerror or exc}{where}")
     if status:
         raise typer.Exit(status)
 

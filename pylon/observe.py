@@ -128,9 +128,14 @@ _WARNING_EVENTS = frozenset(
         "kv_token_data_refused",
         "signal_ignored",
         "tls_self_signed",
+        "process_exited",
+        "processes_killed",
+        "supervisor_gone",
     }
 )
-_ERROR_EVENTS = frozenset({"engine_health_gate_failed", "reload_failed"})
+_ERROR_EVENTS = frozenset(
+    {"engine_health_gate_failed", "reload_failed", "supervisor_halted", "process_start_failed"}
+)
 # The start and stop lines: written at info whatever --log-level says (see pylon.logs).
 LIFECYCLE_EVENTS = frozenset(
     {
@@ -144,6 +149,10 @@ LIFECYCLE_EVENTS = frozenset(
         "drained",
         "reloaded",
         "status_report",
+        "supervisor_started",
+        "process_started",
+        "process_stopped",
+        "stopped",
     }
 )
 _DEBUG_EVENTS = frozenset(

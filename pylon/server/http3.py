@@ -17,6 +17,7 @@ stream cap, the client-certificate request, the peer certificate, the close on r
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -76,6 +77,9 @@ class QuicOptions:
     max_data: int  # bytes: the connection's receive window
     max_stream_data: int  # bytes: each stream's receive window
     retry: bool  # validate client addresses with a QUIC Retry before any handshake
+    # The stateless-reset key every process of one node shares (`pylon.supervisor`); None: one
+    # process, its own.
+    reset_key: bytes | None = None
 
 
 class Http3Protocol(QuicConnectionProtocol):
@@ -482,17 +486,27 @@ class Http3Server:
         # shared configuration switches new handshakes only.
         identity.on_change(lambda _: identity.install_quic(self._configuration))
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(
+        self, host: str, port: int, sock: socket.socket | None = None
+    ) -> tuple[str, int]:
+        """Listen on (host, port), or on `sock`, a UDP socket bound already (a supervised
+        process is handed one, `pylon.supervisor`); returns the bound address."""
         loop = asyncio.get_running_loop()
+
         # No session_ticket_fetcher/handler: no resumption, hence no 0-RTT (replayable) requests.
-        transport, protocol = await loop.create_datagram_endpoint(
-            lambda: QuicServer(
+        def server() -> QuicServer:
+            return QuicServer(
                 configuration=self._configuration,
                 create_protocol=self._create_protocol,
                 retry=self.options.retry,
-            ),
-            local_addr=(host, port),
-        )
+            )
+
+        if sock is not None:
+            transport, protocol = await loop.create_datagram_endpoint(server, sock=sock)
+        else:
+            transport, protocol = await loop.create_datagram_endpoint(
+                server, local_addr=(host, port)
+            )
         self._quic_server = protocol
         bound = transport.get_extra_info("sockname")
         return str(bound[0]), int(bound[1])
