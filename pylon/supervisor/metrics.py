@@ -33,7 +33,9 @@ def merge_expositions(parts: Sequence[tuple[str, str]]) -> str:
     families: dict[str, _Family] = {}
     for process, text in parts:
         current: str | None = None
-        for line in text.splitlines():
+        # Lines end at "\n" only: `splitlines` would also cut at a "\r" (or "\x85", ...)
+        # inside a label value, which the format leaves unescaped.
+        for line in text.split("\n"):
             if not line.strip():
                 continue
             if line.startswith("#"):
