@@ -33,7 +33,8 @@ from typing import Any
 from pylon.listeners import Inherited
 from pylon.signals import EarlySignals
 from pylon.startup import StartupError
-from pylon.supervisor.handover import EXIT_START_REFUSED, READY_MESSAGE, Handover
+from pylon.supervisor.backoff import EXIT_START_REFUSED
+from pylon.supervisor.handover import READY_MESSAGE, Handover
 
 
 def main(argv: list[str] | None = None) -> int:

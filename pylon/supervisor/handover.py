@@ -22,7 +22,6 @@ from pylon.settings import Settings, given_values_only
 
 Role = Literal["pylon", "router"]
 CHILD_MODULE = "pylon.supervisor.child"
-EXIT_START_REFUSED = 2  # as `pylon serve`: the start is refused (the supervisor halts on it)
 READY_MESSAGE = b"ready\n"  # a process to its supervisor, on the control socket: bring-up passed
 
 

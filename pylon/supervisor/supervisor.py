@@ -25,9 +25,8 @@ from pylon.settings import Settings, split_host_port
 from pylon.signals import EarlySignals, Signals
 from pylon.startup import StartupError
 from pylon.supervisor.admin import NodeAdmin, ProcessView
-from pylon.supervisor.backoff import Backoff
+from pylon.supervisor.backoff import EXIT_START_REFUSED, Backoff, halt_status
 from pylon.supervisor.handover import (
-    EXIT_START_REFUSED,
     READY_MESSAGE,
     Handover,
     child_command,
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
 
 STOP_MARGIN = 5.0  # seconds past --shutdown-grace a process gets to exit before SIGKILL
 FORCED_WAIT = 5.0  # seconds a forced process gets to exit before SIGKILL
-EXIT_ENGINE_NOT_READY = 1  # as `pylon serve`: the engine never passed its health gate
 RESET_KEY_BYTES = 32
 
 
@@ -194,7 +192,7 @@ class Supervisor:
             if self._stopping.is_set():
                 self._exited("process_stopped", slot, process.pid, status, uptime, None)
                 return
-            halt = self._halt_status(slot, status)
+            halt = halt_status(status, ever_ready=slot.ever_ready)
             if halt is not None:
                 self._exited("process_exited", slot, process.pid, status, uptime, None)
                 self._halt_node(slot, status, halt)
@@ -261,17 +259,6 @@ class Supervisor:
             if READY_MESSAGE in received:
                 slot.ever_ready = True
                 return
-
-    def _halt_status(self, slot: Slot, status: int) -> int | None:
-        """The exit status that ends the node instead of a restart: a start refused (2: the
-        same refusal would come again, as gunicorn halts on a boot error), or an engine that
-        never passed its health gate before this slot was ever ready (1: as one `pylon serve`
-        would end; later, the engine may come back, and the restart waits for it)."""
-        if status == EXIT_START_REFUSED:
-            return EXIT_START_REFUSED
-        if status == EXIT_ENGINE_NOT_READY and not slot.ever_ready:
-            return EXIT_ENGINE_NOT_READY
-        return None
 
     def _halt_node(self, slot: Slot, status: int | None, halt: int) -> None:
         self._halted = halt

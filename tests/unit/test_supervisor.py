@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from pylon.settings import SettingsError, load_settings
-from pylon.supervisor.backoff import Backoff
+from pylon.supervisor.backoff import Backoff, halt_status
 from pylon.supervisor.handover import Handover, child_command, settings_values
 from pylon.supervisor.metrics import (
     SupervisorCounts,
@@ -53,6 +53,15 @@ def test_every_delay_stays_within_first_and_cap(uptimes: list[float]) -> None:
     backoff = Backoff()
     for uptime in uptimes:
         assert 0.5 <= backoff.after_exit(uptime) <= 30.0
+
+
+def test_a_refused_start_halts_the_node_and_an_unready_engine_only_before_the_first_ready() -> None:
+    assert halt_status(2, ever_ready=False) == 2
+    assert halt_status(2, ever_ready=True) == 2
+    assert halt_status(1, ever_ready=False) == 1
+    assert halt_status(1, ever_ready=True) is None  # the engine may come back
+    for status in (0, 3, 70, 137, -9, -15):  # a crash, a signal, an unasked clean exit
+        assert halt_status(status, ever_ready=False) is None
 
 
 # --- metrics merge --------------------------------------------------------------------------
