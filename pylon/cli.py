@@ -302,8 +302,13 @@ def serve(**kwargs: Any) -> None:
     except StartupError as exc:
         _die(str(exc))
     if settings.processes > 1:
-        del tokenizer  # loaded to refuse one that cannot be; each process loads its own
-        _supervise(settings, early)
+        from pylon.preflight import tokenizer_warnings
+
+        # Loaded to refuse one that cannot be used, and to say once what it will not do; each
+        # process loads its own.
+        warnings = tokenizer_warnings(tokenizer)
+        del tokenizer
+        _supervise(settings, early, warnings)
         return
     native = _native_stderr(settings)
     observer = _start_logging(settings)
@@ -327,14 +332,14 @@ def serve(**kwargs: Any) -> None:
         raise typer.Exit(status)
 
 
-def _supervise(settings: Settings, early: Any) -> None:
+def _supervise(settings: Settings, early: Any, warnings: list[Any]) -> None:
     """`--processes N` (N > 1): the supervisor (`pylon.supervisor`), refusals as one line."""
     from pylon.startup import StartupError
     from pylon.supervisor.supervisor import supervise
 
     observer = _start_logging(settings)
     try:
-        status = supervise(settings, observer, early)
+        status = supervise(settings, observer, early, warnings)
     except StartupError as exc:
         _die(str(exc))
     except OSError as exc:

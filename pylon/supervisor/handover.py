@@ -10,6 +10,7 @@ and the booking authority's socket when there is one.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class Handover:
         """Written 0600 (it names the private key's file and the reset key)."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as handle:
-            handle.write(orjson.dumps(self.__dict__))
+            handle.write(orjson.dumps(dataclasses.asdict(self)))
 
     @classmethod
     def read(cls, path: Path) -> Handover:

@@ -15,12 +15,13 @@ import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pylon.preflight import StartupWarning, config_warnings, insecure_listeners
 from pylon.settings import Settings, split_host_port
 from pylon.signals import EarlySignals, Signals
 from pylon.startup import StartupError
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 STOP_MARGIN = 5.0  # seconds past --shutdown-grace a process gets to exit before SIGKILL
 FORCED_WAIT = 5.0  # seconds a forced process gets to exit before SIGKILL
 RESET_KEY_BYTES = 32
+# A Unix socket's path must fit `sun_path` (108 bytes on Linux, the NUL included).
+MAX_SOCKET_PATH = 107
 
 
 @dataclass(frozen=True)
@@ -76,14 +79,29 @@ def runtime_directory() -> Iterator[Path]:
     the self-signed key and the processes' admin sockets live there."""
     path = Path(tempfile.mkdtemp(prefix="pylon-node-"))
     try:
+        longest = path / "admin-99.sock"
+        if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+            raise StartupError(
+                f"--processes: the runtime directory {path} is too deep for the processes' "
+                "admin sockets (a Unix socket path fits 107 bytes): set TMPDIR shorter"
+            )
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def supervise(settings: Settings, observer: Observer, early: EarlySignals | None = None) -> int:
+def supervise(
+    settings: Settings,
+    observer: Observer,
+    early: EarlySignals | None = None,
+    warnings: Sequence[StartupWarning] = (),
+) -> int:
     """Run the node until a stop signal (or a halt); returns the exit status. The settings
-    were validated and the refusals checked (`pylon.cli.serve`) before this."""
+    were validated and the refusals checked (`pylon.cli.serve`) before this; the start's
+    warnings (`warnings`, the tokenizer's, and the settings' own) are said here, once for the
+    node (its processes do not say them again)."""
+    for warning in [*config_warnings(settings), *warnings, *insecure_listeners(settings)]:
+        observer.process_event(warning.event, **warning.fields)
     with runtime_directory() as runtime:
         node = prepare_node(settings, runtime, observer)
         try:

@@ -504,3 +504,36 @@ def test_a_port_in_use_refuses_the_node_in_one_line() -> None:
     assert result.stderr.strip().splitlines()[-1] == (
         f"pylon: --listen 127.0.0.1:{port}: cannot listen: address already in use"
     )
+
+
+def test_the_starts_warnings_are_said_once_for_the_node() -> None:
+    proc = subprocess.Popen(
+        [
+            *PYLON,
+            "serve",
+            "--processes",
+            "2",
+            "--listen",
+            "0.0.0.0:0",
+            "--quic-max-data",
+            "100000",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    log = NodeLog(proc)
+    try:
+        for process in (0, 1):
+            log.event("ready", timeout=60, process=process)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close(proc)
+    insecure = log.events("insecure_listener")
+    assert [line["listener"] for line in insecure] == ["tcp"]
+    assert "process" not in insecure[0]
+    assert [line["setting"] for line in log.events("setting_ignored")] == ["quic_max_data"]
