@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -48,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "router":
         authority: Any = importlib.import_module("pylon.routing.authority")
         return int(authority.run_authority(handover))
-    return _serve_process(handover, early)
+    return _serve_process(handover, early, args.handover.parent)
 
 
-def _serve_process(handover: Handover, early: EarlySignals) -> int:
+def _serve_process(handover: Handover, early: EarlySignals, runtime: Path) -> int:
     from pylon.logs import configure_logging, flush_logs
     from pylon.observe import LogObserver
 
@@ -67,7 +68,7 @@ def _serve_process(handover: Handover, early: EarlySignals) -> int:
     import uvloop
 
     try:
-        return uvloop.run(_serving(settings, handover, observer, native, early))
+        return uvloop.run(_serving(settings, handover, observer, native, early, runtime))
     except StartupError as exc:
         return _refused(handover, str(exc))
     except OSError as exc:
@@ -100,7 +101,12 @@ def inherited(handover: Handover) -> Inherited:
 
 
 async def _serving(
-    settings: Any, handover: Handover, observer: Any, native: Any, early: EarlySignals
+    settings: Any,
+    handover: Handover,
+    observer: Any,
+    native: Any,
+    early: EarlySignals,
+    runtime: Path,
 ) -> int:
     from pylon.run import serve
 
@@ -110,7 +116,7 @@ async def _serving(
     stop = asyncio.Event()
     control = socket.socket(fileno=handover.control_fd)
     control.setblocking(False)
-    _watch_supervisor(loop, control, stop, observer)
+    _watch_supervisor(loop, control, stop, observer, runtime)
 
     def ready(_address: str) -> None:
         with contextlib.suppress(OSError):  # the supervisor is gone: the watcher stops this
@@ -131,9 +137,14 @@ async def _serving(
 
 
 def _watch_supervisor(
-    loop: asyncio.AbstractEventLoop, control: socket.socket, stop: asyncio.Event, observer: Any
+    loop: asyncio.AbstractEventLoop,
+    control: socket.socket,
+    stop: asyncio.Event,
+    observer: Any,
+    runtime: Path,
 ) -> None:
-    """The control socket's EOF (the supervisor died): the graceful drain."""
+    """The control socket's EOF (the supervisor died): the graceful drain. The supervisor
+    could not remove its runtime directory (it holds the self-signed key): removed here."""
 
     def readable() -> None:
         try:
@@ -149,6 +160,7 @@ def _watch_supervisor(
             observer.process_event(
                 "supervisor_gone", detail="the supervisor exited: draining, then exiting"
             )
+            shutil.rmtree(runtime, ignore_errors=True)
             stop.set()
 
     loop.add_reader(control.fileno(), readable)

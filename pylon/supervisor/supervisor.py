@@ -189,6 +189,7 @@ class Supervisor:
             quic_port=sockets.quic_port,
             admin=admin.address if admin is not None else None,
             pid=os.getpid(),
+            runtime=str(self._node.runtime),
         )
 
     # --- one slot ---

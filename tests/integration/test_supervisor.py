@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -321,6 +322,9 @@ def _gone(pid: int) -> bool:
 
 def test_processes_drain_and_exit_when_their_supervisor_is_killed(node: Node) -> None:
     pids = [node.pid(0), node.pid(1)]
+    runtime = Path(node.log.event("supervisor_started")["runtime"])
+    assert runtime.is_dir() and stat.S_IMODE(runtime.stat().st_mode) == 0o700
+    assert any(runtime.glob("admin-*.sock"))
     node.proc.kill()
     node.proc.wait(timeout=10)
     for process in (0, 1):
@@ -330,6 +334,7 @@ def test_processes_drain_and_exit_when_their_supervisor_is_killed(node: Node) ->
     while not all(_gone(pid) for pid in pids):
         assert time.monotonic() < deadline, "a process outlived its supervisor"
         time.sleep(0.05)
+    assert not runtime.exists()  # the key and the handovers went with them
 
 
 class Streams:
@@ -405,6 +410,7 @@ def test_sigterm_drains_both_processes_with_streams_in_flight(node: Node) -> Non
         assert stopped["exit_code"] == 0
     assert node.log.event("stopped", role="supervisor")["exit_codes"] == [0, 0]
     assert not node.log.events("process_exited")
+    assert not Path(node.log.event("supervisor_started")["runtime"]).exists()
 
 
 def test_a_process_killed_mid_stream_cuts_only_its_streams_and_is_restarted(node: Node) -> None:
