@@ -337,6 +337,50 @@ def test_processes_drain_and_exit_when_their_supervisor_is_killed(node: Node) ->
     assert not runtime.exists()  # the key and the handovers went with them
 
 
+def test_a_quic_connection_stays_on_its_process_while_another_restarts(node: Node) -> None:
+    """The UDP sockets are held across restarts, so the kernel's pick for a live QUIC
+    connection never moves: a request on the same connection after the other process was
+    killed and restarted lands on the same process."""
+
+    async def scenario() -> None:
+        async with asyncio.timeout(90):
+            async with connect(
+                "127.0.0.1",
+                node.quic_port,
+                configuration=client_configuration(idle_timeout=120),
+                create_protocol=H3Client,
+            ) as client:
+                assert isinstance(client, H3Client)
+
+                async def served_by(request_id: str) -> int:
+                    headers = [("x-request-id", request_id), ("x-model", "mock-model")]
+                    response = await client.request(body=chat(), headers=headers, timeout=10)
+                    assert response.status == 200
+                    line = await asyncio.to_thread(
+                        node.log.event, "request_done", request_id=request_id
+                    )
+                    return int(line["process"])
+
+                mine = await served_by("before")
+                other = 1 - mine
+                os.kill(node.pid(other), signal.SIGKILL)
+                restarted = await asyncio.to_thread(
+                    node.log.event, "process_started", 30, process=other, restarts=1
+                )
+                await asyncio.to_thread(
+                    node.log.wait_for,
+                    lambda line: (
+                        line.get("event") == "ready"
+                        and line.get("process") == other
+                        and node.log.lines.index(line) > node.log.lines.index(restarted)
+                    ),
+                    60,
+                )
+                assert await served_by("after") == mine
+
+    asyncio.run(scenario())
+
+
 class Streams:
     """Streaming requests on their own connections, each read on a thread to its end."""
 
