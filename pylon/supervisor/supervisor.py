@@ -225,36 +225,13 @@ class Supervisor:
     async def _spawn(self, slot: Slot) -> tuple[asyncio.subprocess.Process, socket.socket]:
         """Start the slot's process with a fresh TCP socket, the slot's UDP socket and a new
         control socket (its end closed here once the process holds it)."""
-        node = self._node
-        tcp = node.sockets.tcp_for_start()
+        tcp = self._node.sockets.tcp_for_start()
         mine, theirs = socket.socketpair()
-        udp = node.sockets.udp[slot.index] if node.sockets.udp else None
-        if slot.admin_socket is not None:
-            Path(slot.admin_socket).unlink(missing_ok=True)
-        handover = Handover(
-            settings=self._values,
-            process=slot.index,
-            processes=len(self.slots),
-            tcp_fd=tcp.fileno(),
-            udp_fd=udp.fileno() if udp is not None else None,
-            control_fd=theirs.fileno(),
-            admin_socket=slot.admin_socket,
-            tls_cert=str(node.tls_pair[0]) if node.tls_pair else None,
-            tls_key=str(node.tls_pair[1]) if node.tls_pair else None,
-            reset_key=node.reset_key.hex() if node.reset_key else None,
-        )
-        path = node.runtime / f"process-{slot.index}.json"
-        handover.write(path)
-        fds = [tcp.fileno(), theirs.fileno(), *([udp.fileno()] if udp is not None else [])]
         try:
-            process = await asyncio.create_subprocess_exec(
-                *child_command("pylon", path),
-                pass_fds=fds,
-                stdin=asyncio.subprocess.DEVNULL,
-                # Its own process group: a terminal's Ctrl-C reaches the supervisor only, which
-                # forwards one stop (a second would force the process's drain).
-                process_group=0,
-            )
+            process = await self._exec(slot, tcp, theirs)
+        except BaseException:
+            mine.close()
+            raise
         finally:
             tcp.close()
             theirs.close()
@@ -264,6 +241,39 @@ class Supervisor:
             process.send_signal(signal.SIGTERM)
         self._say("process_started", process=slot.index, pid=process.pid, restarts=slot.restarts)
         return process, mine
+
+    async def _exec(
+        self, slot: Slot, tcp: socket.socket, control: socket.socket
+    ) -> asyncio.subprocess.Process:
+        """Write the slot's handover and start its process with `tcp`, the slot's UDP socket
+        and `control`."""
+        node = self._node
+        udp = node.sockets.udp[slot.index] if node.sockets.udp else None
+        if slot.admin_socket is not None:
+            Path(slot.admin_socket).unlink(missing_ok=True)
+        handover = Handover(
+            settings=self._values,
+            process=slot.index,
+            processes=len(self.slots),
+            tcp_fd=tcp.fileno(),
+            udp_fd=udp.fileno() if udp is not None else None,
+            control_fd=control.fileno(),
+            admin_socket=slot.admin_socket,
+            tls_cert=str(node.tls_pair[0]) if node.tls_pair else None,
+            tls_key=str(node.tls_pair[1]) if node.tls_pair else None,
+            reset_key=node.reset_key.hex() if node.reset_key else None,
+        )
+        path = node.runtime / f"process-{slot.index}.json"
+        handover.write(path)
+        fds = [tcp.fileno(), control.fileno(), *([udp.fileno()] if udp is not None else [])]
+        return await asyncio.create_subprocess_exec(
+            *child_command("pylon", path),
+            pass_fds=fds,
+            stdin=asyncio.subprocess.DEVNULL,
+            # Its own process group: a terminal's Ctrl-C reaches the supervisor only, which
+            # forwards one stop (a second would force the process's drain).
+            process_group=0,
+        )
 
     async def _read_control(self, slot: Slot, control: socket.socket) -> None:
         """The process's bring-up passing (`ready`): from then on, the slot has been ready."""
