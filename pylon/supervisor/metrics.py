@@ -122,7 +122,8 @@ class SupervisorCounts:
 
 
 def supervisor_exposition(counts: SupervisorCounts) -> str:
-    """The supervisor's own families, in the text format."""
+    """The supervisor's own families, in the text format. The restart counter is named as
+    the deployment files' alert and dashboard read it (`pylon_process_restarts_total`)."""
     lines = [
         "# HELP pylon_supervisor_processes Pylon processes the supervisor runs (--processes).",
         "# TYPE pylon_supervisor_processes gauge",
@@ -136,11 +137,11 @@ def supervisor_exposition(counts: SupervisorCounts) -> str:
             f'pylon_supervisor_process_up{{process="{i}"}} {int(up)}'
             for i, up in enumerate(counts.up)
         ),
-        "# HELP pylon_supervisor_restarts_total Pylon processes restarted after they exited, "
+        "# HELP pylon_process_restarts_total Pylon processes restarted after they exited, "
         "by reason (exit: with a status; signal: killed by one).",
-        "# TYPE pylon_supervisor_restarts_total counter",
+        "# TYPE pylon_process_restarts_total counter",
         *(
-            f'pylon_supervisor_restarts_total{{reason="{reason}"}} {counts.restarts.get(reason, 0)}'
+            f'pylon_process_restarts_total{{reason="{reason}"}} {counts.restarts.get(reason, 0)}'
             for reason in RESTART_REASONS
         ),
     ]

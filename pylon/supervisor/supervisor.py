@@ -405,7 +405,8 @@ class Supervisor:
             return self._halted
         if signals.forced_by is not None:
             return 128 + signals.forced_by.value
-        return 0 if not killed and all(code == 0 for code in codes) else 1
+        # A slot whose process never started (the stop came first) has nothing to drain.
+        return 0 if not killed and all(code in (0, None) for code in codes) else 1
 
     # --- what the admin reads ---
     def _views(self) -> list[ProcessView]:

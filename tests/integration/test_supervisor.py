@@ -493,7 +493,7 @@ def test_a_process_killed_mid_stream_cuts_only_its_streams_and_is_restarted(node
     done_by = {line["request_id"]: line["process"] for line in node.log.events("request_done")}
     assert not any(done_by.get(rid) == 1 for rid in cut), (cut, done_by)
     metrics = node.metrics()
-    assert metrics[("pylon_supervisor_restarts_total", (("reason", "signal"),))] == 1
+    assert metrics[("pylon_process_restarts_total", (("reason", "signal"),))] == 1
     # The restarted process serves.
     _until_both(
         lambda: node.per_process("pylon_requests_total", transport="http1"),

@@ -187,8 +187,8 @@ def test_the_supervisors_own_families_parse() -> None:
     assert ("pylon_supervisor_processes", (), 2.0) in samples
     assert ("pylon_supervisor_processes_up", (), 1.0) in samples
     assert ("pylon_supervisor_process_up", (("process", "1"),), 0.0) in samples
-    assert ("pylon_supervisor_restarts_total", (("reason", "signal"),), 1.0) in samples
-    assert ("pylon_supervisor_restarts_total", (("reason", "exit"),), 0.0) in samples
+    assert ("pylon_process_restarts_total", (("reason", "signal"),), 1.0) in samples
+    assert ("pylon_process_restarts_total", (("reason", "exit"),), 0.0) in samples
 
 
 # --- handover -------------------------------------------------------------------------------
