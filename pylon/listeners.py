@@ -43,6 +43,9 @@ class Inherited:
     admin_socket: str | None = None  # the Unix socket to serve the admin on (no TCP admin)
     tls_pair: tuple[Path, Path] | None = None  # the supervisor's self-signed cert and key
     reset_key: bytes | None = None  # the QUIC stateless-reset key of the whole node
+    # The node's booking authority (`pylon.routing.authority`), when one runs: routing books
+    # there (`build_routing(..., authority=)`) instead of in this process alone.
+    booking_socket: Path | None = None
 
 
 TCP_BACKLOG = 2048

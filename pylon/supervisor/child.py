@@ -47,9 +47,47 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handover = Handover.read(args.handover)
     if args.role == "router":
-        authority: Any = importlib.import_module("pylon.routing.authority")
-        return int(authority.run_authority(handover))
+        return _serve_authority(handover, early, args.handover.parent)
     return _serve_process(handover, early, args.handover.parent)
+
+
+def _serve_authority(handover: Handover, early: EarlySignals, runtime: Path) -> int:
+    """Role "router": the node's booking authority on `handover.booking_socket`, until a stop
+    signal or the supervisor's death. Wired to `pylon.routing.authority.run_authority(options,
+    socket_path, observer, stop)`, imported by name: that module comes with the booking
+    authority's branch, and this role is started by nobody until it is merged."""
+    from pylon.assemble import routing_options
+    from pylon.logs import configure_logging, flush_logs
+    from pylon.observe import LogObserver
+    from pylon.signals import STOP
+
+    settings = handover.rebuild_settings()
+    configure_logging(settings.log_format, settings.log_level, process=handover.process)
+    observer = LogObserver()
+    assert handover.booking_socket is not None, "a router is started with its socket's path"
+    authority: Any = importlib.import_module("pylon.routing.authority")
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in STOP:
+            loop.add_signal_handler(sig, stop.set)
+        if any(sig in STOP for sig in early.take()):
+            stop.set()  # a stop before the loop's handlers: the authority stops at once
+        control = socket.socket(fileno=handover.control_fd)
+        control.setblocking(False)
+        _watch_supervisor(loop, control, stop, observer, runtime)
+        await authority.run_authority(
+            routing_options(settings), Path(str(handover.booking_socket)), observer, stop
+        )
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except StartupError as exc:
+        return _refused(handover, str(exc))
+    finally:
+        flush_logs()
 
 
 def _serve_process(handover: Handover, early: EarlySignals, runtime: Path) -> int:
@@ -97,6 +135,7 @@ def inherited(handover: Handover) -> Inherited:
         admin_socket=handover.admin_socket,
         tls_pair=tls_pair,
         reset_key=bytes.fromhex(handover.reset_key) if handover.reset_key else None,
+        booking_socket=Path(handover.booking_socket) if handover.booking_socket else None,
     )
 
 
