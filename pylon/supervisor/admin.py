@@ -44,7 +44,7 @@ class NodeAdmin:
     def __init__(
         self,
         views: Callable[[], Sequence[ProcessView]],
-        counts: Callable[[], SupervisorCounts],
+        counts: Callable[[Sequence[bool]], SupervisorCounts],
     ) -> None:
         self._views = views
         self._counts = counts
@@ -99,7 +99,8 @@ class NodeAdmin:
             for view, answer in zip(views, answers, strict=True)
             if answer is not None and answer.status == 200
         ]
-        text = merge_expositions(parts) + supervisor_exposition(self._counts())
+        scraped = [answer is not None and answer.status == 200 for answer in answers]
+        text = merge_expositions(parts) + supervisor_exposition(self._counts(scraped))
         response = web.Response(body=text.encode())
         response.headers["content-type"] = TEXT_FORMAT
         return response

@@ -119,6 +119,7 @@ class SupervisorCounts:
     configured: int  # --processes
     up: Sequence[bool]  # per process slot: running now
     restarts: Mapping[str, int]  # by reason: exit (a status) or signal (killed by one)
+    scraped: Sequence[bool] = ()  # per process slot: its exposition is in this answer
 
 
 def supervisor_exposition(counts: SupervisorCounts) -> str:
@@ -136,6 +137,13 @@ def supervisor_exposition(counts: SupervisorCounts) -> str:
         *(
             f'pylon_supervisor_process_up{{process="{i}"}} {int(up)}'
             for i, up in enumerate(counts.up)
+        ),
+        "# HELP pylon_supervisor_process_scraped Whether this answer holds each process's own "
+        "metrics (0: not running, or it did not answer within the deadline).",
+        "# TYPE pylon_supervisor_process_scraped gauge",
+        *(
+            f'pylon_supervisor_process_scraped{{process="{i}"}} {int(ok)}'
+            for i, ok in enumerate(counts.scraped)
         ),
         "# HELP pylon_process_restarts_total Pylon processes restarted after they exited, "
         "by reason (exit: with a status; signal: killed by one).",

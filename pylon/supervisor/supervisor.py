@@ -412,11 +412,12 @@ class Supervisor:
     def _views(self) -> list[ProcessView]:
         return [ProcessView(slot.index, slot.running, slot.admin_socket) for slot in self.slots]
 
-    def counts(self) -> SupervisorCounts:
+    def counts(self, scraped: Sequence[bool] = ()) -> SupervisorCounts:
         return SupervisorCounts(
             configured=len(self.slots),
             up=[slot.running for slot in self.slots],
             restarts=dict(self.restarts),
+            scraped=scraped,
         )
 
 

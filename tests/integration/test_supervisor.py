@@ -293,6 +293,8 @@ def test_two_processes_serve_every_transport_on_one_port_pair_with_one_certifica
     assert metrics[("pylon_supervisor_processes", ())] == 2
     assert metrics[("pylon_supervisor_processes_up", ())] == 2
     assert metrics[("pylon_ready", (("process", "0"),))] == 1
+    for process in ("0", "1"):
+        assert metrics[("pylon_supervisor_process_scraped", (("process", process),))] == 1
     assert httpx.get(f"{node.admin}/live", timeout=10).status_code == 200
     ready = httpx.get(f"{node.admin}/ready", timeout=10)
     assert ready.status_code == 200 and ready.json()["not_ready"] == []

@@ -181,12 +181,15 @@ def test_the_merge_holds_every_sample_of_every_process_and_nothing_else(
 
 def test_the_supervisors_own_families_parse() -> None:
     text = supervisor_exposition(
-        SupervisorCounts(configured=2, up=[True, False], restarts={"signal": 1})
+        SupervisorCounts(
+            configured=2, up=[True, False], restarts={"signal": 1}, scraped=[True, False]
+        )
     )
     samples = _parsed(text)
     assert ("pylon_supervisor_processes", (), 2.0) in samples
     assert ("pylon_supervisor_processes_up", (), 1.0) in samples
     assert ("pylon_supervisor_process_up", (("process", "1"),), 0.0) in samples
+    assert ("pylon_supervisor_process_scraped", (("process", "0"),), 1.0) in samples
     assert ("pylon_process_restarts_total", (("reason", "signal"),), 1.0) in samples
     assert ("pylon_process_restarts_total", (("reason", "exit"),), 0.0) in samples
 
