@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
+from pylon.listeners import host_port
 from pylon.startup import cannot_listen
 
 
@@ -52,7 +53,7 @@ class NodeSockets:
         try:
             return _reuseport(socket.SOCK_STREAM, self.tcp_host, self.tcp_port)
         except OSError as exc:
-            raise cannot_listen("--listen", f"{self.tcp_host}:{self.tcp_port}", exc) from None
+            raise cannot_listen("--listen", host_port(self.tcp_host, self.tcp_port), exc) from None
 
     @property
     def quic_port(self) -> int | None:
@@ -73,7 +74,7 @@ def bind_node(
     try:
         placeholder = _reuseport(socket.SOCK_STREAM, host, port)
     except OSError as exc:
-        raise cannot_listen("--listen", f"{host}:{port}", exc) from None
+        raise cannot_listen("--listen", host_port(host, port), exc) from None
     node = NodeSockets(host, int(placeholder.getsockname()[1]), placeholder)
     if quic_listen is None:
         return node
@@ -84,5 +85,5 @@ def bind_node(
             quic_port = int(node.udp[0].getsockname()[1])  # `:0`: the first bind's port
     except OSError as exc:
         node.close()
-        raise cannot_listen("--quic-listen", f"{quic_host}:{quic_listen[1]}", exc) from None
+        raise cannot_listen("--quic-listen", host_port(*quic_listen), exc) from None
     return node

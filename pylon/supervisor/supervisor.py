@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pylon.listeners import host_port, publish_self_signed
 from pylon.preflight import StartupWarning, config_warnings, insecure_listeners
 from pylon.settings import Settings, split_host_port
 from pylon.signals import EarlySignals, Signals
@@ -123,7 +124,6 @@ def prepare_node(settings: Settings, runtime: Path, observer: Observer) -> Node:
 
 
 def _self_signed_pair(settings: Settings, runtime: Path, observer: Observer) -> tuple[Path, Path]:
-    from pylon.listeners import publish_self_signed
     from pylon.tls import TlsIdentity
 
     identity = TlsIdentity.from_paths(None, None, settings.tls_client_ca, observer.process_event)
@@ -185,7 +185,7 @@ class Supervisor:
         self._say(
             "supervisor_started",
             processes=len(self.slots),
-            address=f"{sockets.tcp_host}:{sockets.tcp_port}",
+            address=host_port(sockets.tcp_host, sockets.tcp_port),
             quic_port=sockets.quic_port,
             admin=admin.address if admin is not None else None,
             pid=os.getpid(),
