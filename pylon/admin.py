@@ -393,6 +393,17 @@ class AdminServer:
         self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
         return self.address
 
+    async def start_unix(self, path: str) -> str:
+        """Listen on the Unix socket `path` instead (a supervised process: its supervisor
+        scrapes it, `pylon.supervisor`; the directory keeps it to the supervisor's user)."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_unix_server(lambda: AdminConnection(self), path)
+        except OSError as exc:
+            raise cannot_listen("--admin-listen", path, exc) from None
+        self.address = path
+        return path
+
     def close(self) -> None:
         if self._server is not None:
             self._server.close()

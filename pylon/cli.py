@@ -301,6 +301,15 @@ def serve(**kwargs: Any) -> None:
         tokenizer = load_tokenizer(settings)  # loaded once: start() takes this one
     except StartupError as exc:
         _die(str(exc))
+    if settings.processes > 1:
+        from pylon.preflight import tokenizer_warnings
+
+        # Loaded to refuse one that cannot be used, and to say once what it will not do; each
+        # process loads its own.
+        warnings = tokenizer_warnings(tokenizer)
+        del tokenizer
+        _supervise(settings, early, warnings)
+        return
     native = _native_stderr(settings)
     observer = _start_logging(settings)
     import uvloop
@@ -319,6 +328,23 @@ def serve(**kwargs: Any) -> None:
     finally:
         if native is not None:
             native.stop()
+    if status:
+        raise typer.Exit(status)
+
+
+def _supervise(settings: Settings, early: Any, warnings: list[Any]) -> None:
+    """`--processes N` (N > 1): the supervisor (`pylon.supervisor`), refusals as one line."""
+    from pylon.startup import StartupError
+    from pylon.supervisor.supervisor import supervise
+
+    observer = _start_logging(settings)
+    try:
+        status = supervise(settings, observer, early, warnings)
+    except StartupError as exc:
+        _die(str(exc))
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        _die(f"cannot start: {exc.strerror or exc}{where}")
     if status:
         raise typer.Exit(status)
 

@@ -2,11 +2,17 @@
 (`--admin-listen`), the TCP listener (HTTP/1.1 and HTTP/2 on one port, TLS with `--tls-cert`)
 and the QUIC listener (HTTP/3, `--quic-listen`), with the one hot-reloaded TLS identity they
 share and the TCP listener's open connections (so a drain can wait for them).
+
+A supervised process (`pylon serve --processes N`, `pylon.supervisor`) binds nothing itself: it
+adopts the sockets its supervisor bound (`Inherited`), serves its admin on a Unix socket, and
+presents the supervisor's one certificate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import socket
 import ssl
 import weakref
 from collections.abc import Callable
@@ -26,6 +32,23 @@ if TYPE_CHECKING:
     from pylon.observe import Observer
     from pylon.server.http3 import Http3Server
     from pylon.tls import TlsIdentity
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """What a supervised process is handed instead of binding (`pylon.supervisor`)."""
+
+    tcp: socket.socket  # bound with SO_REUSEPORT, not listening yet: `listen` happens here
+    udp: socket.socket | None = None  # bound with SO_REUSEPORT; with --quic-listen
+    admin_socket: str | None = None  # the Unix socket to serve the admin on (no TCP admin)
+    tls_pair: tuple[Path, Path] | None = None  # the supervisor's self-signed cert and key
+    reset_key: bytes | None = None  # the QUIC stateless-reset key of the whole node
+    # The node's booking authority (`pylon.routing.authority`), when one runs: routing books
+    # there (`build_routing(..., authority=)`) instead of in this process alone.
+    booking_socket: Path | None = None
+
+
+TCP_BACKLOG = 2048
 
 
 class LiveConnections:
@@ -101,57 +124,73 @@ class Listeners:
             self.h3.close_connections()
 
 
-async def start_listeners(settings: Settings, core: Core, stack: AsyncExitStack) -> Listeners:
+async def start_listeners(
+    settings: Settings, core: Core, stack: AsyncExitStack, inherited: Inherited | None = None
+) -> Listeners:
     """Every listener of `settings`, each closed by `stack`. The admin listener first, so that
-    /live and /ready answer (not ready yet) while the rest starts."""
-    admin, admin_address = await start_admin(settings, core, stack)
-    identity = tls_identity(settings, stack, core.observer)
+    /live and /ready answer (not ready yet) while the rest starts. `inherited`: the sockets
+    and identity a supervisor handed this process (`pylon.supervisor`)."""
+    admin, admin_address = await start_admin(settings, core, stack, inherited)
+    identity = tls_identity(settings, stack, core.observer, inherited)
     live = LiveConnections()
-    server, address, tls = await start_tcp(settings, core, live, identity, stack)
+    server, address, tls = await start_tcp(settings, core, live, identity, stack, inherited)
     listeners = Listeners(address, f"{'https' if tls else 'http'}://{address}", live, server)
     listeners.admin, listeners.admin_address = admin, admin_address
     listeners.identity = identity
     if settings.quic_listen is not None:
         assert identity is not None
-        listeners.h3, listeners.quic_address = await start_quic(settings, core, stack, identity)
+        listeners.h3, listeners.quic_address = await start_quic(
+            settings, core, stack, identity, inherited
+        )
     return listeners
 
 
 async def start_admin(
-    settings: Settings, core: Core, stack: AsyncExitStack
+    settings: Settings, core: Core, stack: AsyncExitStack, inherited: Inherited | None = None
 ) -> tuple[AdminServer | None, str | None]:
-    """The admin listener (`--admin-listen`), unless it is disabled; a bind failure refuses
-    the start (`StartupError`)."""
+    """The admin listener (`--admin-listen`, or the Unix socket a supervisor gave), unless it
+    is disabled; a bind failure refuses the start (`StartupError`)."""
     if core.metrics is None:
         return None, None
     from pylon.admin import AdminRoutes, AdminServer
 
     admin = AdminServer(AdminRoutes(core.lifecycle, core.metrics.registry))
-    address = await admin.start(settings.admin_listen)
+    if inherited is not None and inherited.admin_socket is not None:
+        address = await admin.start_unix(inherited.admin_socket)
+    else:
+        address = await admin.start(settings.admin_listen)
     stack.callback(admin.close)
     return admin, address
 
 
 def tls_identity(
-    settings: Settings, stack: AsyncExitStack, observer: Observer
+    settings: Settings,
+    stack: AsyncExitStack,
+    observer: Observer,
+    inherited: Inherited | None = None,
 ) -> TlsIdentity | None:
     """One hot-reloaded identity for every TLS listener (TCP with a certificate, and QUIC); it
-    reports its loads and reloads to `observer` as process events."""
+    reports its loads and reloads to `observer` as process events. A supervised process
+    without --tls-cert presents its supervisor's self-signed pair (published by the supervisor)."""
     if settings.tls_cert is None and settings.quic_listen is None:
         return None
     from pylon.tls import TlsIdentity
 
+    if settings.tls_cert is None and inherited is not None and inherited.tls_pair is not None:
+        return TlsIdentity.shared(
+            *inherited.tls_pair, settings.tls_client_ca, observer.process_event
+        )
     identity = TlsIdentity.from_paths(
         settings.tls_cert, settings.tls_key, settings.tls_client_ca, observer.process_event
     )
     if identity.current.source == "self-signed":
-        _publish_self_signed(identity, settings.tls_self_signed_cert_file, observer)
+        publish_self_signed(identity, settings.tls_self_signed_cert_file, observer)
     reloader = asyncio.create_task(identity.watch(settings.tls_reload_interval))
     stack.callback(reloader.cancel)
     return identity
 
 
-def _publish_self_signed(identity: TlsIdentity, path: Path | None, observer: Observer) -> None:
+def publish_self_signed(identity: TlsIdentity, path: Path | None, observer: Observer) -> None:
     """A certificate generated at start (a new one at every start) is of use to a client only
     if it can trust it: written to `--tls-self-signed-cert-file`, and said, with its SHA-256,
     in a warning (a production node gives --tls-cert and --tls-key)."""
@@ -182,22 +221,25 @@ async def start_tcp(
     live: LiveConnections,
     identity: TlsIdentity | None,
     stack: AsyncExitStack,
+    inherited: Inherited | None = None,
 ) -> tuple[asyncio.AbstractServer, str, bool]:
     """The TCP listener, TLS with `--tls-cert`: the server, its bound host:port, and whether
-    it speaks TLS."""
+    it speaks TLS. With `inherited`, on the socket the supervisor bound."""
     context = None
     if settings.tls_cert is not None and identity is not None:
         context = tcp_ssl_context(identity)
     host, port = settings.listen_host_port
+    loop = asyncio.get_running_loop()
+    factory = tcp_protocol_factory(core, live)
     try:
-        server = await asyncio.get_running_loop().create_server(
-            tcp_protocol_factory(core, live),
-            host,
-            port,
-            reuse_address=True,
-            backlog=2048,
-            ssl=context,
-        )
+        if inherited is not None:
+            server = await loop.create_server(
+                factory, sock=inherited.tcp, backlog=TCP_BACKLOG, ssl=context
+            )
+        else:
+            server = await loop.create_server(
+                factory, host, port, reuse_address=True, backlog=TCP_BACKLOG, ssl=context
+            )
     except OSError as exc:
         raise cannot_listen("--listen", settings.listen, exc) from None
     stack.callback(server.close)
@@ -237,15 +279,25 @@ def tcp_ssl_context(identity: TlsIdentity) -> ssl.SSLContext:
 
 
 async def start_quic(
-    settings: Settings, core: Core, stack: AsyncExitStack, identity: TlsIdentity
+    settings: Settings,
+    core: Core,
+    stack: AsyncExitStack,
+    identity: TlsIdentity,
+    inherited: Inherited | None = None,
 ) -> tuple[Http3Server, str]:
-    """The HTTP/3 listener (direct tunnel mode), with its hot-reloaded TLS identity."""
+    """The HTTP/3 listener (direct tunnel mode), with its hot-reloaded TLS identity; with
+    `inherited`, on the supervisor's UDP socket and with the node's stateless-reset key."""
     from pylon.server.http3 import Http3Server
 
     assert settings.quic_listen is not None
-    h3 = Http3Server(core.ingress, identity, quic_options(settings))
+    options = quic_options(settings)
+    sock = None
+    if inherited is not None:
+        options = dataclasses.replace(options, reset_key=inherited.reset_key)
+        sock = inherited.udp
+    h3 = Http3Server(core.ingress, identity, options)
     try:
-        host, port = await h3.start(*split_host_port(settings.quic_listen))
+        host, port = await h3.start(*split_host_port(settings.quic_listen), sock=sock)
     except OSError as exc:
         raise cannot_listen("--quic-listen", settings.quic_listen, exc) from None
     stack.callback(h3.close)

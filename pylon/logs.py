@@ -96,11 +96,14 @@ def flush_logs() -> None:
         _CORKED.flush()
 
 
-def configure_logging(log_format: str, log_level: str) -> None:
+def configure_logging(log_format: str, log_level: str, process: int | None = None) -> None:
+    """`process`: a supervised process's index (`pylon serve --processes N`), on every line."""
     processors: list[Any] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    if process is not None:
+        processors.insert(0, _ProcessField(process))
     global _CORKED
     factory: Any
     stream = getattr(sys.stderr, "buffer", None)
@@ -130,6 +133,19 @@ def configure_logging(log_format: str, log_level: str) -> None:
         logger_factory=factory,
         cache_logger_on_first_use=True,
     )
+
+
+class _ProcessField:
+    """Adds `process` to every line (a supervised process's index)."""
+
+    __slots__ = ("_process",)
+
+    def __init__(self, process: int) -> None:
+        self._process = process
+
+    def __call__(self, _logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+        event.setdefault("process", self._process)
+        return event
 
 
 def get_logger(**bound: Any) -> Any:

@@ -130,9 +130,14 @@ _WARNING_EVENTS = frozenset(
         "replica_sync_dropped",
         "signal_ignored",
         "tls_self_signed",
+        "process_exited",
+        "processes_killed",
+        "supervisor_gone",
     }
 )
-_ERROR_EVENTS = frozenset({"engine_health_gate_failed", "reload_failed"})
+_ERROR_EVENTS = frozenset(
+    {"engine_health_gate_failed", "reload_failed", "supervisor_halted", "process_start_failed"}
+)
 # The start and stop lines: written at info whatever --log-level says (see pylon.logs).
 LIFECYCLE_EVENTS = frozenset(
     {
@@ -146,6 +151,10 @@ LIFECYCLE_EVENTS = frozenset(
         "drained",
         "reloaded",
         "status_report",
+        "supervisor_started",
+        "process_started",
+        "process_stopped",
+        "stopped",
     }
 )
 _DEBUG_EVENTS = frozenset(

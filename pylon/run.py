@@ -21,7 +21,7 @@ from pylon.auth import TokenFileError
 from pylon.bringup import BringUp, BringUpOptions, EngineNotReady, EngineWatch, bring_up
 from pylon.core.upstream import Upstream
 from pylon.lifecycle import NOT_READY_NO_WORKER
-from pylon.listeners import Listeners, start_listeners
+from pylon.listeners import Inherited, Listeners, start_listeners
 from pylon.observe import LogObserver, Observer
 from pylon.preflight import (
     check_files,
@@ -175,6 +175,7 @@ async def start(
     wait_ready: bool = True,
     tokenizer: Tokenizer | None = None,
     routing: Routing | None = None,
+    inherited: Inherited | None = None,
 ) -> AsyncIterator[Running]:
     """Start every listener of `settings`, then bring the engine up; exiting the context
     closes everything at once.
@@ -188,9 +189,13 @@ async def start(
     requests get `503 not_ready` until `running.ready` is done).
     `tokenizer`: `--tokenizer` already loaded (`pylon serve` loads it before logging starts);
     None loads it here. Either way it is loaded once, and handed down from here.
+    `inherited`: a supervised process's sockets and identity (`pylon.supervisor`); its
+    supervisor said the start's warnings once for the node, so they are not said here again.
     """
     observer = observer or LogObserver()
-    tokenizer = _preflight(settings, observer, tokenizer, prebuilt=routing is not None)
+    tokenizer = _preflight(
+        settings, observer, tokenizer, prebuilt=routing is not None, warn=inherited is None
+    )
     async with AsyncExitStack() as stack:
         if routing is None and settings.routing != "off" and router is None:
             routing = await build_routing(routing_options(settings), observer, tokenizer=tokenizer)
@@ -209,10 +214,10 @@ async def start(
         )
         _close_with(stack, settings, core, routing, observer)
         _follow_readiness(core, routing)
-        listeners = await start_listeners(settings, core, stack)
+        listeners = await start_listeners(settings, core, stack, inherited)
         if listeners.admin is not None and routing is not None:
             listeners.admin.routes.workers = routing.workers_report
-        _announce(settings, listeners, upstream, observer, routing)
+        _announce(settings, listeners, upstream, observer, routing, warn=inherited is None)
         ready, engine = _start_bring_up(bring_up_options(settings), core, upstream, routing, stack)
         running = Running(core, upstream, listeners, ready, engine, routing)
         if wait_ready:
@@ -224,10 +229,16 @@ async def start(
 
 
 def _preflight(
-    settings: Settings, observer: Observer, tokenizer: Tokenizer | None, *, prebuilt: bool
+    settings: Settings,
+    observer: Observer,
+    tokenizer: Tokenizer | None,
+    *,
+    prebuilt: bool,
+    warn: bool = True,
 ) -> Tokenizer | None:
     """Refuse what cannot work (`StartupError`) before anything starts, report what will not
-    do what it says, and return the `--tokenizer` (loaded here unless it is given).
+    do what it says (unless not `warn`), and return the `--tokenizer` (loaded here unless it
+    is given).
 
     `prebuilt`: the routing parts come built (tests), with their own core and tokenizer."""
     check_files(settings)
@@ -236,8 +247,9 @@ def _preflight(
         check_routing(settings)
         if tokenizer is None:
             tokenizer = load_tokenizer(settings)
-    for warning in [*config_warnings(settings), *tokenizer_warnings(tokenizer)]:
-        observer.process_event(warning.event, **warning.fields)
+    if warn:
+        for warning in [*config_warnings(settings), *tokenizer_warnings(tokenizer)]:
+            observer.process_event(warning.event, **warning.fields)
     return tokenizer
 
 
@@ -331,6 +343,8 @@ def _announce(
     upstream: str,
     observer: Observer,
     routing: Routing | None,
+    *,
+    warn: bool,
 ) -> None:
     """Said once every listener is up, so that a refusal stays alone on its line."""
     if listeners.admin_address is not None:
@@ -351,8 +365,9 @@ def _announce(
             else {}
         ),
     )
-    for warning in insecure_listeners(settings):
-        observer.process_event(warning.event, **warning.fields)
+    if warn:
+        for warning in insecure_listeners(settings):
+            observer.process_event(warning.event, **warning.fields)
 
 
 def _start_bring_up(
@@ -474,6 +489,7 @@ async def serve(
     force: asyncio.Event | None = None,
     tokenizer: Tokenizer | None = None,
     early: EarlySignals | None = None,
+    inherited: Inherited | None = None,
 ) -> int:
     """Run pylon until `stop` is set or SIGINT/SIGTERM/SIGQUIT arrives, then stop gracefully
     (what every other signal does: `pylon.signals`).
@@ -481,13 +497,16 @@ async def serve(
     A second signal during the drain (or `force`) ends what still runs at once. Returns the
     exit status: 0 after a graceful stop, 128 + the signal's number after a forced one (1 when
     `force` was set without a signal). `early`: the signals held since the command started,
-    acted on once the loop's handlers are in (`pylon.signals.EarlySignals`).
+    acted on once the loop's handlers are in (`pylon.signals.EarlySignals`). `inherited`: a
+    supervised process's sockets (`pylon.supervisor`).
     """
     observer = observer or LogObserver()
     signals = Signals(stop or asyncio.Event(), force or asyncio.Event(), observer.process_event)
     # Handled before the listeners start: a signal during the start stops it too.
     with signals.handled(early) if handle_signals else nullcontext():
-        async with start(settings, observer, wait_ready=False, tokenizer=tokenizer) as running:
+        async with start(
+            settings, observer, wait_ready=False, tokenizer=tokenizer, inherited=inherited
+        ) as running:
             signals.on_reload = running.reload
             signals.on_report = running.report
             if await _ready_unless_stopped(running.ready, signals.stop):

@@ -241,6 +241,29 @@ class TlsIdentity:
         )
         return identity
 
+    @classmethod
+    def shared(
+        cls,
+        cert_path: Path,
+        key_path: Path,
+        client_ca: Path | None = None,
+        report: Report | None = None,
+    ) -> TlsIdentity:
+        """The self-signed pair a supervisor generated once for all its processes
+        (`pylon.supervisor`), so each presents the same certificate. Not watched: the pair
+        lives as long as the supervisor."""
+        material = load_material(cert_path, key_path)
+        material = parse_material(material.cert_pem, material.key_pem, source="self-signed")
+        identity = cls(material, None, None, client_ca, report)
+        identity._report(
+            "tls_identity_loaded",
+            source=material.source,
+            fingerprint_sha256=material.fingerprint,
+            not_after=material.not_after.isoformat(),
+            client_ca=str(client_ca) if client_ca else None,
+        )
+        return identity
+
     @property
     def current(self) -> TlsMaterial:
         return self._material

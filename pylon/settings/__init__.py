@@ -28,7 +28,7 @@ from pylon.settings.load import (
 )
 from pylon.settings.model import Settings
 from pylon.settings.routing import WORKER_ENV_SEPARATOR, RoutingMode, WorkerSetting
-from pylon.settings.sources import ENV_PREFIX
+from pylon.settings.sources import ENV_PREFIX, given_values_only
 from pylon.settings.topics import (
     BRINGUP,
     ENGINE,
@@ -87,6 +87,7 @@ __all__ = [
     "check_otlp_protocol",
     "closest_setting",
     "describe_error",
+    "given_values_only",
     "group",
     "load_settings",
     "read_config_file",

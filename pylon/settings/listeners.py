@@ -45,6 +45,14 @@ class ListenerSettings(BaseModel):
         "empty = no admin listener and no metrics",
         json_schema_extra=group(LISTENERS, "HOST:PORT"),
     )
+    processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="pylon processes sharing the listeners (SO_REUSEPORT) under one "
+        "supervisor that owns the admin listener; 1 = one process, no supervisor",
+        json_schema_extra=group(LISTENERS),
+    )
 
     @field_validator("listen")
     @classmethod

@@ -18,6 +18,20 @@ ENV_PREFIX = "PYLON_"
 
 # Set only by `config_file_values`, for the duration of one construction.
 _FILE_VALUES: ContextVar[Mapping[str, Any] | None] = ContextVar("file_values", default=None)
+# Set only by `given_values_only`: the values passed in are the only source.
+_GIVEN_ONLY: ContextVar[bool] = ContextVar("given_only", default=False)
+
+
+@contextmanager
+def given_values_only() -> Iterator[None]:
+    """While a `Settings` is built: no environment and no config file, only the values passed
+    in (a supervised process rebuilds the supervisor's settings from its handover, and must
+    not read its own environment: the supervisor validated them once, `pylon.supervisor`)."""
+    token = _GIVEN_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _GIVEN_ONLY.reset(token)
 
 
 @contextmanager
@@ -36,6 +50,8 @@ def ranked_sources(
     env_settings: PydanticBaseSettingsSource,
 ) -> tuple[PydanticBaseSettingsSource, ...]:
     """The sources in precedence order (flags are `init_settings`); no dotenv or secrets dir."""
+    if _GIVEN_ONLY.get():
+        return (init_settings,)
     sources: list[PydanticBaseSettingsSource] = [
         init_settings,
         env_settings,

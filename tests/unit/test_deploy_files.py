@@ -365,8 +365,20 @@ def exposed_series() -> dict[str, set[str]]:
     return series
 
 
-# Exported by the `--processes N` supervisor (issue 18), once it lands: (name -> its labels).
-PENDING: dict[str, set[str]] = {"pylon_process_restarts_total": set()}
+def supervisor_series() -> dict[str, set[str]]:
+    """The `--processes N` supervisor's own families (its exposition, parsed), name -> labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pylon.supervisor.metrics import SupervisorCounts, supervisor_exposition
+
+    text = supervisor_exposition(SupervisorCounts(2, (True, False), {"exit": 1, "signal": 2}))
+    return {
+        sample.name: set(sample.labels)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 TARGET_LABELS = {"job", "instance"}  # Prometheus adds them at scrape time
 _METRIC = re.compile(r"\bpylon_[a-z0-9_]+\b")
 _SELECTOR = re.compile(r"\b(pylon_[a-z0-9_]+)\s*\{([^}]*)\}")
@@ -376,7 +388,9 @@ _LEGEND = re.compile(r"\{\{\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\}\}")
 
 
 def known_series() -> dict[str, set[str]]:
-    return {**exposed_series(), **{k: v for k, v in PENDING.items() if k not in exposed_series()}}
+    # With --processes N the supervisor's scrape labels every process's sample `process`.
+    processes = {name: {*labels, "process"} for name, labels in exposed_series().items()}
+    return {**processes, **supervisor_series()}
 
 
 def metric_problems(text: str) -> list[str]:

@@ -11,7 +11,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "import_graph.py"
 # The process layer: Settings in, each component's options and parts out (and the checks on
 # Settings before anything starts).
-READS_SETTINGS = {"pylon.assemble", "pylon.listeners", "pylon.run", "pylon.preflight", "pylon.cli"}
+READS_SETTINGS = {
+    "pylon.assemble",
+    "pylon.listeners",
+    "pylon.run",
+    "pylon.preflight",
+    "pylon.cli",
+    # `--processes N`: the supervisor, and the handover that carries the settings to a process.
+    "pylon.supervisor.supervisor",
+    "pylon.supervisor.handover",
+}
 
 
 def import_graph(*args: str | Path) -> subprocess.CompletedProcess[str]:

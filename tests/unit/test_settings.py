@@ -229,7 +229,7 @@ def test_every_setting_has_a_topic_and_a_description() -> None:
 
 # Each topic's settings in the order `pylon serve --help` and docs/operations.md list them.
 TOPIC_FIELDS = {
-    LISTENERS: ("listen", "quic_listen", "admin_listen"),
+    LISTENERS: ("listen", "quic_listen", "admin_listen", "processes"),
     ENGINE: (
         "upstream",
         "backend",
