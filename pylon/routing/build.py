@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pylon.core.upstream import Upstream
@@ -130,15 +131,20 @@ async def build_routing(
     *,
     tokenizer: PromptTokenizer | None = None,
     native: NativeFactory | None = None,
+    authority: Path | None = None,
 ) -> Routing:
     """The routing parts for `options.mode`.
 
     `tokenizer`: for `kv`, the loaded `--tokenizer` (or a test's stand-in); `native`: for `kv`,
     a factory of the native selection service instead of Dynamo's (tests).
+    `authority`: the Unix socket of the node's booking authority (`pylon.routing.authority`):
+    the router books there, over a mirror of the fleet (`pylon.routing.remote`).
     Raises `pylon.startup.StartupError` when the `kv` parts cannot be built.
     """
     mode = options.mode
     fleet = Fleet.from_specs(options.workers, options.frontend)
+    if authority is not None:
+        return _remote_routing(options, fleet, observer, tokenizer, authority)
     checks = HealthChecker(fleet, options.health, observer=observer)
     closers: list[Callable[[], Awaitable[None]]] = []
     if options.outlier is not None:
@@ -153,6 +159,36 @@ async def build_routing(
     assert options.kv is not None and tokenizer is not None, "kv needs its options and tokenizer"
     kv = await build_kv_router(options.kv, fleet, observer, tokenizer, native=native)
     return Routing(mode, kv, fleet, checks, kv, _closers=[*closers, kv.aclose])
+
+
+def _remote_routing(
+    options: RoutingOptions,
+    fleet: Fleet,
+    observer: Observer,
+    tokenizer: PromptTokenizer | None,
+    authority: Path,
+) -> Routing:
+    """The parts of a serving process booked by the node's authority: the mirror fleet, its
+    rotation pushed (`RemoteChecks`), and for `--kv-token-data` this process's own proofs."""
+    from pylon.routing.remote import remote_routing_parts
+
+    prover = None
+    if options.kv is not None:
+        assert tokenizer is not None, "kv needs its tokenizer"
+        if options.kv.token_data:
+            from pylon.routing.token_data import TokenDataProver
+
+            prover = TokenDataProver(tokenizer, fleet, observer, timeout=options.kv.probe_timeout)
+    router, checks = remote_routing_parts(
+        options.mode,
+        fleet,
+        options.health,
+        authority,
+        observer,
+        tokenizer=tokenizer,
+        token_data=prover,
+    )
+    return Routing(options.mode, router, fleet, checks, _closers=[router.aclose])
 
 
 async def build_kv_router(
