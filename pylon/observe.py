@@ -128,6 +128,10 @@ _WARNING_EVENTS = frozenset(
         "kv_token_data_refused",
         "signal_ignored",
         "tls_self_signed",
+        "booking_authority_lost",
+        "booking_authority_refused",
+        "booking_catalogue_differs",
+        "booking_client_refused",
     }
 )
 _ERROR_EVENTS = frozenset({"engine_health_gate_failed", "reload_failed"})

@@ -139,7 +139,7 @@ class Client:
             return {"released": len(held)}
         if op == "stats":
             return self.stats()
-        if op == "wait":  # until the link's generation and the mirror's rotation are as asked
+        if op == "wait":  # until the link's connects and the mirror's rotation are as asked
             async with asyncio.timeout(command.get("timeout", 10.0)):
                 while not self._as_asked(command):
                     await asyncio.sleep(0.005)
@@ -148,7 +148,7 @@ class Client:
 
     def _as_asked(self, command: dict[str, Any]) -> bool:
         stats = self.stats()
-        if "generation" in command and stats["generation"] < command["generation"]:
+        if "connects" in command and stats["counters"]["connects"] < command["connects"]:
             return False
         if "connected" in command and stats["connected"] != command["connected"]:
             return False
@@ -156,6 +156,8 @@ class Client:
 
 
 async def client_main(args: argparse.Namespace) -> None:
+    answers = sys.stdout
+    sys.stdout = sys.stderr  # the log lines; stdout carries only the answers
     observer = EventObserver()
     options = routing_options(args.mode, args.worker)
     routing = await build_routing(
@@ -170,13 +172,13 @@ async def client_main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    print(json.dumps({"ready": client.stats()}), flush=True)
+    print(json.dumps({"ready": client.stats()}), file=answers, flush=True)
     try:
         while line := await reader.readline():
             command = json.loads(line)
             if command["op"] == "quit":
                 break
-            print(json.dumps(await client.handle(command)), flush=True)
+            print(json.dumps(await client.handle(command)), file=answers, flush=True)
     finally:
         await routing.aclose()
 
@@ -191,9 +193,12 @@ async def authority_main(args: argparse.Namespace) -> None:
         assert journal_file is not None
         journal_file.write(f"{event} {client} {bid} {worker}\n")
 
+    answers = sys.stdout
+    sys.stdout = sys.stderr
+
     def started(authority: BookingAuthority) -> None:
         admit_all(authority)
-        print(json.dumps({"listening": args.socket}), flush=True)
+        print(json.dumps({"listening": args.socket}), file=answers, flush=True)
 
     native = None
     if args.mode == "kv":

@@ -166,6 +166,7 @@ class AuthorityLink:
         self.first_snapshot = asyncio.Event()
         self._catalogue_differs = False
         self._closing = False
+        self._up = False  # the current connection's first snapshot came
         self.counters = {"connects": 0, "losses": 0, "timeouts": 0, "local_bookings": 0}
 
     @property
@@ -189,6 +190,8 @@ class AuthorityLink:
             delay = RECONNECT_MIN_S
             try:
                 await self._serve(reader, writer)
+            except OSError:  # reset by the authority (e.g. a listener dying under a connect)
+                pass
             except asyncio.CancelledError:
                 self._closing = True  # pylon is stopping: nothing lost
                 raise
@@ -198,19 +201,21 @@ class AuthorityLink:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
+        self._up = False
         self.generation += 1
-        self.counters["connects"] += 1
-        announced = 0
         for booking in tuple(self.live.values()):
             self._write([wire.PIN, booking.bid, booking.worker_id])
             booking.generation = self.generation
-            announced += 1
-        self._observer.process_event(
-            "booking_authority_connected", socket=str(self._path), reannounced=announced
-        )
         frames = wire.FrameReader()
         while self._writer is writer:
-            data = await reader.read(READ_SIZE)
+            if self._up:
+                data = await reader.read(READ_SIZE)
+            else:  # an authority says who is in rotation at once; a socket that does not is dead
+                try:
+                    async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                        data = await reader.read(READ_SIZE)
+                except TimeoutError:
+                    return
             if not data:
                 return
             try:
@@ -254,6 +259,12 @@ class AuthorityLink:
                 fleet.set_in_rotation(worker, worker.label in admitted)
         self.snapshots += 1
         self.first_snapshot.set()
+        if not self._up:  # the link is up: the authority accepted it and spoke
+            self._up = True
+            self.counters["connects"] += 1
+            self._observer.process_event(
+                "booking_authority_connected", socket=str(self._path), reannounced=len(self.live)
+            )
 
     def _lost(self, detail: str) -> None:
         if self._writer is None:
@@ -264,8 +275,9 @@ class AuthorityLink:
         for future in pending.values():
             if not future.done():
                 future.set_exception(AuthorityAway(detail))
-        if self._closing:
-            return
+        if self._closing or not self._up:
+            return  # stopping, or a socket that never answered (a dying listener): no news
+        self._up = False
         self.counters["losses"] += 1
         self._observer.process_event(
             "booking_authority_lost",
