@@ -19,6 +19,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +30,7 @@ from mock_dynamo.tokens import WordTokenizer, prompts
 from pylon.assemble import routing_options
 from pylon.core.record import RequestRecord
 from pylon.logs import configure_logging
-from pylon.routing.build import Routing, build_routing
+from pylon.routing.build import Routing, RoutingOptions, build_routing
 from pylon.run import Running, start
 from pylon.settings import Settings, load_settings
 from router_ffi._native import NativeFactory
@@ -182,13 +183,16 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
             wait_ready: bool = True,
             engine_controls: dict[int, dict[str, Any]] | None = None,
             native: NativeFactory | None = None,
+            authority: Callable[[RoutingOptions], Awaitable[Path]] | None = None,
             **settings: Any,
         ) -> FleetStack:
             """`engine_controls`: {mock index: {name: value}} PUT to the mock's
             `/test-control/<name>` before pylon starts (its records are then kept).
             `native`: for `kv`, a stand-in for Dynamo's native selection service (without
             it, the real one: the test needs the `dynamo` marker); the workers then get a
-            placeholder `kv-events=` each unless `kv_block_size` gives them real ones."""
+            placeholder `kv-events=` each unless `kv_block_size` gives them real ones.
+            `authority`: starts a booking authority for the fleet's routing options and returns
+            its socket; pylon's router then books there (`build_routing(..., authority=)`)."""
             config: dict[str, Any] = {"models": (MODEL,), **(mock or {})}
             if kv_block_size is not None:
                 config.update(
@@ -241,11 +245,13 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
                 defaults["tokenizer"] = "/"  # loaded by no one: the fake is injected
             built = load_settings({**defaults, **settings})
             observer = RoutingObserver()
+            options = routing_options(built)
             parts = await build_routing(
-                routing_options(built),
+                options,
                 observer,
                 tokenizer=tokenizer or (WordPrompts() if routing == "kv" else None),
                 native=native,
+                authority=await authority(options) if authority is not None else None,
             )
             running = await exits.enter_async_context(
                 start(built, observer, wait_ready=wait_ready, routing=parts)

@@ -1,0 +1,178 @@
+"""A real pylon whose router books at a booking authority (`build_routing(..., authority=PATH)`),
+in front of real mock workers: requests are served and their bookings released at the authority
+(none leaks after a mixed run with aborts), readiness follows the authority's rotation, the `kv`
+moments reach the authority's selection core, and a stuck authority costs one request one
+deadline, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pylon.routing import booking_wire as wire
+from pylon.routing.authority import BookingAuthority, run_authority
+from pylon.routing.build import RoutingOptions, build_routing
+from pylon.routing.remote import BOOK_DEADLINE_S, RemoteChecks, RemoteRouter
+from tests.booking_processes import plan, released, routing_options
+from tests.fleet import FleetFactory, mixed_load
+from tests.observers import EventObserver
+from tests.router_ffi.fake_native import FakeNative
+from tests.stack import MODEL
+
+
+class Authorities:
+    """Booking authorities run in the test's loop, each for the options it is given."""
+
+    def __init__(self, stack: contextlib.AsyncExitStack) -> None:
+        self._stack = stack
+        self.native: FakeNative | None = None
+        self.authority: BookingAuthority | None = None
+        self.observer = EventObserver()
+
+    async def __call__(self, options: RoutingOptions) -> Path:
+        socket_path = Path(tempfile.mkdtemp(prefix="pylon-book-")) / "run" / "bookings.sock"
+        stop = asyncio.Event()
+        started: asyncio.Future[BookingAuthority] = asyncio.get_running_loop().create_future()
+        native = None
+        if options.mode == "kv":
+            fake = self.native = FakeNative()
+            native = lambda: fake  # noqa: E731
+        task = asyncio.create_task(
+            run_authority(
+                options, socket_path, self.observer, stop, native=native, started=started.set_result
+            )
+        )
+
+        async def close() -> None:
+            stop.set()
+            await task
+
+        self._stack.push_async_callback(close)
+        self.authority = await asyncio.wait_for(asyncio.shield(started), 10)
+        return socket_path
+
+    def loads(self) -> dict[str, int]:
+        assert self.authority is not None
+        return self.authority.fleet.active_by_worker()
+
+
+@pytest.fixture
+async def authorities() -> AsyncIterator[Authorities]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield Authorities(stack)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_requests_book_at_the_authority_and_none_leaks_after_aborts(
+    make_fleet: FleetFactory, authorities: Authorities
+) -> None:
+    fleet = await make_fleet(
+        workers=3, routing="least-loaded", authority=authorities, first_output_timeout=0.5
+    )
+    assert isinstance(fleet.routing.router, RemoteRouter)
+    sent = await mixed_load(fleet)
+    await fleet.observer.wait_done(sent, timeout=30)
+    await wait_until(lambda: sum(authorities.loads().values()) == 0)
+    assert fleet.routing.active_bookings() == dict.fromkeys(authorities.loads(), 0)
+    assert authorities.authority is not None
+    made = sum(sum(w.decisions.values()) for w in authorities.authority.fleet.workers)
+    assert made >= sent  # every request booked there (a move books a second time)
+    assert isinstance(fleet.routing.checks, RemoteChecks)
+    assert fleet.routing.checks.link.counters["local_bookings"] == 0
+
+
+async def test_readiness_follows_the_rotation_the_authority_pushes(
+    make_fleet: FleetFactory, authorities: Authorities
+) -> None:
+    fleet = await make_fleet(workers=2, routing="round-robin", authority=authorities)
+    assert authorities.authority is not None
+    source = authorities.authority.fleet
+    for worker in source.workers:
+        source.set_ejected(worker, True)
+    await wait_until(lambda: not fleet.routing.fleet.in_rotation)
+    lifecycle = fleet.running.core.lifecycle
+    assert lifecycle.readiness() == (False, "no_worker_in_rotation")
+    reply = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "hi"})
+    assert reply.status_code == 503
+    for worker in source.workers:
+        source.set_ejected(worker, False)
+    await wait_until(lambda: len(fleet.routing.fleet.in_rotation) == 2)
+    assert lifecycle.readiness() == (True, "ready")
+    reply = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "hi"})
+    assert reply.status_code == 200
+
+
+async def test_kv_moments_reach_the_authoritys_selection_core(
+    make_fleet: FleetFactory, authorities: Authorities
+) -> None:
+    fleet = await make_fleet(
+        workers=2, routing="kv", authority=authorities, mock={"num_tokens": 40}
+    )
+    body = {"model": MODEL, "prompt": "a b c d e f g h", "stream": True, "max_tokens": 40}
+    reply = await fleet.post("/v1/completions", body)
+    assert reply.status_code == 200
+    await fleet.observer.wait_done(1)
+    native = authorities.native
+    assert native is not None
+    await wait_until(lambda: not native.reservations)  # freed at the authority
+    (sid,) = {arg for op, arg in native.calls if op == "select_and_reserve"}
+    ops = native.ops_for(str(sid))
+    assert ops[0] == "select_and_reserve"
+    assert "prefill_complete" in ops
+    assert "add_output_block" in ops  # 40 output tokens, 16 a block
+    assert ops[-1] == "free_reservation"
+
+
+async def test_a_stuck_authority_costs_one_booking_one_deadline(tmp_path: Path) -> None:
+    """An authority that accepts and pushes its snapshot but never answers a booking."""
+    socket_path = Path(tempfile.mkdtemp(prefix="pylon-book-")) / "bookings.sock"
+    options = routing_options("least-loaded", ["url=http://127.0.0.1:9", "url=http://127.0.0.1:10"])
+    connections: list[asyncio.StreamReader] = []
+    heard: list[list[Any]] = []
+    snapshot = wire.encode(
+        [wire.SNAPSHOT, [w.text() for w in options.workers], ["http://127.0.0.1:9"], ["ok", "x"]]
+    )
+
+    async def stuck(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(reader)
+        writer.write(snapshot)
+        frames = wire.FrameReader()
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                heard.extend(frames.feed(data))
+        writer.close()
+
+    server = await asyncio.start_unix_server(stuck, str(socket_path))
+    routing = await build_routing(options, EventObserver(), authority=socket_path)
+    routing.start()
+    try:
+        await routing.checks.first_round()
+        assert [w.label for w in routing.fleet.in_rotation] == ["http://127.0.0.1:9"]
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        booking = await routing.router.book(plan(b"x"))
+        assert loop.time() - began < BOOK_DEADLINE_S + 0.2
+        assert booking.worker == "http://127.0.0.1:9"  # booked on the mirror
+        link = routing.checks.link  # type: ignore[attr-defined]
+        assert link.counters["timeouts"] == 1
+        assert link.counters["local_bookings"] == 1
+        await wait_until(lambda: link.counters["connects"] == 2)
+        # The new connection hears the booking made meanwhile, then its release.
+        released(booking)
+        await wait_until(lambda: [m[0] for m in heard[-2:]] == [wire.PIN, wire.END])
+        assert len(connections) == 2
+    finally:
+        await routing.aclose()
+        server.close()
+        await server.wait_closed()
