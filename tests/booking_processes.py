@@ -1,11 +1,13 @@
 """Real OS processes around a booking authority, for the tests and `scripts/bench_bookings.py`.
 
     python -m tests.booking_processes client --socket PATH --mode MODE --worker SPEC ...
+    python -m tests.booking_processes client --alone --mode MODE --worker SPEC ...
     python -m tests.booking_processes authority --socket PATH --mode MODE --worker SPEC ...
 
 `client`: a serving process's routing parts (`build_routing(..., authority=PATH)`, the mirror
 fleet and `RemoteRouter`), driven by one JSON command a line on stdin, one JSON answer a line on
-stdout (see `Client.handle`). `authority`: `run_authority` until SIGTERM, every worker put in
+stdout (see `Client.handle`); with `--alone`, a process that books on its own (the routing
+parts of a single pylon, every worker in rotation), for the benchmark's comparison. `authority`: `run_authority` until SIGTERM, every worker put in
 rotation at start (the workers are addresses nobody listens on: these tests are about
 bookings, not health), a line `{"listening": PATH}` once it serves, and with `--journal FILE`
 every booking and release appended to FILE as it happens.
@@ -22,6 +24,7 @@ import json
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,15 +82,14 @@ class Client:
         self.held: list[Booking] = []
         self.rng = random.Random(0)
         checks = routing.checks
-        assert isinstance(checks, RemoteChecks)
-        self.link = checks.link
+        self.link = checks.link if isinstance(checks, RemoteChecks) else None
 
     def stats(self) -> dict[str, Any]:
         fleet = self.routing.fleet
+        link = self.link
         return {
-            "counters": dict(self.link.counters),
-            "connected": self.link.connected,
-            "generation": self.link.generation,
+            "counters": dict(link.counters) if link is not None else {"local_bookings": 0},
+            "connected": link is not None and link.connected,
             "in_rotation": [w.label for w in fleet.in_rotation],
             "active": fleet.active_by_worker(),
             "held": len(self.held),
@@ -95,34 +97,43 @@ class Client:
 
     async def book(self) -> tuple[int, str, bool] | None:
         """One booking: (booking id, worker, booked locally)."""
-        before = self.link.counters["local_bookings"]
+        counters = self.link.counters if self.link is not None else {"local_bookings": 0}
+        before = counters["local_bookings"]
         try:
             booking = await self.routing.router.book(plan(b"a prompt %d" % self.rng.random()))
         except NoWorker:
             return None
         self.held.append(booking)
-        local = self.link.counters["local_bookings"] != before
+        local = counters["local_bookings"] != before
         return getattr(booking, "bid", 0), booking.worker, local
 
-    async def run(self, count: int, seed: int, hold: float, rate: float) -> dict[str, Any]:
+    async def run(
+        self, count: int, seed: int, hold: float, rate: float, start_at: float | None = None
+    ) -> dict[str, Any]:
         """`count` bookings; after each, with probability 1 - `hold`, one held booking (a
-        random one) is released; paced at `rate` bookings a second (0: as fast as answered)."""
+        random one) is released; paced at `rate` bookings a second (0: as fast as answered),
+        from `start_at` (`time.monotonic()`, the same clock in every process of the host).
+        Each booking's round trip in `seconds`, and when it was answered in `at`."""
         self.rng = random.Random(seed)
         loop = asyncio.get_running_loop()
         booked: list[tuple[int, str, bool] | None] = []
         seconds: list[float] = []
+        at: list[float] = []
+        if start_at is not None and start_at > time.monotonic():
+            await asyncio.sleep(start_at - time.monotonic())
         start = loop.time()
         for index in range(count):
             if rate:
                 due = start + index / rate
                 if due > loop.time():
                     await asyncio.sleep(due - loop.time())
-            began = loop.time()
+            began = time.perf_counter()
             booked.append(await self.book())
-            seconds.append(loop.time() - began)
+            seconds.append(time.perf_counter() - began)
+            at.append(time.monotonic())
             if self.held and self.rng.random() >= hold:
                 released(self.held.pop(self.rng.randrange(len(self.held))))
-        return {"booked": booked, "seconds": seconds, **self.stats()}
+        return {"booked": booked, "seconds": seconds, "at": at, **self.stats()}
 
     async def handle(self, command: dict[str, Any]) -> dict[str, Any]:
         op = command["op"]
@@ -130,7 +141,11 @@ class Client:
             return {"booked": [await self.book() for _ in range(command["count"])]}
         if op == "run":
             return await self.run(
-                command["count"], command["seed"], command["hold"], command.get("rate", 0)
+                command["count"],
+                command["seed"],
+                command["hold"],
+                command.get("rate", 0),
+                command.get("start_at"),
             )
         if op == "release_all":
             held, self.held = self.held, []
@@ -164,10 +179,14 @@ async def client_main(args: argparse.Namespace) -> None:
         options,
         observer,
         tokenizer=BodyTokens() if args.mode == "kv" else None,
-        authority=Path(args.socket),
+        authority=None if args.alone else Path(args.socket),
     )
-    routing.start()
-    await routing.checks.first_round()
+    if args.alone:
+        for worker in routing.fleet.workers:
+            routing.fleet.set_in_rotation(worker, True)
+    else:
+        routing.start()
+        await routing.checks.first_round()
     client = Client(routing, observer)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -201,7 +220,7 @@ async def authority_main(args: argparse.Namespace) -> None:
         print(json.dumps({"listening": args.socket}), file=answers, flush=True)
 
     native = None
-    if args.mode == "kv":
+    if args.mode == "kv" and not args.dynamo:
         from tests.router_ffi.fake_native import FakeNative
 
         fake = FakeNative()
@@ -232,7 +251,9 @@ def admit_all(authority: BookingAuthority) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.booking_processes")
     parser.add_argument("role", choices=("client", "authority"))
-    parser.add_argument("--socket", required=True)
+    parser.add_argument("--socket", default="")
+    parser.add_argument("--alone", action="store_true", help="client: no authority")
+    parser.add_argument("--dynamo", action="store_true", help="authority, kv: Dynamo's core")
     parser.add_argument("--mode", default="least-loaded")
     parser.add_argument("--worker", action="append", required=True)
     parser.add_argument("--journal", default=None)
