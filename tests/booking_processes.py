@@ -7,13 +7,16 @@
 `client`: a serving process's routing parts (`build_routing(..., authority=PATH)`, the mirror
 fleet and `RemoteRouter`), driven by one JSON command a line on stdin, one JSON answer a line on
 stdout (see `Client.handle`); with `--alone`, a process that books on its own (the routing
-parts of a single pylon, every worker in rotation), for the benchmark's comparison. `authority`: `run_authority` until SIGTERM, every worker put in
-rotation at start (the workers are addresses nobody listens on: these tests are about
-bookings, not health), a line `{"listening": PATH}` once it serves, and with `--journal FILE`
-every booking and release appended to FILE as it happens.
+parts of a single pylon, every worker in rotation), for the benchmark's comparison.
+
+`authority`: `run_authority` until SIGTERM, every worker put in rotation at start (the workers
+are addresses nobody listens on: these tests are about bookings, not health), a line
+`{"listening": PATH}` once it serves, and with `--journal FILE` every booking and release
+appended to FILE as it happens.
 
 `kv` uses the stand-in native core (tests/router_ffi/fake_native: least active reservations
-first) and the body's bytes as the prompt's tokens, so the default suite needs no Dynamo.
+first) unless `--dynamo`, and the body's bytes as the prompt's tokens, so the default suite
+needs no Dynamo.
 """
 
 from __future__ import annotations
