@@ -54,6 +54,7 @@ async def spawn(*args: str) -> asyncio.subprocess.Process:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
         cwd=ROOT,
+        limit=64 * 1024 * 1024,  # a run answers with every booking on one line
     )
 
 

@@ -69,7 +69,6 @@ RECONNECT_MIN_S: Final = 0.05
 RECONNECT_MAX_S: Final = 2.0
 # What this process may leave unsent to the authority before the link is taken for stuck.
 MAX_UNSENT: Final = 4 * 1024 * 1024
-READ_SIZE: Final = 256 * 1024
 
 
 class AuthorityAway(Exception):
@@ -160,7 +159,7 @@ class AuthorityLink:
         self._ids = itertools.count(1)
         self.live: dict[int, RemoteBooking] = {}
         self._pending: dict[int, asyncio.Future[list[Any]]] = {}
-        self._writer: asyncio.StreamWriter | None = None
+        self._transport: asyncio.Transport | None = None
         self.generation = 0  # bumped at every connect
         self.snapshots = 0  # snapshots applied
         self.first_snapshot = asyncio.Event()
@@ -171,62 +170,61 @@ class AuthorityLink:
 
     @property
     def connected(self) -> bool:
-        return self._writer is not None
+        return self._transport is not None
 
     def next_id(self) -> int:
         return next(self._ids)
 
     async def run(self) -> None:
         """Connect, serve, and reconnect with backoff when the link is lost, until cancelled."""
+        loop = asyncio.get_running_loop()
         delay = RECONNECT_MIN_S
         while True:
             try:
                 async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                    reader, writer = await asyncio.open_unix_connection(str(self._path))
+                    transport, protocol = await loop.create_unix_connection(
+                        lambda: _LinkProtocol(self), str(self._path)
+                    )
             except (OSError, TimeoutError):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
             delay = RECONNECT_MIN_S
             try:
-                await self._serve(reader, writer)
-            except OSError:  # reset by the authority (e.g. a listener dying under a connect)
-                pass
+                await self._serve(transport, protocol)
             except asyncio.CancelledError:
                 self._closing = True  # pylon is stopping: nothing lost
                 raise
             finally:
                 self._lost("the connection closed")
-                writer.close()
+                transport.abort()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writer = writer
+    async def _serve(self, transport: asyncio.BaseTransport, protocol: _LinkProtocol) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
         self._up = False
         self.generation += 1
         for booking in tuple(self.live.values()):
             self._write([wire.PIN, booking.bid, booking.worker_id])
             booking.generation = self.generation
-        frames = wire.FrameReader()
-        while self._writer is writer:
-            if self._up:
-                data = await reader.read(READ_SIZE)
-            else:  # an authority says who is in rotation at once; a socket that does not is dead
-                try:
-                    async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                        data = await reader.read(READ_SIZE)
-                except TimeoutError:
-                    return
-            if not data:
-                return
-            try:
-                messages = frames.feed(data)
-            except wire.FrameError as exc:
-                self._observer.process_event("booking_authority_refused", detail=str(exc))
-                return
-            for message in messages:
-                self._received(message)
+        # An authority says who is in rotation at once; a socket that does not is dead (e.g. a
+        # listener that died under the connect).
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await asyncio.wait([protocol.closed, protocol.spoke], return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            return
+        await protocol.closed
 
-    def _received(self, message: list[Any]) -> None:
+    @property
+    def up(self) -> bool:
+        """The current connection's first snapshot came."""
+        return self._up
+
+    def refused(self, detail: str) -> None:
+        self._observer.process_event("booking_authority_refused", detail=detail)
+
+    def received(self, message: list[Any]) -> None:
         kind = message[0]
         if kind == wire.SNAPSHOT:
             self._apply(message[1], message[2], message[3])
@@ -267,10 +265,10 @@ class AuthorityLink:
             )
 
     def _lost(self, detail: str) -> None:
-        if self._writer is None:
+        if self._transport is None:
             return
-        writer, self._writer = self._writer, None
-        writer.transport.abort()
+        transport, self._transport = self._transport, None
+        transport.abort()
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -287,22 +285,22 @@ class AuthorityLink:
         )
 
     def _write(self, message: list[Any]) -> None:
-        writer = self._writer
-        if writer is None:
+        transport = self._transport
+        if transport is None:
             return
-        writer.write(wire.encode(message))
-        if writer.transport.get_write_buffer_size() > MAX_UNSENT:
+        transport.write(wire.encode(message))
+        if transport.get_write_buffer_size() > MAX_UNSENT:
             self._lost(f"over {MAX_UNSENT} bytes the authority has not read")
 
     def moment(self, booking: RemoteBooking, message: list[Any]) -> None:
         """A booking's moment, to the authority that knows it (none other would)."""
-        if booking.generation == self.generation and self._writer is not None:
+        if booking.generation == self.generation and self._transport is not None:
             self._write(message)
 
     async def book(self, bid: int, tokens: bytes | None, salt: str | None) -> list[Any]:
         """`BOOK`, and its answer (`BOOKED` or `REFUSED`); `AuthorityAway` when there is no
         link or no answer within `BOOK_DEADLINE_S` (then the link is dropped and rebuilt)."""
-        if self._writer is None:
+        if self._transport is None:
             raise AuthorityAway("not connected")
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         self._pending[bid] = future
@@ -317,7 +315,7 @@ class AuthorityLink:
 
     def pin(self, booking: RemoteBooking) -> None:
         """Count at the authority a booking made here."""
-        if self._writer is not None:
+        if self._transport is not None:
             booking.generation = self.generation
             self._write([wire.PIN, booking.bid, booking.worker_id])
 
@@ -331,6 +329,41 @@ class AuthorityLink:
     def close(self) -> None:
         self._closing = True
         self._lost("pylon is stopping")
+
+
+class _LinkProtocol(asyncio.Protocol):
+    """One connection to the authority: its frames straight to the link, in the loop's read
+    callback (a booking's answer wakes its request with no task in between)."""
+
+    def __init__(self, link: AuthorityLink) -> None:
+        self._link = link
+        self._frames = wire.FrameReader()
+        self._transport: asyncio.Transport | None = None
+        loop = asyncio.get_running_loop()
+        self.closed: asyncio.Future[None] = loop.create_future()
+        self.spoke: asyncio.Future[None] = loop.create_future()  # the first snapshot came
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = self._frames.feed(data)
+        except wire.FrameError as exc:
+            self._link.refused(str(exc))
+            if self._transport is not None:
+                self._transport.abort()
+            return
+        link = self._link
+        for message in messages:
+            link.received(message)
+        if not self.spoke.done() and link.up:
+            self.spoke.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
 
 
 class RemoteChecks(HealthChecker):
