@@ -130,6 +130,7 @@ _WARNING_EVENTS = frozenset(
         "tls_self_signed",
         "booking_authority_lost",
         "booking_authority_refused",
+        "booking_authority_stalled",
         "booking_catalogue_differs",
         "booking_client_refused",
     }

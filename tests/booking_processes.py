@@ -114,29 +114,42 @@ class Client:
         self, count: int, seed: int, hold: float, rate: float, start_at: float | None = None
     ) -> dict[str, Any]:
         """`count` bookings; after each, with probability 1 - `hold`, one held booking (a
-        random one) is released; paced at `rate` bookings a second (0: as fast as answered),
-        from `start_at` (`time.monotonic()`, the same clock in every process of the host).
-        Each booking's round trip in `seconds`, and when it was answered in `at`."""
+        random one) is released. With `rate` 0 one after another, each once the last is
+        answered; else an open loop: one every 1/`rate` s from `start_at` (`time.monotonic()`,
+        one clock for every process of the host), whether or not the earlier ones were
+        answered, as requests arrive. Each booking's round trip in `seconds`, and when it was
+        answered in `at`, in the order they were asked."""
         self.rng = random.Random(seed)
         loop = asyncio.get_running_loop()
-        booked: list[tuple[int, str, bool] | None] = []
-        seconds: list[float] = []
-        at: list[float] = []
         if start_at is not None and start_at > time.monotonic():
             await asyncio.sleep(start_at - time.monotonic())
         start = loop.time()
+        results: list[tuple[tuple[int, str, bool] | None, float, float]] = []
+        tasks = []
         for index in range(count):
-            if rate:
-                due = start + index / rate
-                if due > loop.time():
-                    await asyncio.sleep(due - loop.time())
-            began = time.perf_counter()
-            booked.append(await self.book())
-            seconds.append(time.perf_counter() - began)
-            at.append(time.monotonic())
-            if self.held and self.rng.random() >= hold:
-                released(self.held.pop(self.rng.randrange(len(self.held))))
-        return {"booked": booked, "seconds": seconds, "at": at, **self.stats()}
+            if not rate:
+                results.append(await self._timed(hold))
+                continue
+            due = start + index / rate
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
+            tasks.append(asyncio.create_task(self._timed(hold)))
+        results += await asyncio.gather(*tasks)
+        return {
+            "booked": [booked for booked, _, _ in results],
+            "seconds": [seconds for _, seconds, _ in results],
+            "at": [at for _, _, at in results],
+            **self.stats(),
+        }
+
+    async def _timed(self, hold: float) -> tuple[tuple[int, str, bool] | None, float, float]:
+        began = time.perf_counter()
+        booked = await self.book()
+        seconds = time.perf_counter() - began
+        at = time.monotonic()
+        if self.held and self.rng.random() >= hold:
+            released(self.held.pop(self.rng.randrange(len(self.held))))
+        return booked, seconds, at
 
     async def handle(self, command: dict[str, Any]) -> dict[str, Any]:
         op = command["op"]

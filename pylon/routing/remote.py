@@ -21,16 +21,20 @@ Per request:
 - `elsewhere` (a connect-failure move) must answer at once: the other worker is chosen here,
   least-loaded over this process's own bookings, and counted at the authority with `PIN`.
 
-When the authority is away (its connection lost, a `BOOK` unanswered within the deadline, the
-socket not there yet), this process says so once (`booking_authority_lost`, warning), counts
-it, and books on its mirror alone: least-loaded over its own bookings (`round-robin` keeps its
-turn), `kv` falling back to least-loaded, until the link is back (retried with backoff from
-`RECONNECT_MIN_S` to `RECONNECT_MAX_S`; `booking_authority_connected`). On every (re)connect it
-re-announces (`PIN`) each booking still in flight, the local ones included, so a restarted
-authority counts the node's whole load again: exact once more for `least-loaded` and
-`round-robin`; for `kv` those bookings count as load in the authority's fleet but not in its
-new selection core (no prompt is resent), until they end. `RemoteLink.counters` says what
-happened (connects, losses, timeouts, bookings made locally).
+When the authority is away (its connection lost, the socket not there yet), this process says so
+once (`booking_authority_lost`, warning), counts it, and books on its mirror alone: least-loaded
+over its own bookings (`round-robin` keeps its turn), `kv` falling back to least-loaded, until
+the link is back (retried with backoff from `RECONNECT_MIN_S` to `RECONNECT_MAX_S`;
+`booking_authority_connected`). A `BOOK` unanswered within `BOOK_DEADLINE_S` books locally too,
+and so does every request after it until the authority sends anything again
+(`booking_authority_stalled`, once a stall); those bookings are counted there with `PIN`, queued
+on the same connection, and an answer that comes too late is released at once (`END`).
+
+On every (re)connect this process re-announces (`PIN`) each booking still in flight, the local
+ones included, so a restarted authority counts the node's whole load again: exact once more for
+`least-loaded` and `round-robin`; for `kv` those bookings count as load in the authority's fleet
+but not in its new selection core (no prompt is resent), until they end.
+`AuthorityLink.counters` says what happened (connects, losses, timeouts, bookings made locally).
 """
 
 from __future__ import annotations
@@ -59,11 +63,13 @@ if TYPE_CHECKING:
     from pylon.observe import Observer
     from pylon.routing.token_data import TokenDataProver
 
-# A booking's round trip, local socket and one selection (~0.1 ms); an authority that has not
-# answered in this long is taken for away: the request books locally at once, the link is
-# dropped and rebuilt (its bookings re-announced), so a stuck authority costs one request this
-# much, never every request.
-BOOK_DEADLINE_S: Final = 0.25
+# A booking's round trip is a local socket and one selection (~0.1 ms; milliseconds on a loaded
+# host), but the authority's `kv` selection may itself take up to the selection core's 0.5 s
+# deadline before it gives up. An authority that has not answered in this long is taken for
+# stalled: the request books locally, and so does every request after it until the authority
+# sends anything again (its late answer is released at once), so a stuck authority costs one
+# request this much, never every request.
+BOOK_DEADLINE_S: Final = 0.75
 CONNECT_TIMEOUT_S: Final = 1.0
 RECONNECT_MIN_S: Final = 0.05
 RECONNECT_MAX_S: Final = 2.0
@@ -166,6 +172,7 @@ class AuthorityLink:
         self._catalogue_differs = False
         self._closing = False
         self._up = False  # the current connection's first snapshot came
+        self._stalled = False  # a booking went unanswered; nothing came since
         self.counters = {"connects": 0, "losses": 0, "timeouts": 0, "local_bookings": 0}
 
     @property
@@ -225,6 +232,7 @@ class AuthorityLink:
         self._observer.process_event("booking_authority_refused", detail=detail)
 
     def received(self, message: list[Any]) -> None:
+        self._stalled = False  # it speaks again
         kind = message[0]
         if kind == wire.SNAPSHOT:
             self._apply(message[1], message[2], message[3])
@@ -269,6 +277,7 @@ class AuthorityLink:
             return
         transport, self._transport = self._transport, None
         transport.abort()
+        self._stalled = False
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -299,9 +308,12 @@ class AuthorityLink:
 
     async def book(self, bid: int, tokens: bytes | None, salt: str | None) -> list[Any]:
         """`BOOK`, and its answer (`BOOKED` or `REFUSED`); `AuthorityAway` when there is no
-        link or no answer within `BOOK_DEADLINE_S` (then the link is dropped and rebuilt)."""
+        link, when no answer came within `BOOK_DEADLINE_S`, and from then on until the
+        authority sends anything again (it is stalled: no request waits for it meanwhile)."""
         if self._transport is None:
             raise AuthorityAway("not connected")
+        if self._stalled:
+            raise AuthorityAway("stalled")
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         self._pending[bid] = future
         self._write([wire.BOOK, bid, tokens, salt])
@@ -310,7 +322,14 @@ class AuthorityLink:
                 return await future
         except TimeoutError:
             self.counters["timeouts"] += 1
-            self._lost(f"no answer to a booking within {BOOK_DEADLINE_S:g} s")
+            if not self._stalled:
+                self._stalled = True
+                self._observer.process_event(
+                    "booking_authority_stalled",
+                    socket=str(self._path),
+                    detail=f"no answer to a booking within {BOOK_DEADLINE_S:g} s: booking "
+                    "locally until it answers",
+                )
             raise AuthorityAway("no answer in time") from None
 
     def pin(self, booking: RemoteBooking) -> None:
@@ -439,15 +458,16 @@ class RemoteRouter:
             if token_data is not None and not carry and tokens is not None:
                 token_data.want(plan.model)
         link = self._link
-        bid = link.next_id()
         if link.connected:
+            bid = link.next_id()
             try:
                 reply = await link.book(bid, tokens, None)
             except AuthorityAway:
                 pass
             else:
                 return self._booked(bid, reply, body)
-        return self._local(bid, body)
+        # A fresh id: an unanswered `BOOK`'s may still be answered (and is then released).
+        return self._local(link.next_id(), body)
 
     def _booked(self, bid: int, reply: list[Any], body: bytes | None) -> Booking:
         link = self._link

@@ -134,18 +134,19 @@ async def test_kv_moments_reach_the_authoritys_selection_core(
     assert ops[-1] == "free_reservation"
 
 
-async def test_a_stuck_authority_costs_one_booking_one_deadline(tmp_path: Path) -> None:
-    """An authority that accepts and pushes its snapshot but never answers a booking."""
+async def test_a_stuck_authority_costs_one_booking_one_deadline() -> None:
+    """An authority that accepts and pushes its snapshot, then answers no booking until the
+    test says so."""
     socket_path = Path(tempfile.mkdtemp(prefix="pylon-book-")) / "bookings.sock"
     options = routing_options("least-loaded", ["url=http://127.0.0.1:9", "url=http://127.0.0.1:10"])
-    connections: list[asyncio.StreamReader] = []
     heard: list[list[Any]] = []
+    writers: list[asyncio.StreamWriter] = []
     snapshot = wire.encode(
         [wire.SNAPSHOT, [w.text() for w in options.workers], ["http://127.0.0.1:9"], ["ok", "x"]]
     )
 
     async def stuck(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connections.append(reader)
+        writers.append(writer)
         writer.write(snapshot)
         frames = wire.FrameReader()
         with contextlib.suppress(ConnectionError):
@@ -159,19 +160,36 @@ async def test_a_stuck_authority_costs_one_booking_one_deadline(tmp_path: Path) 
     try:
         await routing.checks.first_round()
         assert [w.label for w in routing.fleet.in_rotation] == ["http://127.0.0.1:9"]
+        link = routing.checks.link  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
         began = loop.time()
-        booking = await routing.router.book(plan(b"x"))
-        assert loop.time() - began < BOOK_DEADLINE_S + 0.2
-        assert booking.worker == "http://127.0.0.1:9"  # booked on the mirror
-        link = routing.checks.link  # type: ignore[attr-defined]
+        first = await routing.router.book(plan(b"x"))
+        assert BOOK_DEADLINE_S <= loop.time() - began < BOOK_DEADLINE_S + 0.2
+        began = loop.time()
+        second = await routing.router.book(plan(b"y"))  # stalled: no wait at all
+        assert loop.time() - began < 0.05
+        assert first.worker == second.worker == "http://127.0.0.1:9"  # booked on the mirror
         assert link.counters["timeouts"] == 1
-        assert link.counters["local_bookings"] == 1
-        await wait_until(lambda: link.counters["connects"] == 2)
-        # The new connection hears the booking made meanwhile, then its release.
-        released(booking)
-        await wait_until(lambda: [m[0] for m in heard[-2:]] == [wire.PIN, wire.END])
-        assert len(connections) == 2
+        assert link.counters["local_bookings"] == 2
+        assert link.connected and link.counters["losses"] == 0
+        # Both counted at the authority, on the same connection, after the unanswered one.
+        await wait_until(lambda: [m[0] for m in heard] == [wire.BOOK, wire.PIN, wire.PIN])
+        (unanswered, pinned_first, pinned_second) = (m[1] for m in heard)
+        # The late answer: released at once, and the link books there again.
+        writers[0].write(wire.encode([wire.BOOKED, unanswered, options.workers[0].worker_id, None]))
+        await wait_until(lambda: len(heard) == 4)
+        assert heard[3][:3] == [wire.END, unanswered, "client_gone"]
+        booking = asyncio.create_task(routing.router.book(plan(b"z")))
+        await wait_until(lambda: len(heard) == 5)
+        assert heard[4][0] == wire.BOOK
+        writers[0].write(
+            wire.encode([wire.BOOKED, heard[4][1], options.workers[0].worker_id, None])
+        )
+        assert (await booking).worker == "http://127.0.0.1:9"
+        assert link.counters["local_bookings"] == 2
+        released(first)
+        await wait_until(lambda: heard[-1][:2] == [wire.END, pinned_first])
+        assert len({unanswered, pinned_first, pinned_second}) == 3
     finally:
         await routing.aclose()
         server.close()
