@@ -194,3 +194,7 @@ async def test_a_stuck_authority_costs_one_booking_one_deadline() -> None:
         await routing.aclose()
         server.close()
         await server.wait_closed()
+        for writer in writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
