@@ -78,6 +78,7 @@ class BookingAuthority:
         fleet = routing.fleet
         self._fleet = fleet
         self._by_id: dict[int, Worker] = {w.spec.worker_id: w for w in fleet.workers}
+        self._by_label: dict[str, Worker] = {w.label: w for w in fleet.workers}
         self._choose = _chooser(routing)
         self._pin_policy = "least-loaded" if routing.mode == "kv" else routing.mode
         self._clients: set[_Client] = set()
@@ -130,7 +131,7 @@ class BookingAuthority:
         if self._journal is not None:
             self._journal("book", client.number, bid, booking.worker)
         reservation = getattr(booking, "reservation", None)  # a `kv` booking's
-        worker = self._by_label(booking.worker)
+        worker = self._by_label[booking.worker]
         rank = None
         if reservation is not None and worker.spec.dp_size > 1:
             rank = reservation.selection.dp_rank
@@ -149,12 +150,6 @@ class BookingAuthority:
     def released(self, client: _Client, bid: int, booking: Booking) -> None:
         if self._journal is not None:
             self._journal("release", client.number, bid, booking.worker)
-
-    def _by_label(self, label: str) -> Worker:
-        for worker in self._fleet.workers:
-            if worker.label == label:
-                return worker
-        raise AssertionError(f"a booking on {label}, not in the fleet")
 
     def connected(self, client: _Client) -> None:
         self._clients.add(client)
@@ -197,6 +192,7 @@ class _Client(asyncio.Protocol):
         self._reader = wire.FrameReader()
         self._bookings: dict[int, tuple[Booking, RequestRecord]] = {}
         self._transport: asyncio.Transport | None = None
+        self._batch: list[bytes] | None = None  # answers to the read being handled
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -214,12 +210,19 @@ class _Client(asyncio.Protocol):
         self._authority.connected(self)
 
     def data_received(self, data: bytes) -> None:
+        # The answers to what one read brought go out in one write (one system call, not one
+        # per booking, when a process sends a burst).
+        self._batch = []
         try:
             for message in self._reader.feed(data):
                 self._handle(message)
         except (wire.FrameError, ValueError, TypeError, IndexError) as exc:
             self._authority.refuse(f"pid {self.pid}: {exc}")
             self.abort()
+        finally:
+            batch, self._batch = self._batch, None
+            if batch:
+                self.send(b"".join(batch))
 
     def _handle(self, message: list[Any]) -> None:
         kind = message[0]
@@ -228,7 +231,11 @@ class _Client(asyncio.Protocol):
             _, bid, tokens, salt = message
             if bid in self._bookings:
                 raise wire.FrameError(f"booking {bid} is already held")
-            self.send(authority.book(self, bid, tokens, salt))
+            answer = authority.book(self, bid, tokens, salt)
+            if self._batch is not None:
+                self._batch.append(answer)
+            else:
+                self.send(answer)
             return
         if kind == wire.PIN:
             _, bid, worker_id = message

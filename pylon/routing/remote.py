@@ -173,6 +173,8 @@ class AuthorityLink:
         self._closing = False
         self._up = False  # the current connection's first snapshot came
         self._stalled = False  # a booking went unanswered; nothing came since
+        self._unsent: list[bytes] = []  # frames for the end of this loop turn
+        self._flush_due = False
         self.counters = {"connects": 0, "losses": 0, "timeouts": 0, "local_bookings": 0}
 
     @property
@@ -212,7 +214,7 @@ class AuthorityLink:
         self._up = False
         self.generation += 1
         for booking in tuple(self.live.values()):
-            self._write([wire.PIN, booking.bid, booking.worker_id])
+            self._queue([wire.PIN, booking.bid, booking.worker_id])
             booking.generation = self.generation
         # An authority says who is in rotation at once; a socket that does not is dead (e.g. a
         # listener that died under the connect).
@@ -278,6 +280,7 @@ class AuthorityLink:
         transport, self._transport = self._transport, None
         transport.abort()
         self._stalled = False
+        self._unsent = []  # for an authority that is gone
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -294,17 +297,34 @@ class AuthorityLink:
         )
 
     def _write(self, message: list[Any]) -> None:
-        transport = self._transport
-        if transport is None:
+        """A frame now (after the moments queued before it: the order is kept)."""
+        self._queue(message)
+        self._flush()
+
+    def _queue(self, message: list[Any]) -> None:
+        """A frame at the end of this loop turn: the moments of many exchanges go out in one
+        write (one system call), in the order they happened."""
+        if self._transport is None:
             return
-        transport.write(wire.encode(message))
+        self._unsent.append(wire.encode(message))
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        transport = self._transport
+        unsent, self._unsent = self._unsent, []
+        if transport is None or not unsent:
+            return
+        transport.write(b"".join(unsent))
         if transport.get_write_buffer_size() > MAX_UNSENT:
             self._lost(f"over {MAX_UNSENT} bytes the authority has not read")
 
     def moment(self, booking: RemoteBooking, message: list[Any]) -> None:
         """A booking's moment, to the authority that knows it (none other would)."""
         if booking.generation == self.generation and self._transport is not None:
-            self._write(message)
+            self._queue(message)
 
     async def book(self, bid: int, tokens: bytes | None, salt: str | None) -> list[Any]:
         """`BOOK`, and its answer (`BOOKED` or `REFUSED`); `AuthorityAway` when there is no
@@ -336,11 +356,11 @@ class AuthorityLink:
         """Count at the authority a booking made here."""
         if self._transport is not None:
             booking.generation = self.generation
-            self._write([wire.PIN, booking.bid, booking.worker_id])
+            self._queue([wire.PIN, booking.bid, booking.worker_id])
 
     def end(self, bid: int, outcome: str) -> None:
         """Release at the authority a booking nobody here holds."""
-        self._write([wire.END, bid, outcome, False, 0])
+        self._queue([wire.END, bid, outcome, False, 0])
 
     def worker(self, worker_id: int) -> Worker | None:
         return self._by_id.get(worker_id)
