@@ -103,7 +103,9 @@ class Client:
         counters = self.link.counters if self.link is not None else {"local_bookings": 0}
         before = counters["local_bookings"]
         try:
-            booking = await self.routing.router.book(plan(b"a prompt %d" % self.rng.random()))
+            # 29 bytes, distinct: two 16-token blocks each as `kv` tokens, no shared prefix block
+            body = b"a prompt %020d" % self.rng.randrange(10**20)
+            booking = await self.routing.router.book(plan(body))
         except NoWorker:
             return None
         self.held.append(booking)
