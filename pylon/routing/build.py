@@ -30,6 +30,7 @@ from pylon.startup import StartupError
 if TYPE_CHECKING:
     from pylon.observe import Observer
     from pylon.routing.kv import KvRouter
+    from pylon.routing.remote import AuthorityLink
     from pylon.routing.spec import WorkerSpec
     from router_ffi import RouterFfiError, SelectionCore
     from router_ffi._native import NativeFactory
@@ -75,6 +76,9 @@ class RoutingSnapshot:
     workers: tuple[WorkerView, ...]
     select_bounds: tuple[float, ...] = ()
     select_seconds: tuple[float, ...] | None = None  # counts per bound, +Inf, sum; None: no kv
+    # A process booked at the node's authority: whether its link is up, and its counters
+    # (`pylon.routing.remote.AuthorityLink.counters`); None: no authority.
+    authority: tuple[bool, dict[str, int]] | None = None
 
 
 @dataclass
@@ -86,6 +90,7 @@ class Routing:
     fleet: Fleet
     checks: HealthChecker
     kv: KvRouter | None = None
+    link: AuthorityLink | None = None  # booked at the node's authority (`remote`)
     _task: asyncio.Task[None] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -98,6 +103,11 @@ class Routing:
                 self.kv.start()
 
     def snapshot(self) -> RoutingSnapshot:
+        if self.link is not None:
+            link = self.link
+            return RoutingSnapshot(
+                self.mode, self.fleet.views(), authority=(link.connected, dict(link.counters))
+            )
         if self.kv is None:
             return RoutingSnapshot(self.mode, self.fleet.views())
         from pylon.routing.kv import SELECT_SECONDS_BUCKETS
@@ -188,7 +198,7 @@ def _remote_routing(
         tokenizer=tokenizer,
         token_data=prover,
     )
-    return Routing(options.mode, router, fleet, checks, _closers=[router.aclose])
+    return Routing(options.mode, router, fleet, checks, link=router.link, _closers=[router.aclose])
 
 
 async def build_kv_router(

@@ -172,6 +172,8 @@ async def test_a_stuck_authority_costs_one_booking_one_deadline() -> None:
         assert link.counters["timeouts"] == 1
         assert link.counters["local_bookings"] == 2
         assert link.connected and link.counters["losses"] == 0
+        counters = {"connects": 1, "losses": 0, "timeouts": 1, "local_bookings": 2}
+        assert routing.snapshot().authority == (True, counters)  # what /metrics shows
         # Both counted at the authority, on the same connection, after the unanswered one.
         await wait_until(lambda: [m[0] for m in heard] == [wire.BOOK, wire.PIN, wire.PIN])
         (unanswered, pinned_first, pinned_second) = (m[1] for m in heard)

@@ -296,7 +296,10 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
         ),
     )
     select = (4, 1, 0, 0.0125)  # counts per bound, +Inf, sum
-    metrics.routing_snapshot = lambda: RoutingSnapshot("kv", workers, (0.001, 0.01), select)
+    link = (True, {"connects": 2, "losses": 1, "timeouts": 0, "local_bookings": 3})
+    metrics.routing_snapshot = lambda: RoutingSnapshot(
+        "kv", workers, (0.001, 0.01), select, authority=link
+    )
 
 
 def exposition(metrics: MetricsObserver) -> str:
