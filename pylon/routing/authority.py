@@ -83,6 +83,7 @@ class BookingAuthority:
         self._pin_policy = "least-loaded" if routing.mode == "kv" else routing.mode
         self._clients: set[_Client] = set()
         self._numbers = 0
+        self.uid = os.getuid()  # the only peer uid served: pylon's own
         self.refused = 0  # connections refused: another user, or not this protocol
         fleet.on_change(self._push)
 
@@ -202,7 +203,7 @@ class _Client(asyncio.Protocol):
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
         self.pid = pid
-        if uid != os.getuid():
+        if uid != self._authority.uid:
             self._authority.refuse(f"a connection from uid {uid} (pid {pid}), not pylon's own")
             transport.abort()
             self._transport = None

@@ -485,11 +485,13 @@ class RemoteRouter:
             except AuthorityAway:
                 pass
             else:
-                return self._booked(bid, reply, body)
+                return self._booked(bid, reply, body, counts_output=tokens is not None)
         # A fresh id: an unanswered `BOOK`'s may still be answered (and is then released).
         return self._local(link.next_id(), body)
 
-    def _booked(self, bid: int, reply: list[Any], body: bytes | None) -> Booking:
+    def _booked(
+        self, bid: int, reply: list[Any], body: bytes | None, *, counts_output: bool
+    ) -> Booking:
         link = self._link
         if reply[0] == wire.REFUSED:
             raise NoWorker(reply[2])
@@ -508,7 +510,7 @@ class RemoteRouter:
             worker,
             headers,
             body=body,
-            counts_output=self._kv,  # the core's reservation counts output blocks
+            counts_output=counts_output,  # a `kv` reservation counts output blocks
             generation=link.generation,
         )
 

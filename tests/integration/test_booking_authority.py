@@ -376,6 +376,19 @@ async def test_a_client_that_speaks_something_else_is_cut_off_and_its_bookings_r
     assert PROCESS_LOST == "process_lost"
 
 
+async def test_a_peer_of_another_uid_is_refused(exits: AsyncExitStack) -> None:
+    authority = await start_authority(exits)
+    authority.authority.uid = os.getuid() + 1  # as if pylon ran as another user than the peer
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.setblocking(False)
+        await loop.sock_connect(raw, str(authority.socket))
+        refused = await authority.observer.wait_for("booking_client_refused")
+        assert f"from uid {os.getuid()}" in refused["detail"]
+        assert await loop.sock_recv(raw, 1024) == b""  # closed before a snapshot was sent
+    assert authority.authority.clients == 0
+
+
 async def test_the_socket_is_private(exits: AsyncExitStack) -> None:
     authority = await start_authority(exits)
     assert os.stat(authority.socket).st_mode & 0o777 == 0o600

@@ -21,6 +21,7 @@ from pylon.routing.build import RoutingOptions, build_routing
 from pylon.routing.remote import BOOK_DEADLINE_S, RemoteChecks, RemoteRouter
 from tests.booking_processes import plan, released, routing_options
 from tests.fleet import FleetFactory, mixed_load
+from tests.integration.test_passive_health import statuses
 from tests.observers import EventObserver
 from tests.router_ffi.fake_native import FakeNative
 from tests.stack import MODEL
@@ -90,6 +91,25 @@ async def test_requests_book_at_the_authority_and_none_leaks_after_aborts(
     assert made >= sent  # every request booked there (a move books a second time)
     assert isinstance(fleet.routing.checks, RemoteChecks)
     assert fleet.routing.checks.link.counters["local_bookings"] == 0
+
+
+async def test_a_dead_worker_moves_requests_and_the_authoritys_passive_health_ejects_it(
+    make_fleet: FleetFactory, authorities: Authorities
+) -> None:
+    fleet = await make_fleet(workers=2, routing="round-robin", authority=authorities)
+    await fleet.mocks[1].stop()  # its port closes; the active checks (hourly) do not notice
+    got = await statuses(fleet, "dead", 10)
+    assert got == [200] * 10
+    await fleet.observer.wait_done(10)
+    records = [fleet.observer.finished[f"dead-{n}"] for n in range(10)]
+    assert {record.worker for record in records} == {fleet.label(0)}
+    assert 1 <= len([record for record in records if record.attempts == 2]) <= 5
+    # The moves' verdicts reached the authority's passive health; its ejection, every mirror.
+    ejected = await authorities.observer.wait_for("worker_outlier_ejected", worker=fleet.label(1))
+    assert ejected["reason"] == "connect_failure"
+    await wait_until(lambda: [w.label for w in fleet.routing.fleet.in_rotation] == [fleet.label(0)])
+    await wait_until(lambda: sum(authorities.loads().values()) == 0)
+    assert sum(fleet.routing.active_bookings().values()) == 0
 
 
 async def test_readiness_follows_the_rotation_the_authority_pushes(
