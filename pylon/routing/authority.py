@@ -216,6 +216,8 @@ class _Client(asyncio.Protocol):
         self._batch = []
         try:
             for message in self._reader.feed(data):
+                if self._transport is None:
+                    break  # cut off meanwhile (answers left unread): hold nothing more
                 self._handle(message)
         except (wire.FrameError, ValueError, TypeError, IndexError) as exc:
             self._authority.refuse(f"pid {self.pid}: {exc}")

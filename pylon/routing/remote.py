@@ -198,15 +198,20 @@ class AuthorityLink:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
-            delay = RECONNECT_MIN_S
             try:
                 await self._serve(transport, protocol)
             except asyncio.CancelledError:
                 self._closing = True  # pylon is stopping: nothing lost
                 raise
             finally:
+                came_up = self._up
                 self._lost("the connection closed")
                 transport.abort()
+            if came_up:
+                delay = RECONNECT_MIN_S  # it served: try again at once
+            else:  # accepted and closed, or silent: not an authority (yet); back off
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_MAX_S)
 
     async def _serve(self, transport: asyncio.BaseTransport, protocol: _LinkProtocol) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -287,7 +292,6 @@ class AuthorityLink:
                 future.set_exception(AuthorityAway(detail))
         if self._closing or not self._up:
             return  # stopping, or a socket that never answered (a dying listener): no news
-        self._up = False
         self.counters["losses"] += 1
         self._observer.process_event(
             "booking_authority_lost",
