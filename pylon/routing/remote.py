@@ -160,7 +160,6 @@ class AuthorityLink:
         self._path = socket_path
         self._fleet = fleet
         self._observer = observer
-        self._by_label = {w.label: w for w in fleet.workers}
         self._by_id = {w.spec.worker_id: w for w in fleet.workers}
         self._ids = itertools.count(1)
         self.live: dict[int, RemoteBooking] = {}
