@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pylon.routing.kv import KvRouter
     from pylon.routing.remote import AuthorityLink
     from pylon.routing.spec import WorkerSpec
+    from pylon.routing.token_data import TokenDataProver
     from router_ffi import RouterFfiError, SelectionCore
     from router_ffi._native import NativeFactory
 
@@ -91,6 +92,8 @@ class Routing:
     checks: HealthChecker
     kv: KvRouter | None = None
     link: AuthorityLink | None = None  # booked at the node's authority (`remote`)
+    # `--kv-token-data`'s proofs (the kv router's, or a process booked at the authority: its own)
+    token_data: TokenDataProver | None = None
     _task: asyncio.Task[None] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -168,7 +171,9 @@ async def build_routing(
         return Routing(mode, LeastLoadedRouter(fleet), fleet, checks, _closers=closers)
     assert options.kv is not None and tokenizer is not None, "kv needs its options and tokenizer"
     kv = await build_kv_router(options.kv, fleet, observer, tokenizer, native=native)
-    return Routing(mode, kv, fleet, checks, kv, _closers=[*closers, kv.aclose])
+    return Routing(
+        mode, kv, fleet, checks, kv, token_data=kv.token_data, _closers=[*closers, kv.aclose]
+    )
 
 
 def _remote_routing(
@@ -198,7 +203,15 @@ def _remote_routing(
         tokenizer=tokenizer,
         token_data=prover,
     )
-    return Routing(options.mode, router, fleet, checks, link=router.link, _closers=[router.aclose])
+    return Routing(
+        options.mode,
+        router,
+        fleet,
+        checks,
+        link=router.link,
+        token_data=prover,
+        _closers=[router.aclose],
+    )
 
 
 async def build_kv_router(

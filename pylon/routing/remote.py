@@ -13,8 +13,9 @@ Per request:
 
 - `kv`: the prompt's token ids are computed here (the tokenizing CPU is spread over the
   processes, on the loop for a small body and in a thread for a large one, as `KvRouter`
-  does), and sent as u32 bytes; with `--kv-token-data` this process proves its models and
-  writes the body itself (`TokenDataProver`). The other modes send no prompt.
+  does), and sent as u32 bytes; with `--kv-token-data` this process proves its models (at
+  its start, like a single pylon: `Routing.token_data`) and writes the body itself
+  (`TokenDataProver`). The other modes send no prompt.
 - A `BOOK` waits at most `BOOK_DEADLINE_S` for its answer; `REFUSED` is `NoWorker` (503).
 - `RemoteBooking` sends the moments (`HEAD`, `FIRST`, `OUTPUT` for `kv`, `END`) without waiting:
   they are ordered per connection, and a release is one frame.
