@@ -51,6 +51,9 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "pylon_router_decisions": ("counter", frozenset({"worker", "policy"})),
     "pylon_router_select_seconds": ("histogram", frozenset({"policy"})),
     "pylon_router_kv_event_faults": ("counter", frozenset({"worker", "kind"})),
+    # A process booked at the node's booking authority (empty families otherwise)
+    "pylon_router_authority_connected": ("gauge", frozenset()),
+    "pylon_router_authority_events": ("counter", frozenset({"event"})),
 }
 # prometheus-client's process collector, namespaced: present, not pinned label by label.
 PROCESS = ("pylon_process_cpu_seconds", "pylon_process_resident_memory_bytes")
