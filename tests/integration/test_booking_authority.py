@@ -242,9 +242,10 @@ async def test_every_choice_sees_every_earlier_booking_of_every_process(
     assert sorted(told, key=str) == sorted(by_client.values(), key=str)
     quiet = {"connects": 1, "losses": 0, "timeouts": 0, "local_bookings": 0}
     assert [run["counters"] for run in runs] == [quiet] * 3
-    # The authority's loads are exactly what the processes still hold.
+    # The authority's loads are exactly what the processes still hold (the last releases are
+    # fire-and-forget: they may land just after a process answered).
     held = sum(run["held"] for run in runs)
-    assert sum(authority.loads().values()) == held
+    await wait_until(lambda: sum(authority.loads().values()) == held)
     for client in clients:
         await client.call(op="release_all")
     await wait_until(lambda: sum(authority.loads().values()) == 0)
