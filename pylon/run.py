@@ -454,7 +454,7 @@ def _report_ready(core: Core, upstream: str, result: BringUp, routing: Routing |
 
 def _token_data_proof(core: Core, routing: Routing | None) -> Callable[[], Awaitable[None]] | None:
     """With `--kv-token-data`: prove every model published at start (a mismatch refuses it)."""
-    prover = routing.kv.token_data if routing is not None and routing.kv is not None else None
+    prover = routing.token_data if routing is not None else None
     if prover is None:
         return None
 

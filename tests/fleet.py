@@ -30,7 +30,7 @@ from mock_dynamo.tokens import WordTokenizer, prompts
 from pylon.assemble import routing_options
 from pylon.core.record import RequestRecord
 from pylon.logs import configure_logging
-from pylon.routing.build import Routing, build_routing
+from pylon.routing.build import Routing, RoutingOptions, build_routing
 from pylon.run import Running, start
 from pylon.settings import Settings, load_settings
 from router_ffi._native import NativeFactory
@@ -214,6 +214,7 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
             native: NativeFactory | None = None,
             workers_file: Path | None = None,
             in_catalogue: Sequence[int] | None = None,
+            authority: Callable[[RoutingOptions], Awaitable[Path]] | None = None,
             **settings: Any,
         ) -> FleetStack:
             """`engine_controls`: {mock index: {name: value}} PUT to the mock's
@@ -223,7 +224,9 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
             placeholder `kv-events=` each unless `kv_block_size` gives them real ones.
             `workers_file`: the catalogue goes there (`--workers-file`) instead of `--worker`,
             holding the mocks `in_catalogue` (default all); `FleetStack.write_workers`
-            rewrites it."""
+            rewrites it.
+            `authority`: starts a booking authority for the fleet's routing options and returns
+            its socket; pylon's router then books there (`build_routing(..., authority=)`)."""
             config: dict[str, Any] = {"models": (MODEL,), **(mock or {})}
             if kv_block_size is not None:
                 config.update(
@@ -281,11 +284,13 @@ async def make_fleet() -> AsyncIterator[FleetFactory]:
                 defaults["tokenizer"] = "/"  # loaded by no one: the fake is injected
             built = load_settings({**defaults, **settings})
             observer = RoutingObserver()
+            options = routing_options(built)
             parts = await build_routing(
-                routing_options(built),
+                options,
                 observer,
                 tokenizer=tokenizer or (WordPrompts() if routing == "kv" else None),
                 native=native,
+                authority=await authority(options) if authority is not None else None,
             )
             running = await exits.enter_async_context(
                 start(built, observer, wait_ready=wait_ready, routing=parts)

@@ -270,5 +270,20 @@ METRICS: tuple[MetricSpec, ...] = (
         "pylon knows), `unknown_worker` (Dynamo's core drops it: the catalogues differ), "
         "`malformed`",
     ),
+    MetricSpec(
+        "pylon_router_authority_connected",
+        "gauge",
+        (),
+        "1 while this process books at the node's booking authority, 0 while it books alone "
+        "(the authority is away); absent in a process that has none",
+    ),
+    MetricSpec(
+        "pylon_router_authority_events_total",
+        "counter",
+        ("event",),
+        "this process's link to the node's booking authority: `connects`, `losses` (the "
+        "connection lost), `timeouts` (a booking unanswered in time), `local_bookings` (booked "
+        "alone while the authority was away or stalled)",
+    ),
 )
 SPECS = {spec.name: spec for spec in METRICS}  # name -> its spec

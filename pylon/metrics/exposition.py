@@ -179,9 +179,17 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
     yield _counter("pylon_router_decisions_total", decisions)
     yield _counter("pylon_router_kv_event_faults_total", faults)
     yield select
+    connected = _gauge("pylon_router_authority_connected")
+    events: dict[tuple[str], int] = {}
+    if snapshot is not None and snapshot.authority is not None:
+        up, counters = snapshot.authority
+        connected.add_metric([], 1 if up else 0)
+        events = {(event,): count for event, count in counters.items()}
     yield core_active
     yield catalogue_info
     yield _counter("pylon_router_replica_sync_events_total", sync_events)
+    yield connected
+    yield _counter("pylon_router_authority_events_total", events)
 
 
 def histogram_buckets(bounds: Sequence[float], histogram: Histogram) -> list[tuple[str, float]]:

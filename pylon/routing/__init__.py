@@ -19,6 +19,10 @@ terminal moment: success, engine error, timeout, client cancel and shutdown all 
   (counted per peer: applied, or dropped for a worker this pylon does not know).
 - `build`: `build_routing(options, ...)`, the routing parts for `pylon.run.start`; the `kv`
   router's prompt tokens come through the `PromptTokenizer` port (`pylon.tokenize` implements it).
+- `authority`: the booking authority, one process that owns the routing decision for all of a
+  node's pylon processes (`run_authority`, on a private Unix socket); `remote`: the router of a
+  process booked there (`RemoteRouter`, a mirror fleet whose rotation the authority pushes;
+  `build_routing(..., authority=PATH)`); `booking_wire`: the frames between them.
 
 docs/routing.md explains the modes, the worker spec and the booking lifetime.
 """

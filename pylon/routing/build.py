@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pylon.core.upstream import Upstream
@@ -41,8 +42,10 @@ from pylon.startup import StartupError
 if TYPE_CHECKING:
     from pylon.observe import Observer
     from pylon.routing.kv import KvRouter
+    from pylon.routing.remote import AuthorityLink
     from pylon.routing.replica_sync import ReplicaSyncWatch
     from pylon.routing.spec import WorkerSpec
+    from pylon.routing.token_data import TokenDataProver
     from router_ffi import ReplicaSync, RouterFfiError, SelectionCore
     from router_ffi._native import NativeFactory
 
@@ -108,6 +111,9 @@ class RoutingSnapshot:
     # Catalogue reloads (changed, refused) with --workers-file / --discover-instances; None: a
     # fixed --worker list.
     catalogue_reloads: tuple[int, int] | None = None
+    # A process booked at the node's authority: whether its link is up, and its counters
+    # (`pylon.routing.remote.AuthorityLink.counters`); None: no authority.
+    authority: tuple[bool, dict[str, int]] | None = None
 
 
 @dataclass
@@ -120,6 +126,9 @@ class Routing:
     checks: HealthChecker
     kv: KvRouter | None = None
     replica_watch: ReplicaSyncWatch | None = None
+    link: AuthorityLink | None = None  # booked at the node's authority (`remote`)
+    # `--kv-token-data`'s proofs (the kv router's, or a process booked at the authority: its own)
+    token_data: TokenDataProver | None = None
     _task: asyncio.Task[None] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # --workers-file or --discover-instances; None: --worker, fixed.
@@ -149,6 +158,14 @@ class Routing:
     def snapshot(self) -> RoutingSnapshot:
         catalogue = self.catalogue
         reloads = (catalogue.reloads, catalogue.failures) if catalogue is not None else None
+        if self.link is not None:
+            link = self.link
+            return RoutingSnapshot(
+                self.mode,
+                self.fleet.views(),
+                catalogue_reloads=reloads,
+                authority=(link.connected, dict(link.counters)),
+            )
         if self.kv is None:
             return RoutingSnapshot(self.mode, self.fleet.views(), catalogue_reloads=reloads)
         from pylon.routing.kv import SELECT_SECONDS_BUCKETS
@@ -227,11 +244,14 @@ async def build_routing(
     *,
     tokenizer: PromptTokenizer | None = None,
     native: NativeFactory | None = None,
+    authority: Path | None = None,
 ) -> Routing:
     """The routing parts for `options.mode`.
 
     `tokenizer`: for `kv`, the loaded `--tokenizer` (or a test's stand-in); `native`: for `kv`,
     a factory of the native selection service instead of Dynamo's (tests).
+    `authority`: the Unix socket of the node's booking authority (`pylon.routing.authority`):
+    the router books there, over a mirror of the fleet (`pylon.routing.remote`).
     Raises `pylon.startup.StartupError` when the `kv` parts cannot be built.
     """
     mode = options.mode
@@ -240,6 +260,9 @@ async def build_routing(
     if options.workers_file is not None:
         data, workers = _first_catalogue(options.workers_file)
     fleet = Fleet.from_specs(workers, options.frontend)
+    if authority is not None:
+        # The authority watches the catalogue; this process's mirror follows its pushes.
+        return _remote_routing(options, fleet, observer, tokenizer, authority)
     if options.workers_file is not None:
         catalogue = CatalogueWatch(fleet, options.workers_file, observer)
         catalogue.prime(data)
@@ -277,7 +300,17 @@ async def build_routing(
                     (worker.spec.worker_id for worker in fleet.workers), change.digest
                 )
             )
-        return Routing(mode, kv, fleet, checks, kv, watch, _closers=closers, catalogue=catalogue)
+        return Routing(
+            mode,
+            kv,
+            fleet,
+            checks,
+            kv,
+            watch,
+            token_data=kv.token_data,
+            _closers=closers,
+            catalogue=catalogue,
+        )
     return Routing(mode, router, fleet, checks, _closers=closers, catalogue=catalogue)
 
 
@@ -291,6 +324,44 @@ def _first_catalogue(options: WorkersFileOptions) -> tuple[bytes, tuple[WorkerSp
     except CatalogueError as exc:
         raise StartupError(str(exc)) from None
     return data, specs
+
+
+def _remote_routing(
+    options: RoutingOptions,
+    fleet: Fleet,
+    observer: Observer,
+    tokenizer: PromptTokenizer | None,
+    authority: Path,
+) -> Routing:
+    """The parts of a serving process booked by the node's authority: the mirror fleet, its
+    rotation pushed (`RemoteChecks`), and for `--kv-token-data` this process's own proofs."""
+    from pylon.routing.remote import remote_routing_parts
+
+    prover = None
+    if options.kv is not None:
+        assert tokenizer is not None, "kv needs its tokenizer"
+        if options.kv.token_data:
+            from pylon.routing.token_data import TokenDataProver
+
+            prover = TokenDataProver(tokenizer, fleet, observer, timeout=options.kv.probe_timeout)
+    router, checks = remote_routing_parts(
+        options.mode,
+        fleet,
+        options.health,
+        authority,
+        observer,
+        tokenizer=tokenizer,
+        token_data=prover,
+    )
+    return Routing(
+        options.mode,
+        router,
+        fleet,
+        checks,
+        link=router.link,
+        token_data=prover,
+        _closers=[router.aclose],
+    )
 
 
 async def build_kv_router(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -193,7 +193,7 @@ class KvRouter:
         self._ffi_error = RouterFfiError
         self._by_id = {worker.spec.worker_id: worker for worker in fleet.workers}
         self._rank_headers = {
-            worker.spec.worker_id: _rank_headers(worker) for worker in fleet.workers
+            worker.spec.worker_id: rank_headers(worker) for worker in fleet.workers
         }
         self._allowed: tuple[int, ...] | None = None
         # The worker ids the core knows (upserted, and not removed yet): a worker added by a
@@ -266,7 +266,7 @@ class KvRouter:
         for worker in change.added:
             wid = worker.spec.worker_id
             self._by_id[wid] = worker
-            self._rank_headers[wid] = _rank_headers(worker)
+            self._rank_headers[wid] = rank_headers(worker)
         self._refilter()
         self.watch.update(change)
         self._spawn(self._apply_to_core(change), "pylon-kv-catalogue")
@@ -306,8 +306,27 @@ class KvRouter:
         if prompt is None:
             return self._fallback.choose()
         tokens, body = prompt
-        core = self._core
         salt = self._salt(plan) if self._salt is not None else None
+        booking = self.book_tokens(tokens, salt, body)
+        if token_data is not None and not carry:
+            token_data.want(plan.model)
+        return booking
+
+    def choose_by_load(self) -> Booking:
+        """A booking by load alone (a request with no prompt to route by), least-loaded."""
+        self.fallbacks += 1
+        return self._fallback.choose()
+
+    def book_tokens(
+        self, tokens: Sequence[int], salt: str | None, body: bytes | None = None
+    ) -> Booking:
+        """Select and reserve for prompt `tokens` (with the trusted cache `salt`), at once:
+        the core's answer is waited for on this thread (~0.1 ms), so bookings made one after
+        another each see every earlier one (the booking authority relies on it). Raises
+        `NoWorker`; a core failure books least-loaded instead."""
+        if not self._fleet.in_rotation:
+            raise no_worker(self._fleet)
+        core = self._core
         request = self._select_request(
             self._token_prompt(tokens, cache_salt=salt),
             selection_id=core.new_selection_id(),
@@ -335,8 +354,6 @@ class KvRouter:
         ranks = self._rank_headers[wid]
         if ranks:
             headers = headers + ranks[reservation.selection.dp_rank]
-        if token_data is not None and not carry:
-            token_data.want(plan.model)
         return KvBooking(worker, reservation, headers, body, self._fleet.passive)
 
     def elsewhere(self, plan: ForwardPlan, failed: Booking) -> Booking | None:
@@ -466,7 +483,7 @@ class KvRouter:
         )
 
 
-def _rank_headers(worker: Worker) -> tuple[tuple[Header, ...], ...]:
+def rank_headers(worker: Worker) -> tuple[tuple[Header, ...], ...]:
     """Per DP rank, the rank pin (none for a single-rank worker)."""
     if worker.spec.dp_size == 1:
         return ()

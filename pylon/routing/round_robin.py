@@ -30,6 +30,10 @@ class RoundRobinRouter:
         self._next = 0
 
     async def book(self, plan: ForwardPlan) -> Booking:
+        return self.choose()
+
+    def choose(self) -> WorkerBooking:
+        """The booking on the next worker in rotation, at once; raises `NoWorker`."""
         in_rotation = self._fleet.in_rotation
         if not in_rotation:
             raise no_worker(self._fleet)

@@ -52,6 +52,12 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     "pylon_router_decisions": ("counter", frozenset({"worker", "policy"})),
     "pylon_router_select_seconds": ("histogram", frozenset({"policy"})),
     "pylon_router_kv_event_faults": ("counter", frozenset({"worker", "kind"})),
+    "pylon_router_core_active_requests": ("gauge", frozenset({"worker"})),
+    "pylon_router_catalogue_info": ("gauge", frozenset({"digest"})),
+    "pylon_router_replica_sync_events": ("counter", frozenset({"peer", "result"})),
+    # A process booked at the node's booking authority (empty families otherwise)
+    "pylon_router_authority_connected": ("gauge", frozenset()),
+    "pylon_router_authority_events": ("counter", frozenset({"event"})),
 }
 # prometheus-client's process collector, namespaced: present, not pinned label by label.
 PROCESS = ("pylon_process_cpu_seconds", "pylon_process_resident_memory_bytes")

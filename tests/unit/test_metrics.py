@@ -308,6 +308,7 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
             ("10.0.0.2:7000", "unknown_worker"): 1,
         },
         catalogue_reloads=(3, 1),
+        authority=(True, {"connects": 2, "losses": 1, "timeouts": 0, "local_bookings": 3}),
     )
 
 
