@@ -9,6 +9,10 @@ per relayed SSE token.
 
     .venv/bin/python scripts/bench_proxies.py --json-out bench.json
     .venv/bin/python scripts/bench_proxies.py --quick --proxies nginx,envoy
+    .venv/bin/python scripts/bench_proxies.py --proxies direct,pylon,pylon@2 --modes nonstream
+
+`pylon@N` is `pylon serve --processes N` (the CPU is the whole process tree's: supervisor and
+processes).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -37,6 +42,9 @@ from proxies import SPEC_BUILDERS, envoy_bin, nginx_bin
 
 TOKENS_PER_STREAM = 20
 ALL_PROXIES = ("direct", "pylon", "nginx", "envoy")
+# `pylon serve --processes N`: asked for by name (`--proxies direct,pylon,pylon@2`).
+MORE_PROXIES = ("pylon@2", "pylon@4")
+READY_WAIT_S = 30.0  # a supervisor's processes each say `ready` within this
 ALL_UPSTREAMS = ("canned", "mock")
 
 
@@ -127,11 +135,24 @@ def start_proxy(
     proc = ctx.group.start(spec.argv, rowdir / f"{proxy}.log")
     try:
         wait_port(proc, port, spec.startup_timeout_s)
+        if "@" in proxy:  # the port answers once one process listens: wait for all N
+            wait_ready_lines(rowdir / f"{proxy}.log", int(proxy.split("@")[1]), READY_WAIT_S)
     except RuntimeError as exc:
         ctx.group.stop(proc)
         log = (rowdir / f"{proxy}.log").read_text(errors="replace").strip()
         raise RuntimeError(f"{exc}; log tail: {log[-400:]}") from exc
     return port, proc
+
+
+def wait_ready_lines(log: Path, count: int, timeout_s: float) -> None:
+    """Until the log holds `count` `ready` lines (one per process of a supervisor)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if text.count('"event":"ready"') >= count:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"fewer than {count} processes said ready within {timeout_s:g} s")
 
 
 def measure(ctx: Ctx, row: Row, mode: Mode, port: int, pids: tuple[int, int]) -> None:
@@ -315,7 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.duration, args.warmup = 3, 1
-    args.proxies = split_choices(ap, args.proxies, ALL_PROXIES)
+    args.proxies = split_choices(ap, args.proxies, ALL_PROXIES + MORE_PROXIES)
     args.upstreams = split_choices(ap, args.upstreams, ALL_UPSTREAMS)
     args.modes = [MODES[m] for m in split_choices(ap, args.modes, tuple(MODES))]
     return args

@@ -37,7 +37,9 @@ def nginx_bin() -> Path | None:
     return Path(found) if found else None
 
 
-def pylon_spec(port: int, up_port: int, workdir: Path) -> ProxySpec:
+def pylon_spec(port: int, up_port: int, workdir: Path, processes: int = 1) -> ProxySpec:
+    """pylon in front of the upstream; `processes` > 1: `--processes N` (a supervisor and N
+    processes on one port; the admin listener stays on the ephemeral port of the env)."""
     argv = [
         str(pylon_bin()),
         "serve",
@@ -55,6 +57,9 @@ def pylon_spec(port: int, up_port: int, workdir: Path) -> ProxySpec:
         "--log-level",
         os.environ.get("PYLON_BENCH_LOG_LEVEL", "info"),
     ]
+    if processes > 1:
+        argv += ["--processes", str(processes)]
+        return ProxySpec(f"pylon@{processes}", argv, 30.0)
     return ProxySpec("pylon", argv, 20.0)
 
 
@@ -179,4 +184,11 @@ def envoy_spec(port: int, up_port: int, workdir: Path) -> ProxySpec:
     return ProxySpec("envoy", argv, 20.0)
 
 
-SPEC_BUILDERS = {"pylon": pylon_spec, "nginx": nginx_spec, "envoy": envoy_spec}
+SPEC_BUILDERS = {
+    "pylon": pylon_spec,
+    "nginx": nginx_spec,
+    "envoy": envoy_spec,
+    # `pylon serve --processes N` (issue 18's throughput row): not in the default set.
+    "pylon@2": lambda port, up_port, workdir: pylon_spec(port, up_port, workdir, 2),
+    "pylon@4": lambda port, up_port, workdir: pylon_spec(port, up_port, workdir, 4),
+}
