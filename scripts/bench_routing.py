@@ -658,6 +658,8 @@ async def replay(fleet: Fleet | DynamoFleet, trace: Trace, race: Race | None = N
         metrics: list[str] = []
         if fleet.mode != "vllm-router":
             metrics = [await _metrics(session, admin) for admin in admins]
+        if isinstance(fleet, Fleet) and fleet.scale is not None:
+            row.booking = booking_after(fleet.scale, row.booking, metrics)
         if race is not None:
             for rate in race.rates:
                 row.race[f"{rate:g}"] = await race_at(
@@ -767,6 +769,26 @@ def booking_label(scale: Scale, connected: int, gauges: int) -> str:
     if gauges == 0:
         return "each process alone (no authority)"
     return f"authority ({connected}/{scale.processes} connected)"
+
+
+def booking_after(scale: Scale, booking: str, metrics: list[str]) -> str:
+    """The row's booking with what its run showed: for sync on, the peers' events applied
+    (0: the sync did not work); through an authority, the bookings made alone."""
+    counts: dict[str, float] = {}
+    for text in metrics:
+        for name, labels, value in _samples(text):
+            if name == "pylon_router_replica_sync_events_total":
+                key = labels.get("result", "")
+            elif name == "pylon_router_authority_events_total":
+                key = labels.get("event", "")
+            else:
+                continue
+            counts[key] = counts.get(key, 0.0) + value
+    if scale.sync:
+        return f"{booking} ({counts.get('applied', 0):g} peer events applied)"
+    if booking.startswith("authority") and counts.get("local_bookings"):
+        return f"{booking}, {counts['local_bookings']:g} booked alone"
+    return booking
 
 
 def cores(scale: Scale | None, booking: str) -> int:
@@ -993,16 +1015,23 @@ def table(rows: list[Row]) -> str:
             lines.append(f"| {r.policy} | FAILED: {r.failed} |" + " |" * 13)
             continue
         base = bases["dynamo" if r.policy.startswith("dynamo:") else "mock"]
-        ratio = base / r.ttft_p99_ms if r.ttft_p99_ms else math.nan
+        ratio = _ratio(base, r.ttft_p99_ms)
         select_mean = "-" if math.isnan(r.select_mean_us) else f"{r.select_mean_us:.0f}"
         lines.append(
             f"| {r.policy} | {r.requests} ({r.measured}) | {r.errors} | {r.ttft_mean_ms:.1f} "
-            f"| {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | {ratio:.2f}x | {r.hit_rate:.1%} "
+            f"| {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | {ratio} | {r.hit_rate:.1%} "
             f"| {r.token_hit_rate:.1%} | {select_mean} | {r.select_p50_us} | {r.select_p99_us} "
             f"| {r.fallbacks if r.mode == 'kv' else '-'} "
             f"| {'/'.join(str(n) for n in r.per_worker)} | {r.hit_source} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _ratio(num: float, den: float) -> str:
+    """`num / den` as `1.23x`, or `-` when either is missing."""
+    if math.isnan(num) or math.isnan(den) or not den:
+        return "-"
+    return f"{num / den:.2f}x"
 
 
 def scale_table(rows: list[Row], rates: list[float]) -> str:
@@ -1026,7 +1055,7 @@ def scale_table(rows: list[Row], rates: list[float]) -> str:
             f"{r.race[f'{rate:g}']:.1%}" if f"{rate:g}" in r.race else "-" for rate in rates
         )
         lines.append(
-            f"| {r.policy} | {r.booking} | {r.ttft_p99_ms:.1f} | {r.ttft_p99_ms / base:.2f}x "
+            f"| {r.policy} | {r.booking} | {r.ttft_p99_ms:.1f} | {_ratio(r.ttft_p99_ms, base)} "
             f"| {r.hit_rate:.1%} | {race} |"
         )
     return head + "\n".join(lines) + "\n"
