@@ -44,7 +44,47 @@ the whole run happens inside a private network namespace: the script re-executes
 
     sudo PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --policies dynamo   # 5 Dynamo rows
 
-Everything binds to 127.0.0.1; every process is killed on exit (also on Ctrl-C / SIGTERM).
+**Scale rows** (`--processes`, `--replicas`): `--routing kv` on one node's fleet, run as
+several pylons, each row with a fresh fleet of mocks and the same trace:
+
+* `--processes 1,2,4`: a row per count, `pylon serve --processes P` (P > 1: the supervisor and
+  its P processes on the shared listener). Its processes book at the node's booking authority
+  when the supervisor starts one, and each alone otherwise; the row says which it got, from
+  the supervisor's merged `/metrics` (`pylon_router_authority_connected`, one sample a process
+  with an authority: "authority (P/P connected)", or "each process alone (no authority)"), and
+  how many bookings were made alone (`pylon_router_authority_events_total{event=
+  "local_bookings"}`).
+* `--replicas on,off`: a row each, 2 separate `pylon serve`s on this host (the "nodes"), each
+  in front of all the mocks; `on`: each with its own `--replica-sync-port` (a port the kernel
+  picked) and the other as `--replica-peer 127.0.0.1:PORT` (the row says how many peer events
+  each applied), `off`: no sync flags. The client sends each conversation to one replica
+  (by its number: half the conversations each). The sync binds its PUB on all interfaces, so
+  an `on` row runs the whole run in a private network namespace, as the `dynamo:*` rows do
+  (root).
+
+After its trace, each scale row measures **the race** on the same fleet, at each of
+`--race-rates` (default 50, 200, 1,000 selections/s): `--race-count` distinct prompts of one
+length (`--race-tokens`, so that a worker's block load orders the workers as its booking count
+does), paced open loop and sent to the replicas in turn, each held open (the mocks stall
+every stream before its first event, so no booking is released while the rate runs), then
+all closed and drained. A *mis-pick* is a choice that is not the least-loaded worker given
+every earlier booking by any process or replica: the workers' records (which worker got
+which request, by its `x-request-id`) replayed in the order the client sent them, with
+`bench_bookings.mis_picks` (scripts/bench_bookings.py's method; the send order stands for the
+booking order, the workers' own arrival times on a busy host do not). So the race is measured
+through the real pylons, not from the trace.
+
+Reported per scale row, besides the big table: a compact markdown table (TTFT p99 and its
+ratio to the 1-process row, the block hit rate, the mis-picks at each rate) for
+docs/benchmarks.md, and the target, reported (not asserted): with P local processes TTFT p99
+within 10 % of one process.
+
+    sudo PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --processes 1,2,4 --replicas on,off
+    PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --processes 1,2 --duration 5 \
+        --groups 8 --sessions 2 --race-count 40     # a quick check that it works (~45 s)
+
+Everything binds to 127.0.0.1 (but the sync and the Dynamo mockers, inside their private
+network namespace); every process is killed on exit (also on Ctrl-C / SIGTERM).
 """
 
 from __future__ import annotations
