@@ -800,6 +800,13 @@ def authority_state(metrics: str) -> tuple[int, int]:
     return sum(1 for v in values if v == 1), len(values)
 
 
+def scraped_processes(metrics: str) -> int:
+    """Processes whose samples are in a supervisor's merged exposition."""
+    return sum(
+        1 for name, _, v in _samples(metrics) if name == "pylon_supervisor_process_scraped" and v
+    )
+
+
 def booking_label(scale: Scale, connected: int, gauges: int) -> str:
     """How a scale row's processes or replicas shared their bookings, in words."""
     if scale.replicas > 1:
@@ -852,8 +859,11 @@ async def booking_of(session: aiohttp.ClientSession, scale: Scale, admins: list[
     if scale.processes > 1:
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
-            connected, gauges = authority_state(await _metrics(session, admins[0]))
-            if connected == scale.processes:
+            metrics = await _metrics(session, admins[0])
+            connected, gauges = authority_state(metrics)
+            if connected == scale.processes or (
+                not gauges and scraped_processes(metrics) >= scale.processes
+            ):  # every process books at the authority, or every one answered without one
                 break
             await asyncio.sleep(0.1)
     return booking_label(scale, connected, gauges)

@@ -191,6 +191,15 @@ def test_how_the_processes_booked_comes_from_the_merged_metrics() -> None:
     assert br.authority_state(both) == (2, 2)
     assert br.authority_state(one_lost) == (1, 2)
     assert br.authority_state("") == (0, 0)  # no authority: the gauge is absent
+    scraped = exposition(
+        [
+            "# TYPE pylon_supervisor_process_scraped gauge",
+            'pylon_supervisor_process_scraped{process="0"} 1.0',
+            'pylon_supervisor_process_scraped{process="1"} 0.0',
+        ]
+    )
+    assert br.scraped_processes(scraped) == 1
+    assert br.scraped_processes(both) == 0
     two = br.Scale(processes=2)
     assert br.booking_label(two, 2, 2) == "authority (2/2 connected)"
     assert br.booking_label(two, 0, 0) == "each process alone (no authority)"
