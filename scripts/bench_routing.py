@@ -44,7 +44,47 @@ the whole run happens inside a private network namespace: the script re-executes
 
     sudo PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --policies dynamo   # 5 Dynamo rows
 
-Everything binds to 127.0.0.1; every process is killed on exit (also on Ctrl-C / SIGTERM).
+**Scale rows** (`--processes`, `--replicas`): `--routing kv` on one node's fleet, run as
+several pylons, each row with a fresh fleet of mocks and the same trace:
+
+* `--processes 1,2,4`: a row per count, `pylon serve --processes P` (P > 1: the supervisor and
+  its P processes on the shared listener). Its processes book at the node's booking authority
+  when the supervisor starts one, and each alone otherwise; the row says which it got, from
+  the supervisor's merged `/metrics` (`pylon_router_authority_connected`, one sample a process
+  with an authority: "authority (P/P connected)", or "each process alone (no authority)"), and
+  how many bookings were made alone (`pylon_router_authority_events_total{event=
+  "local_bookings"}`).
+* `--replicas on,off`: a row each, 2 separate `pylon serve`s on this host (the "nodes"), each
+  in front of all the mocks; `on`: each with its own `--replica-sync-port` (a port the kernel
+  picked) and the other as `--replica-peer 127.0.0.1:PORT` (the row says how many peer events
+  each applied), `off`: no sync flags. The client sends each conversation to one replica
+  (by its number: half the conversations each). The sync binds its PUB on all interfaces, so
+  an `on` row runs the whole run in a private network namespace, as the `dynamo:*` rows do
+  (root).
+
+After its trace, each scale row measures **the race** on the same fleet, at each of
+`--race-rates` (default 50, 200, 1,000 selections/s): `--race-count` distinct prompts of one
+length (`--race-tokens`, so that a worker's block load orders the workers as its booking count
+does), paced open loop and sent to the replicas in turn, each held open (the mocks stall
+every stream before its first event, so no booking is released while the rate runs), then
+all closed and drained. A *mis-pick* is a choice that is not the least-loaded worker given
+every earlier booking by any process or replica: the workers' records (which worker got
+which request, by its `x-request-id`) replayed in the order the client sent them, with
+`bench_bookings.mis_picks` (scripts/bench_bookings.py's method; the send order stands for the
+booking order, the workers' own arrival times on a busy host do not). So the race is measured
+through the real pylons, not from the trace.
+
+Reported per scale row, besides the big table: a compact markdown table (TTFT p99 and its
+ratio to the 1-process row, the block hit rate, the mis-picks at each rate) for
+docs/benchmarks.md, and the target, reported (not asserted): with P local processes TTFT p99
+within 10 % of one process.
+
+    sudo PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --processes 1,2,4 --replicas on,off
+    PYTHONPATH=. .venv/bin/python scripts/bench_routing.py --processes 1,2 --duration 5 \
+        --groups 8 --sessions 2 --race-count 40     # a quick check that it works (~45 s)
+
+Everything binds to 127.0.0.1 (but the sync and the Dynamo mockers, inside their private
+network namespace); every process is killed on exit (also on Ctrl-C / SIGTERM).
 """
 
 from __future__ import annotations
@@ -65,6 +105,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -187,6 +228,58 @@ def build_trace(args: argparse.Namespace, model_dir: Path) -> Trace:
     return Trace(requests, lengths, len(blocks), statistics.fmean(prefix), len(first))
 
 
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """A scale row: `--routing kv` on one node as `processes` local processes (`pylon serve
+    --processes P`), or as `replicas` separate pylons (the "nodes"), with Dynamo's replica sync
+    between them or not."""
+
+    processes: int = 1
+    replicas: int = 1
+    sync: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.replicas > 1:
+            return f"kv, {self.replicas} replicas, sync {'on' if self.sync else 'off'}"
+        return f"kv, {self.processes} process{'es' if self.processes > 1 else ''}"
+
+    def flags(self, index: int, sync_ports: list[int]) -> list[str]:
+        """The `pylon serve` flags of replica `index` (`sync_ports`: every replica's sync
+        port, empty when the sync is off)."""
+        out = ["--processes", str(self.processes)] if self.processes > 1 else []
+        if sync_ports:
+            out += ["--replica-sync-port", str(sync_ports[index])]
+            for other, port in enumerate(sync_ports):
+                if other != index:
+                    out += ["--replica-peer", f"127.0.0.1:{port}"]
+        return out
+
+
+def parse_scales(processes: str, replicas: str) -> list[Scale]:
+    """The scale rows of `--processes 1,2,4` and `--replicas on,off` (2 replicas each), in
+    that order; ValueError on anything else."""
+    out: list[Scale] = []
+    for item in (s.strip() for s in processes.split(",")):
+        if not item:
+            continue
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(f"--processes: {item!r} is not a count >= 1")
+        out.append(Scale(processes=int(item)))
+    for item in (s.strip() for s in replicas.split(",")):
+        if not item:
+            continue
+        if item not in ("on", "off"):
+            raise ValueError(f"--replicas: {item!r} is neither `on` nor `off` (the sync)")
+        out.append(Scale(replicas=2, sync=item == "on"))
+    return out
+
+
+def slug(text: str) -> str:
+    """`text` as a log file name part."""
+    return re.sub(r"[^A-Za-z0-9@.]+", "-", text).strip("-")
+
+
 @dataclass
 class Outcome:
     ttft_s: float | None = None
@@ -220,6 +313,8 @@ class Row:
     slowest: list[tuple[float, int, int, int]] = field(default_factory=list)  # ms, n, group, turn
     failed: str | None = None
     hit_source: str = HIT_FROM_MOCK
+    booking: str = "-"  # a scale row: how its processes / replicas shared the bookings
+    race: dict[str, float] = field(default_factory=dict)  # arrival rate -> mis-pick fraction
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -231,15 +326,27 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Fleet:
-    """N mocks and one pylon, as subprocesses of one ProcessGroup."""
+    """N mocks and one pylon (or, for a scale row, one `pylon serve --processes P`, or R
+    replicas), as subprocesses of one ProcessGroup."""
 
     def __init__(
-        self, args: argparse.Namespace, policy: str, model_dir: Path, cache_blocks: int, logs: Path
+        self,
+        args: argparse.Namespace,
+        policy: str,
+        model_dir: Path,
+        cache_blocks: int,
+        logs: Path,
+        scale: Scale | None = None,
     ) -> None:
         self.args = args
         self.policy = policy
+        self.scale = scale
         # `kv@W`: --routing kv --kv-overlap-weight W (Dynamo's default is 1).
         self.mode, _, self.overlap_weight = policy.partition("@")
+        if scale is not None:
+            self.mode, self.overlap_weight = "kv", ""
+        self.urls: list[str] = []  # one per replica: the client spreads the trace over them
+        self.admins: list[str] = []
         self.model_dir = model_dir
         self.cache_blocks = cache_blocks
         self.logs = logs
@@ -261,7 +368,7 @@ class Fleet:
                 sys.executable, "-m", "mock_dynamo", "--host", "127.0.0.1", "--port", str(port),
                 "--flavor", "dynamo", "--model", MODEL, "--ttft-ms", str(args.ttft_ms),
                 "--token-delay-ms", str(args.token_delay_ms),
-                "--num-tokens", str(args.num_tokens), "--capacity", "1",
+                "--num-tokens", str(args.num_tokens), "--capacity", str(self._records()),
                 "--kv-block-size", str(args.block_size),
                 "--kv-cache-blocks", str(self.cache_blocks),
                 "--prefill-tokens-per-s", str(args.prefill_tokens_per_s),
@@ -271,14 +378,30 @@ class Fleet:
             self._spawn(f"mock{index}-{self.policy}", argv, env)
             self.mocks.append(f"http://127.0.0.1:{port}")
             self.kv_events.append(f"tcp://127.0.0.1:{kv_port}")
-        listen, admin = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{listen}"
-        self.admin = f"http://127.0.0.1:{admin}"
         for url in self.mocks:
             _wait_http(f"{url}/test-control/kv", 30.0)
+        scale = self.scale or Scale()
+        ports = [(free_port(), free_port()) for _ in range(scale.replicas)]
+        self.urls = [f"http://127.0.0.1:{listen}" for listen, _ in ports]
+        self.admins = [f"http://127.0.0.1:{admin}" for _, admin in ports]
+        self.url, self.admin = self.urls[0], self.admins[0]
         if self.mode == "vllm-router":
-            self._start_vllm_router(listen, admin, env)
+            self._start_vllm_router(*ports[0], env)
             return
+        sync_ports = [free_port() for _ in ports] if scale.sync else []
+        for index, (listen, admin) in enumerate(ports):
+            argv = self._pylon_argv(listen, admin) + scale.flags(index, sync_ports)
+            self._spawn(f"pylon{index}-{slug(self.policy)}", argv, dict(env))
+        for admin_url in self.admins:
+            _wait_http(f"{admin_url}/ready", 60.0)
+
+    def _records(self) -> int:
+        """Requests each mock keeps records of: the race reads them (`race_at`), and the
+        pylons' health probes are recorded too (a margin, so none pushes a race record out)."""
+        return 2 * self.args.race_count + 1000 if self.scale is not None else 1
+
+    def _pylon_argv(self, listen: int, admin: int) -> list[str]:
+        args = self.args
         argv = [
             str(Path(sys.executable).parent / "pylon"), "serve",
             "--listen", f"127.0.0.1:{listen}", "--admin-listen", f"127.0.0.1:{admin}",
@@ -293,8 +416,7 @@ class Fleet:
             argv += ["--tokenizer", str(self.model_dir)]
         if self.overlap_weight:
             argv += ["--kv-overlap-weight", self.overlap_weight]
-        self._spawn(f"pylon-{self.policy}", argv, dict(env))
-        _wait_http(f"{self.admin}/ready", 60.0)
+        return argv
 
     def _start_vllm_router(self, listen: int, admin: int, env: dict[str, str]) -> None:
         """vllm-router (PyPI) in its cache-aware policy (an approximate radix tree of the
@@ -525,12 +647,13 @@ async def _one(
 
 async def _send(
     session: aiohttp.ClientSession,
-    url: str,
+    urls: list[str],
     requests: list[Request],
     first: int,
     usage: bool = False,
 ) -> list[Outcome]:
-    """Send each request at its time (open loop, relative to the first one's); wait for all."""
+    """Send each request at its time (open loop, relative to the first one's); wait for all.
+    With several replicas (`urls`) each conversation goes to one of them, by its number."""
     tasks: list[asyncio.Task[Outcome]] = []
     origin = requests[0].at if requests else 0.0
     start = time.perf_counter()
@@ -540,19 +663,25 @@ async def _send(
         if delay > 0:
             await asyncio.sleep(delay)
         lag = max(0.0, time.perf_counter() - start - due)
+        url = urls[request.session % len(urls)]
         tasks.append(asyncio.create_task(_one(session, url, request, n, lag, usage)))
     return list(await asyncio.gather(*tasks))
 
 
-async def replay(fleet: Fleet | DynamoFleet, trace: Trace) -> Row:
+async def replay(fleet: Fleet | DynamoFleet, trace: Trace, race: Race | None = None) -> Row:
     dynamo = isinstance(fleet, DynamoFleet)
     row = Row(fleet.policy, fleet.mode, requests=len(trace.requests))
+    urls = fleet.urls if isinstance(fleet, Fleet) and fleet.urls else [fleet.url]
+    admins = fleet.admins if isinstance(fleet, Fleet) and fleet.admins else [fleet.admin]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if isinstance(fleet, Fleet) and fleet.scale is not None:
+            row.booking = await booking_of(session, fleet.scale, admins)
         if fleet.mode == "kv":  # the selection core's SUBs hear every event from now on
-            for url in fleet.mocks:  # (two per mock: the native core's and pylon's watch)
-                params = {"wait_subscribers": "2", "timeout": "15"}
+            subscribers = 2 * cores(fleet.scale, row.booking) if isinstance(fleet, Fleet) else 2
+            for url in fleet.mocks:  # (two per core: the native core's and pylon's watch)
+                params = {"wait_subscribers": str(subscribers), "timeout": "15"}
                 async with session.get(f"{url}/test-control/kv", params=params) as reply:
                     reply.raise_for_status()
         for url in fleet.mocks:  # pylon's bring-up probes are not part of the run
@@ -561,17 +690,22 @@ async def replay(fleet: Fleet | DynamoFleet, trace: Trace) -> Row:
         # Warm-up (every prefix once), drained before the measured part starts on its own
         # clock, so that no measured request queues behind the warm-up's cold prefills.
         warm = trace.requests[: trace.warmup]
-        outcomes = await _send(session, fleet.url, warm, 0, usage=dynamo)
+        outcomes = await _send(session, urls, warm, 0, usage=dynamo)
         before = await _kv_view(session, fleet.mocks)
         outcomes += await _send(
-            session, fleet.url, trace.requests[trace.warmup :], len(warm), usage=dynamo
+            session, urls, trace.requests[trace.warmup :], len(warm), usage=dynamo
         )
         after = await _kv_view(session, fleet.mocks)
-        metrics = ""
+        metrics: list[str] = []
         if fleet.mode != "vllm-router":
-            async with session.get(f"{fleet.admin}/metrics") as reply:
-                reply.raise_for_status()
-                metrics = await reply.text()
+            metrics = [await _metrics(session, admin) for admin in admins]
+        if isinstance(fleet, Fleet) and fleet.scale is not None:
+            row.booking = booking_after(fleet.scale, row.booking, metrics)
+        if race is not None:
+            for rate in race.rates:
+                row.race[f"{rate:g}"] = await race_at(
+                    session, fleet.mocks, urls, admins, race, rate
+                )
     measured = outcomes[trace.warmup :]
     errors = [o for o in outcomes if o.error is not None or o.ttft_s is None]
     row.errors = len(errors)
@@ -611,6 +745,243 @@ async def replay(fleet: Fleet | DynamoFleet, trace: Trace) -> Row:
     return row
 
 
+# -- the scale rows: how the bookings were shared, and the race -----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Race:
+    """The race measured on each scale row's fleet after its trace: at each arrival rate,
+    `count` distinct prompts of one length, never released while the rate runs."""
+
+    rates: list[float]
+    count: int
+    bodies: dict[float, list[bytes]]  # per rate: distinct prompts, none shared with the trace
+
+
+def race_bodies(args: argparse.Namespace, model_dir: Path, count: int) -> list[bytes]:
+    """`count` distinct one-message chats whose prompts all have the same number of blocks
+    (`--race-tokens` up to one block more), so that a worker's block load orders the workers
+    as its booking count does (the mis-pick counts bookings)."""
+    from mock_dynamo.tokens import load_tokenizer, prompts
+
+    rng = random.Random(args.seed + 1)
+    tokenizer = load_tokenizer(str(model_dir), "dynamo")
+    low = args.race_tokens
+    high = low + args.block_size - 1 - (low - 1) % args.block_size  # the same last block
+
+    def body(words: list[str]) -> dict[str, Any]:
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": " ".join(words)}],
+            "stream": True,
+            "max_tokens": args.num_tokens,
+        }
+
+    out: list[bytes] = []
+    pool = _words(rng, 8 * low).split()
+    while len(out) < count:
+        words = [rng.choice(pool) for _ in range(low // 2)]
+        for _ in range(64):  # grow or shrink to the band (a few tokens a word)
+            tokens = len(prompts(tokenizer, "chat", body(words))[0])
+            if tokens < low:
+                words += [rng.choice(pool) for _ in range(max(1, (low - tokens) // 3))]
+            elif tokens > high:
+                del words[-max(1, (tokens - high) // 3) :]
+            else:
+                out.append(json.dumps(body(words)).encode())
+                break
+    return out
+
+
+def authority_state(metrics: str) -> tuple[int, int]:
+    """(processes booking at the node's booking authority, processes that expose the gauge)
+    from a supervisor's merged exposition: `pylon_router_authority_connected`, one sample a
+    process that has an authority (absent in a process that books alone)."""
+    values = [v for name, _, v in _samples(metrics) if name == "pylon_router_authority_connected"]
+    return sum(1 for v in values if v == 1), len(values)
+
+
+def scraped_processes(metrics: str) -> int:
+    """Processes whose samples are in a supervisor's merged exposition."""
+    return sum(
+        1 for name, _, v in _samples(metrics) if name == "pylon_supervisor_process_scraped" and v
+    )
+
+
+def booking_label(scale: Scale, connected: int, gauges: int) -> str:
+    """How a scale row's processes or replicas shared their bookings, in words."""
+    if scale.replicas > 1:
+        return "replica sync" if scale.sync else "each replica alone"
+    if scale.processes == 1:
+        return "one process"
+    if gauges == 0:
+        return "each process alone (no authority)"
+    return f"authority ({connected}/{scale.processes} connected)"
+
+
+def booking_after(scale: Scale, booking: str, metrics: list[str]) -> str:
+    """The row's booking with what its run showed: for sync on, the peers' events applied
+    (0: the sync did not work); through an authority, the bookings made alone."""
+    counts: dict[str, float] = {}
+    for text in metrics:
+        for name, labels, value in _samples(text):
+            if name == "pylon_router_replica_sync_events_total":
+                key = labels.get("result", "")
+            elif name == "pylon_router_authority_events_total":
+                key = labels.get("event", "")
+            else:
+                continue
+            counts[key] = counts.get(key, 0.0) + value
+    if scale.sync:
+        return f"{booking} ({counts.get('applied', 0):g} peer events applied)"
+    if booking.startswith("authority") and counts.get("local_bookings"):
+        return f"{booking}, {counts['local_bookings']:g} booked alone"
+    return booking
+
+
+def cores(scale: Scale | None, booking: str) -> int:
+    """Selection cores that subscribe to each worker's KV events in this fleet."""
+    if scale is None:
+        return 1
+    per_replica = 1 if booking.startswith("authority") else scale.processes
+    return scale.replicas * per_replica
+
+
+async def _metrics(session: aiohttp.ClientSession, admin: str) -> str:
+    async with session.get(f"{admin}/metrics") as reply:
+        reply.raise_for_status()
+        return await reply.text()
+
+
+async def booking_of(session: aiohttp.ClientSession, scale: Scale, admins: list[str]) -> str:
+    """The row's booking, for `--processes P`: whether every process books at the
+    authority (polled for up to 10 s: the processes connect after the supervisor's /ready)."""
+    connected = gauges = 0
+    if scale.processes > 1:
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            metrics = await _metrics(session, admins[0])
+            connected, gauges = authority_state(metrics)
+            if connected == scale.processes or (
+                not gauges and scraped_processes(metrics) >= scale.processes
+            ):  # every process books at the authority, or every one answered without one
+                break
+            await asyncio.sleep(0.1)
+    return booking_label(scale, connected, gauges)
+
+
+def race_order(received: list[list[int]]) -> list[int]:
+    """The workers' indexes in the order the client sent the requests (`received`: per worker,
+    the send numbers of the requests it got). The send order stands for the booking order: one
+    paced client, each request's booking made as its pylon reads it; the workers' own arrival
+    times are no use (a busy host schedules each worker's process late by milliseconds)."""
+    sent = sorted((n, index) for index, numbers in enumerate(received) for n in numbers)
+    return [index for _, index in sent]
+
+
+def race_number(record: dict[str, Any]) -> int | None:
+    """The send number of a race request from a worker's record (its `x-request-id`)."""
+    for name, value in record.get("headers") or []:
+        if name.lower() == "x-request-id" and value.startswith("race-"):
+            number = value.removeprefix("race-")
+            return int(number) if number.isdigit() else None
+    return None
+
+
+async def _hold(session: aiohttp.ClientSession, url: str, body: bytes, n: int) -> str | None:
+    """Open one stream and hold it (the workers stall it) until cancelled: its booking stays.
+    An error in words if it ended first."""
+    headers = {"content-type": "application/json", "x-model": MODEL, "x-request-id": f"race-{n}"}
+    try:
+        async with session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as reply:
+            if reply.status != 200:
+                return f"status {reply.status}: {(await reply.text())[:200]}"
+            async for _ in reply.content:
+                pass
+            return "the stream ended (the stall fault did not hold it)"
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def _received(
+    session: aiohttp.ClientSession, mocks: list[str], count: int, timeout: float
+) -> list[list[int]]:
+    """Each worker's race requests (their send numbers), once `count` have arrived."""
+    deadline = time.monotonic() + timeout
+    while True:
+        received = []
+        for url in mocks:
+            async with session.get(f"{url}/test-control") as reply:
+                reply.raise_for_status()
+                records = (await reply.json())["requests"]
+            numbers = (race_number(r) for r in records if r["path"] == "/v1/chat/completions")
+            received.append([n for n in numbers if n is not None])
+        if sum(map(len, received)) >= count:
+            return received
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"race: {sum(map(len, received))} of {count} reached a worker")
+        await asyncio.sleep(0.05)
+
+
+async def _drained(session: aiohttp.ClientSession, admins: list[str], timeout: float) -> None:
+    """Wait until no pylon counts a booking (its own or a peer's)."""
+    names = ("pylon_router_active_bookings", "pylon_router_core_active_requests")
+    deadline = time.monotonic() + timeout
+    while True:
+        left = 0.0
+        for admin in admins:
+            left += sum(v for n, _, v in _samples(await _metrics(session, admin)) if n in names)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"race: {left:g} bookings still counted {timeout:.0f} s after")
+        await asyncio.sleep(0.1)
+
+
+async def race_at(
+    session: aiohttp.ClientSession,
+    mocks: list[str],
+    urls: list[str],
+    admins: list[str],
+    race: Race,
+    rate: float,
+) -> float:
+    """The mis-pick fraction at `rate` selections/s: `race.count` held requests, paced and
+    spread over the replicas in turn; each worker's arrivals, merged in time order, replayed
+    by `bench_bookings.mis_picks` (a choice not least loaded given every earlier booking)."""
+    from bench_bookings import mis_picks
+
+    for url in mocks:  # forget the trace; every stream stalls before its first event
+        async with session.post(f"{url}/test-control/reset") as reply:
+            reply.raise_for_status()
+        async with session.put(
+            f"{url}/test-control/faults", json=[{"stall_after_events": 0}]
+        ) as reply:
+            reply.raise_for_status()
+    tasks: list[asyncio.Task[str | None]] = []
+    start = time.perf_counter()
+    try:
+        for n, body in enumerate(race.bodies[rate]):
+            delay = start + n / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_hold(session, urls[n % len(urls)], body, n)))
+        received = await _received(session, mocks, race.count, 30.0)
+        ended = [t.result() for t in tasks if t.done()]
+        if ended:
+            raise RuntimeError(f"race: {len(ended)} requests ended early, e.g. {ended[0]}")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    await _drained(session, admins, 30.0)
+    for url in mocks:
+        async with session.delete(f"{url}/test-control/faults") as reply:
+            reply.raise_for_status()
+    order = race_order(received)
+    return mis_picks(order, list(range(len(mocks)))) / max(1, len(order))
+
+
 def _usage_hit_rates(
     measured: list[Outcome], row: Row, block_size: int = DYNAMO_BLOCK_SIZE
 ) -> None:
@@ -631,30 +1002,39 @@ def _usage_hit_rates(
     row.hit_rate = hit_blocks / blocks if blocks else math.nan
 
 
-def _read_metrics(text: str, row: Row) -> None:
+def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    buckets: list[tuple[float, float]] = []
-    total = count = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "pylon_router_select_seconds_bucket":
-                buckets.append((float(sample.labels["le"]), sample.value))
-            elif sample.name == "pylon_router_select_seconds_sum":
-                total += sample.value
-            elif sample.name == "pylon_router_select_seconds_count":
-                count += sample.value
+            yield sample.name, sample.labels, sample.value
+
+
+def _read_metrics(texts: str | list[str], row: Row) -> None:
+    """The select latency and the kv fallbacks, summed over the expositions given (one per
+    replica; a supervisor's already holds every process's samples)."""
+    cumulative: dict[float, float] = {}
+    total = count = 0.0
+    for text in [texts] if isinstance(texts, str) else texts:
+        for name, labels, value in _samples(text):
+            if name == "pylon_router_select_seconds_bucket":
+                le = float(labels["le"])
+                cumulative[le] = cumulative.get(le, 0.0) + value
+            elif name == "pylon_router_select_seconds_sum":
+                total += value
+            elif name == "pylon_router_select_seconds_count":
+                count += value
             elif (
-                sample.name == "pylon_router_decisions_total"
+                name == "pylon_router_decisions_total"
                 and row.mode == "kv"
-                and sample.labels.get("policy") == "least-loaded"
+                and labels.get("policy") == "least-loaded"
             ):
-                row.fallbacks += int(sample.value)
+                row.fallbacks += int(value)
     row.select_count = int(count)
     if not count:
         return
     row.select_mean_us = total / count * 1e6
-    buckets.sort()
+    buckets = sorted(cumulative.items())
 
     def bound(q: float) -> str:
         for le, cumulative in buckets:
@@ -686,16 +1066,69 @@ def table(rows: list[Row]) -> str:
             lines.append(f"| {r.policy} | FAILED: {r.failed} |" + " |" * 13)
             continue
         base = bases["dynamo" if r.policy.startswith("dynamo:") else "mock"]
-        ratio = base / r.ttft_p99_ms if r.ttft_p99_ms else math.nan
+        ratio = _ratio(base, r.ttft_p99_ms)
         select_mean = "-" if math.isnan(r.select_mean_us) else f"{r.select_mean_us:.0f}"
         lines.append(
             f"| {r.policy} | {r.requests} ({r.measured}) | {r.errors} | {r.ttft_mean_ms:.1f} "
-            f"| {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | {ratio:.2f}x | {r.hit_rate:.1%} "
+            f"| {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | {ratio} | {r.hit_rate:.1%} "
             f"| {r.token_hit_rate:.1%} | {select_mean} | {r.select_p50_us} | {r.select_p99_us} "
             f"| {r.fallbacks if r.mode == 'kv' else '-'} "
             f"| {'/'.join(str(n) for n in r.per_worker)} | {r.hit_source} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _ratio(num: float, den: float) -> str:
+    """`num / den` as `1.23x`, or `-` when either is missing."""
+    if math.isnan(num) or math.isnan(den) or not den:
+        return "-"
+    return f"{num / den:.2f}x"
+
+
+def scale_table(rows: list[Row], rates: list[float]) -> str:
+    """The scale rows, compact (markdown for docs/benchmarks.md): TTFT p99 and the hit rate
+    on the trace, and the race's mis-pick fraction at each rate."""
+    scaled = [r for r in rows if r.booking != "-" or r.policy.startswith("kv, ")]
+    base = next((r.ttft_p99_ms for r in scaled if r.policy == Scale().label), math.nan)
+    head = (
+        "| row | bookings | TTFT p99 ms | p99 vs 1 process | block hit rate | "
+        + " | ".join(f"mis-picks at {rate:g}/s" for rate in rates)
+        + " |\n|---|---|---|---|---|"
+        + "---|" * len(rates)
+        + "\n"
+    )
+    lines = []
+    for r in scaled:
+        if r.failed:
+            lines.append(f"| {r.policy} | FAILED: {r.failed} |" + " |" * (3 + len(rates)))
+            continue
+        race = " | ".join(
+            f"{r.race[f'{rate:g}']:.1%}" if f"{rate:g}" in r.race else "-" for rate in rates
+        )
+        lines.append(
+            f"| {r.policy} | {r.booking} | {r.ttft_p99_ms:.1f} | {_ratio(r.ttft_p99_ms, base)} "
+            f"| {r.hit_rate:.1%} | {race} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def scale_target_lines(rows: list[Row]) -> list[str]:
+    """The target, reported (not asserted): N local processes route as well as one (TTFT p99
+    within 10 %)."""
+    one = next((r for r in rows if r.policy == Scale().label and not r.failed), None)
+    if one is None:
+        return []
+    out = []
+    for r in rows:
+        if r.failed or r is one or not r.policy.startswith("kv, ") or "process" not in r.policy:
+            continue
+        ratio = r.ttft_p99_ms / one.ttft_p99_ms
+        verdict = "within" if abs(ratio - 1) <= 0.10 else "NOT within"
+        out.append(
+            f"target: {r.policy} ({r.booking}) TTFT p99 {r.ttft_p99_ms:.1f} ms vs "
+            f"{one.ttft_p99_ms:.1f} ms for one process ({ratio - 1:+.0%}): {verdict} 10 %"
+        )
+    return out
 
 
 def anchor_lines(rows: list[Row]) -> list[str]:
@@ -729,11 +1162,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument(
         "--policies",
-        default=DEFAULT_POLICIES,
+        default=None,
         help="comma-separated pylon --routing modes; kv@W: kv with --kv-overlap-weight W; "
         "vllm-router: vllm-router's cache_aware policy instead of pylon; "
         "dynamo:round-robin, dynamo:frontend-kv[@W], dynamo:kv[@W]: a real Dynamo fleet "
-        f"(root: run inside `unshare --net`); `dynamo` = {DYNAMO_DEFAULT}",
+        f"(root: run inside `unshare --net`); `dynamo` = {DYNAMO_DEFAULT}; default "
+        f"{DEFAULT_POLICIES}, none when --processes or --replicas is given",
+    )
+    scale = p.add_argument_group("scale rows (--routing kv on one node: processes, replicas)")
+    scale.add_argument(
+        "--processes",
+        default="",
+        help="comma-separated process counts, a row each: `pylon serve --processes P` (P > 1: "
+        "a supervisor, its processes booking at the node's authority or, without one, alone)",
+    )
+    scale.add_argument(
+        "--replicas",
+        default="",
+        help='comma-separated `on`/`off`, a row each: 2 separate pylons (the "nodes"), with '
+        "replica sync between them or not; the client spreads the conversations over them "
+        "(sync on: root, run inside `unshare --net`)",
+    )
+    scale.add_argument(
+        "--race-rates",
+        default="50,200,1000",
+        help="selections/s at which each scale row's race (mis-picks) is measured",
+    )
+    scale.add_argument("--race-count", type=int, default=200, help="selections per race rate")
+    scale.add_argument(
+        "--race-tokens", type=int, default=129, help="each race prompt's length, in tokens"
     )
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--groups", type=int, default=48, help="prefix groups (system prompts)")
@@ -791,6 +1248,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cache-fraction)",
     )
     args = p.parse_args(argv)
+    try:
+        args.scales = parse_scales(args.processes, args.replicas)
+        args.race_rate_list = [float(r) for r in args.race_rates.split(",") if r.strip()]
+    except ValueError as exc:
+        p.error(str(exc))
+    if not args.race_rate_list or min(args.race_rate_list) <= 0 or args.race_count < 1:
+        p.error("--race-rates must be positive numbers, --race-count >= 1")
+    if args.policies is None:
+        args.policies = "" if args.scales else DEFAULT_POLICIES
     args.policy_list = expand_policies(args.policies)
     if args.policies == DEFAULT_POLICIES and not (args.vllm_router or shutil.which("vllm-router")):
         print(
@@ -851,15 +1317,22 @@ def _loopback_works() -> bool:
         return False
 
 
-def netns_guard(argv: list[str]) -> int | None:
-    """None when this process may start the dynamo:* rows here: it is in a network namespace
-    whose only interface is loopback, and loopback is up. Otherwise re-run this script under
-    `unshare --net` (root only; `ip link set lo up` first) and return its exit status, or
-    refuse (2) with one clear line when that cannot be done."""
-    why = (
-        "the dynamo:* rows must run in a private network namespace (the Dynamo mocker binds "
-        "its KV-event PUB sockets on all interfaces)"
-    )
+WHY_DYNAMO = (
+    "the dynamo:* rows must run in a private network namespace (the Dynamo mocker binds "
+    "its KV-event PUB sockets on all interfaces)"
+)
+WHY_SYNC = (
+    "the `--replicas on` row must run in a private network namespace (Dynamo's replica sync "
+    "binds its PUB on all interfaces, unauthenticated)"
+)
+
+
+def netns_guard(argv: list[str], why: str = WHY_DYNAMO) -> int | None:
+    """None when this process may start the rows that bind on all interfaces here: it is in a
+    network namespace whose only interface is loopback, and loopback is up. Otherwise re-run
+    this script under `unshare --net` (root only; `ip link set lo up` first) and return its
+    exit status, or refuse (2) with one clear line when that cannot be done (`why`: the rows'
+    reason, in that line)."""
     if _interfaces() == ["lo"]:
         if _loopback_works():
             return None
@@ -915,8 +1388,9 @@ def netns_guard(argv: list[str]) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if any(is_dynamo(policy) for policy in args.policy_list):
-        status = netns_guard(argv)
+    dynamo_rows = any(is_dynamo(policy) for policy in args.policy_list)
+    if dynamo_rows or any(scale.sync for scale in args.scales):
+        status = netns_guard(argv, WHY_DYNAMO if dynamo_rows else WHY_SYNC)
         if status is not None:
             return status
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-"))
@@ -950,34 +1424,54 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(f"{x:.2f}" for x in os.getloadavg()),
             file=sys.stderr,
         )
+    race = None
+    if args.scales:
+        bodies = race_bodies(args, model_dir, args.race_count * len(args.race_rate_list))
+        race = Race(
+            args.race_rate_list,
+            args.race_count,
+            {
+                rate: bodies[i * args.race_count : (i + 1) * args.race_count]
+                for i, rate in enumerate(args.race_rate_list)
+            },
+        )
     rows: list[Row] = []
+    plan: list[tuple[str, Scale | None]] = [(policy, None) for policy in args.policy_list]
+    plan += [(scale.label, scale) for scale in args.scales]
     try:
-        for policy in args.policy_list:
+        for policy, scale in plan:
             fleet: Fleet | DynamoFleet
             if is_dynamo(policy):
                 fleet = DynamoFleet(args, policy, model_dir, gpu_blocks, logs)
             else:
-                fleet = Fleet(args, policy, model_dir, cache_blocks, logs)
+                fleet = Fleet(args, policy, model_dir, cache_blocks, logs, scale)
             fleets.append(fleet)
             began = time.monotonic()
             try:
                 fleet.start()
-                row = asyncio.run(replay(fleet, trace))
+                row = asyncio.run(replay(fleet, trace, race if scale else None))
             except Exception as exc:  # one failed policy must not hide the others
                 row = Row(policy, fleet.mode, failed=f"{type(exc).__name__}: {exc}")
             finally:
                 fleet.close()
             rows.append(row)
+            race_text = ", ".join(f"{v:.1%} at {k}/s" for k, v in row.race.items())
             print(
                 f"  {policy}: done in {time.monotonic() - began:.0f} s "
                 f"(p99 {row.ttft_p99_ms:.1f} ms, hit {row.hit_rate:.1%}, "
-                f"client max lag {row.max_lag_ms:.0f} ms)",
+                f"client max lag {row.max_lag_ms:.0f} ms"
+                + (f"; {row.booking}; mis-picks {race_text}" if scale else "")
+                + ")",
                 file=sys.stderr,
             )
     finally:
         for fleet in fleets:
             fleet.close()
     print(table(rows))
+    if args.scales:
+        print(scale_table(rows, args.race_rate_list))
+        for line in scale_target_lines(rows):
+            print(line)
     for line in anchor_lines(rows):
         print(line, file=sys.stderr)
     if args.json_out:

@@ -1,6 +1,8 @@
-"""The pure parts of the routing benchmark's Dynamo rows (scripts/bench_routing.py) and of
+"""The pure parts of the routing benchmark (scripts/bench_routing.py) and of
 `scripts/dynamo_stack.py`: instance ids from the frontend's /health, the streamed usage, the
-policy names, the hit rates and the mockers' timing profile."""
+policy names, the hit rates and the mockers' timing profile; for the scale rows, their flags,
+how their bookings were shared (from the metrics), the race's order and mis-picks, and the
+summary table."""
 
 from __future__ import annotations
 
@@ -139,3 +141,150 @@ def test_the_timing_profile_is_the_mocks_cost_model() -> None:
     assert ttft[0] == 1.0 and slope == pytest.approx(1000.0 / 20000.0)
     assert arrays["decode_itl"] == [[2.0, 2.0], [2.0, 2.0]]
     assert len(arrays["decode_active_kv_tokens"]) == len(arrays["decode_context_length"]) == 2
+
+
+def exposition(lines: list[str]) -> str:
+    return "\n".join(lines) + "\n"
+
+
+def test_scale_rows_from_the_options() -> None:
+    assert br.parse_scales("1, 2,4", "on,off") == [
+        br.Scale(processes=1),
+        br.Scale(processes=2),
+        br.Scale(processes=4),
+        br.Scale(replicas=2, sync=True),
+        br.Scale(replicas=2, sync=False),
+    ]
+    assert br.parse_scales("", "") == []
+    for processes, replicas in (("0", ""), ("two", ""), ("", "yes"), ("-1", "")):
+        with pytest.raises(ValueError):
+            br.parse_scales(processes, replicas)
+    assert br.Scale().label == "kv, 1 process"
+    assert br.Scale(processes=4).label == "kv, 4 processes"
+    assert br.Scale(replicas=2, sync=True).label == "kv, 2 replicas, sync on"
+
+
+def test_the_scale_rows_flags() -> None:
+    assert br.Scale().flags(0, []) == []
+    assert br.Scale(processes=2).flags(0, []) == ["--processes", "2"]
+    synced = br.Scale(replicas=2, sync=True)
+    # Each replica publishes on its own port and lists every other one as a peer.
+    assert synced.flags(0, [7001, 7002]) == [
+        "--replica-sync-port", "7001", "--replica-peer", "127.0.0.1:7002",
+    ]  # fmt: skip
+    assert synced.flags(1, [7001, 7002]) == [
+        "--replica-sync-port", "7002", "--replica-peer", "127.0.0.1:7001",
+    ]  # fmt: skip
+    assert br.Scale(replicas=2).flags(1, []) == []  # sync off: no flags
+
+
+def test_how_the_processes_booked_comes_from_the_merged_metrics() -> None:
+    gauge = "# TYPE pylon_router_authority_connected gauge"
+    both = exposition(
+        [
+            gauge,
+            'pylon_router_authority_connected{process="0"} 1.0',
+            'pylon_router_authority_connected{process="1"} 1.0',
+        ]
+    )
+    one_lost = both.replace('"1"} 1.0', '"1"} 0.0')
+    assert br.authority_state(both) == (2, 2)
+    assert br.authority_state(one_lost) == (1, 2)
+    assert br.authority_state("") == (0, 0)  # no authority: the gauge is absent
+    scraped = exposition(
+        [
+            "# TYPE pylon_supervisor_process_scraped gauge",
+            'pylon_supervisor_process_scraped{process="0"} 1.0',
+            'pylon_supervisor_process_scraped{process="1"} 0.0',
+        ]
+    )
+    assert br.scraped_processes(scraped) == 1
+    assert br.scraped_processes(both) == 0
+    two = br.Scale(processes=2)
+    assert br.booking_label(two, 2, 2) == "authority (2/2 connected)"
+    assert br.booking_label(two, 0, 0) == "each process alone (no authority)"
+    assert br.booking_label(br.Scale(), 0, 0) == "one process"
+    assert br.booking_label(br.Scale(replicas=2, sync=True), 0, 0) == "replica sync"
+    assert br.booking_label(br.Scale(replicas=2), 0, 0) == "each replica alone"
+    # The KV-event subscribers each worker waits for: two per selection core.
+    assert br.cores(None, "-") == 1
+    assert br.cores(br.Scale(processes=4), "authority (4/4 connected)") == 1
+    assert br.cores(br.Scale(processes=4), "each process alone (no authority)") == 4
+    assert br.cores(br.Scale(replicas=2, sync=True), "replica sync") == 2
+
+
+def test_what_the_run_showed_is_added_to_the_booking() -> None:
+    sync = exposition(
+        [
+            "# TYPE pylon_router_replica_sync_events_total counter",
+            'pylon_router_replica_sync_events_total{peer="a",result="applied"} 40.0',
+            'pylon_router_replica_sync_events_total{peer="a",result="unknown_worker"} 2.0',
+        ]
+    )
+    synced = br.Scale(replicas=2, sync=True)
+    assert br.booking_after(synced, "replica sync", [sync, sync]) == (
+        "replica sync (80 peer events applied)"
+    )
+    assert br.booking_after(synced, "replica sync", [""]) == "replica sync (0 peer events applied)"
+    local = exposition(
+        [
+            "# TYPE pylon_router_authority_events_total counter",
+            'pylon_router_authority_events_total{event="local_bookings",process="0"} 3.0',
+            'pylon_router_authority_events_total{event="connects",process="0"} 1.0',
+        ]
+    )
+    two = br.Scale(processes=2)
+    label = "authority (2/2 connected)"
+    assert br.booking_after(two, label, [local]) == f"{label}, 3 booked alone"
+    assert br.booking_after(two, label, [""]) == label
+
+
+def test_the_race_is_replayed_in_send_order() -> None:
+    from bench_bookings import mis_picks
+
+    record = {"headers": [["X-Request-Id", "race-12"], ["content-type", "x"]]}
+    assert br.race_number(record) == 12
+    assert br.race_number({"headers": [["x-request-id", "route-3"]]}) is None
+    assert br.race_number({"headers": [["x-request-id", "race-x"]]}) is None
+    assert br.race_number({}) is None
+    # Worker 0 got requests 0 and 3, worker 1 got 1, worker 2 got 2: an exact rotation.
+    order = br.race_order([[3, 0], [1], [2]])
+    assert order == [0, 1, 2, 0]
+    assert mis_picks([str(w) for w in order], ["0", "1", "2"]) == 0
+    # Two processes that both saw worker 0 idle: the second choice is a mis-pick.
+    assert mis_picks([str(w) for w in br.race_order([[0, 1], [], []])], ["0", "1", "2"]) == 1
+
+
+@given(st.lists(st.integers(min_value=0, max_value=3), max_size=60))
+def test_the_race_order_inverts_the_spread(choices: list[int]) -> None:
+    received: list[list[int]] = [[], [], [], []]
+    for n, worker in enumerate(choices):
+        received[worker].append(n)
+    assert br.race_order(received) == choices
+
+
+def test_the_scale_summary_and_the_target() -> None:
+    one = br.Row(br.Scale().label, "kv", ttft_p99_ms=100.0, hit_rate=0.9, booking="one process")
+    one.race = {"50": 0.0, "1000": 0.0}
+    four = br.Row(
+        br.Scale(processes=4).label, "kv", ttft_p99_ms=120.0, hit_rate=0.8, booking="authority"
+    )
+    four.race = {"50": 0.0, "1000": 0.015}
+    failed = br.Row(br.Scale(replicas=2, sync=True).label, "kv", failed="RuntimeError: x")
+    other = br.Row("round-robin", "round-robin", ttft_p99_ms=300.0)
+    text = br.scale_table([other, one, four, failed], [50.0, 200.0, 1000.0])
+    lines = text.splitlines()
+    assert lines[0].startswith("| row | bookings | TTFT p99 ms | p99 vs 1 process |")
+    assert lines[0].count("|") == lines[1].count("|") == 9
+    assert lines[2] == "| kv, 1 process | one process | 100.0 | 1.00x | 90.0% | 0.0% | - | 0.0% |"
+    assert lines[3] == "| kv, 4 processes | authority | 120.0 | 1.20x | 80.0% | 0.0% | - | 1.5% |"
+    assert lines[4].startswith("| kv, 2 replicas, sync on | FAILED: RuntimeError: x |")
+    assert lines[4].count("|") == 9
+    assert len(lines) == 5  # the policy rows are not in it
+    (target,) = br.scale_target_lines([one, four, failed])
+    assert "kv, 4 processes (authority)" in target and "+20%" in target
+    assert target.endswith("NOT within 10 %")
+    four.ttft_p99_ms = 105.0
+    assert br.scale_target_lines([one, four])[0].endswith(": within 10 %")
+    assert br.scale_target_lines([four]) == []  # no one-process row to compare with
+    assert br._ratio(math.nan, 1.0) == "-" and br._ratio(1.0, 0.0) == "-"
