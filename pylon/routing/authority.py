@@ -20,6 +20,10 @@ Reachable only on the host, only by the same user: the socket lives in a directo
 owned by pylon's user (created if missing; refused when it is anyone else's or open to others),
 the socket itself is 0600, and each connection's peer uid (`SO_PEERCRED`) must be pylon's own.
 
+The catalogue is the authority's: it alone watches `--workers-file` (or discovers instances), a
+SIGHUP reloads it (`BookingAuthority.reload`), and a change is booked from and pushed at once
+(the mirrors follow it: `pylon.routing.remote`).
+
 Reported to the `Observer` as process events: `booking_authority_listening` (`socket`,
 `routing`, `workers`), `booking_client_connected` / `booking_client_lost` (`client`: the peer's
 pid, `released`: bookings it still held), `booking_client_refused` (warning: `detail`), and
