@@ -253,8 +253,15 @@ def test_a_rewritten_workers_file_reaches_both_processes(
     assert set(node.bookings("router")) == set(engines[1:])
 
 
-def test_the_router_killed_is_restarted_and_serving_goes_on(node: RoutedNode) -> None:
+def test_the_router_killed_is_restarted_and_serving_goes_on(
+    node: RoutedNode, engines: list[str]
+) -> None:
     _both_connected(node)
+    # The held stream outlives the router's restart and the links' reconnect backoff (up to
+    # 2 s): 150 tokens 50 ms apart.
+    for url in engines:
+        knobs = httpx.put(f"{url}/test-control/knobs", json={"token_delay_ms": 50}, timeout=10)
+        assert knobs.status_code == 200, knobs.text
     streams = Streams(node)  # type: ignore[arg-type]
     streams.open("held-0")
     os.kill(node.pid("router"), signal.SIGKILL)
