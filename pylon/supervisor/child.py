@@ -62,7 +62,7 @@ def _serve_authority(handover: Handover, early: EarlySignals, runtime: Path) -> 
     from pylon.logs import configure_logging, flush_logs
     from pylon.observe import LogObserver
     from pylon.routing.authority import BookingAuthority, run_authority
-    from pylon.signals import STOP
+    from pylon.signals import REPORT, STOP
     from pylon.supervisor.router_admin import RouterAdmin
 
     settings = handover.rebuild_settings()
@@ -80,8 +80,22 @@ def _serve_authority(handover: Handover, early: EarlySignals, runtime: Path) -> 
         control.setblocking(False)
         admin = RouterAdmin()
 
+        def report(sig: signal.Signals) -> None:
+            """SIGUSR1/2: one `status_report` line, as each serving process says its own."""
+            fleet = admin.authority.fleet if admin.authority is not None else None
+            observer.process_event(
+                "status_report",
+                signal=sig.name,
+                role="router",
+                clients=admin.authority.clients if admin.authority is not None else 0,
+                workers=len(fleet.workers) if fleet is not None else 0,
+                workers_in_rotation=len(fleet.in_rotation) if fleet is not None else 0,
+            )
+
         def started(authority: BookingAuthority) -> None:
             loop.add_signal_handler(signal.SIGHUP, authority.reload, signal.SIGHUP)
+            for sig in REPORT:
+                loop.add_signal_handler(sig, report, sig)
             admin.authority = authority
             with contextlib.suppress(OSError):
                 control.send(READY_MESSAGE)
@@ -107,7 +121,7 @@ def _serve_authority(handover: Handover, early: EarlySignals, runtime: Path) -> 
     try:
         return asyncio.run(run())
     except StartupError as exc:
-        return _refused(handover, str(exc))
+        return _refused(handover, str(exc), "router")
     finally:
         flush_logs()
 
@@ -140,8 +154,9 @@ def _serve_process(handover: Handover, early: EarlySignals, runtime: Path) -> in
         flush_logs()
 
 
-def _refused(handover: Handover, reason: str) -> int:
-    print(f"pylon: process {handover.process}: {reason}", file=sys.stderr, flush=True)
+def _refused(handover: Handover, reason: str, name: int | str | None = None) -> int:
+    name = handover.process if name is None else name
+    print(f"pylon: process {name}: {reason}", file=sys.stderr, flush=True)
     return EXIT_START_REFUSED
 
 

@@ -237,6 +237,8 @@ def test_a_rewritten_workers_file_reaches_both_processes(
     node.proc.send_signal(signal.SIGHUP)
     reloaded = node.log.event("workers_reloaded", process="router")
     assert reloaded["removed"] == [removed] and reloaded["trigger"] == "signal"
+    said = node.log.event("reloaded", process="router")
+    assert said["workers"] == "changed" and said["catalogue_digest"] == reloaded["catalogue_digest"]
     for process in (0, 1):
         mirror = node.log.event("workers_reloaded", process=process)
         assert mirror["trigger"] == "authority" and mirror["removed"] == [removed]
@@ -251,6 +253,9 @@ def test_a_rewritten_workers_file_reaches_both_processes(
     after = httpx.get(f"{removed}/test-control", timeout=10).json()["counters"]["total"]
     assert after == before
     assert set(node.bookings("router")) == set(engines[1:])
+    node.proc.send_signal(signal.SIGUSR1)
+    report = node.log.event("status_report", role="router")
+    assert report["clients"] == 2 and report["workers"] == WORKERS - 1
 
 
 def test_the_router_killed_is_restarted_and_serving_goes_on(
