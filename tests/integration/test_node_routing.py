@@ -256,6 +256,26 @@ def test_a_rewritten_workers_file_reaches_both_processes(
     node.proc.send_signal(signal.SIGUSR1)
     report = node.log.event("status_report", role="router")
     assert report["clients"] == 2 and report["workers"] == WORKERS - 1
+    # Back in the file: a new worker at the authority (booked from once its checks pass) and
+    # in both mirrors.
+    workers_file.write_text(workers_toml([f"url={url}" for url in engines]))
+    node.proc.send_signal(signal.SIGHUP)
+    for process in ("router", 0, 1):
+        node.log.event("workers_reloaded", process=process, added=[removed])
+    _until(lambda: node.bookings("router").keys() == set(engines), "the worker back at the router")
+    node.log.wait_for(
+        lambda line: (
+            line.get("event") == "worker_admitted"
+            and line.get("worker") == removed
+            and line.get("process") == "router"
+            and node.log.lines.index(line) > node.log.lines.index(reloaded)
+        ),
+        what="the worker back in rotation",
+    )
+    for i in range(16, 32):
+        _h1(node, i)  # type: ignore[arg-type]
+    back = httpx.get(f"{removed}/test-control", timeout=10).json()["counters"]["total"]
+    assert back > after
 
 
 def test_the_router_killed_is_restarted_and_serving_goes_on(
