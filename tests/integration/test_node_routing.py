@@ -4,6 +4,7 @@ booking authority as its "router" process, and every serving process books there
 
 - Streams arriving over both processes spread one per worker: booking alone, each process
   would put its first stream on the same (least-loaded, first) worker.
+  SIGTERM stops the router last, after both serving processes drained; all exit 0.
 - A serving process killed with SIGKILL: the authority's view (the node's /metrics,
   `process="router"`) drops to the survivor's bookings at once; after the streams end none is left.
 - A workers file rewritten: the authority reloads it, both processes' mirrors follow, and the
@@ -185,6 +186,12 @@ def test_bookings_from_both_processes_are_exact(node: RoutedNode, engines: list[
         assert max(per_worker) - min(per_worker) <= 1, node.bookings("router")
     streams.join()
     _until(lambda: node.held("router") == 0, "every booking released")
+    # The node's stop: the router last, once the serving processes drained; all exit 0.
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(timeout=30) == 0
+    stopped = [line["process"] for line in node.log.events("process_stopped")]
+    assert sorted(stopped[:2]) == [0, 1] and stopped[2:] == ["router"], stopped
+    assert node.log.event("booking_authority_stopped", process="router")
 
 
 def test_a_killed_process_bookings_leave_the_authority_at_once(node: RoutedNode) -> None:
