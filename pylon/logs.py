@@ -96,8 +96,9 @@ def flush_logs() -> None:
         _CORKED.flush()
 
 
-def configure_logging(log_format: str, log_level: str, process: int | None = None) -> None:
-    """`process`: a supervised process's index (`pylon serve --processes N`), on every line."""
+def configure_logging(log_format: str, log_level: str, process: int | str | None = None) -> None:
+    """`process`: a supervised process's index (`pylon serve --processes N`), or "router" (the
+    node's booking authority), on every line."""
     processors: list[Any] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -136,11 +137,11 @@ def configure_logging(log_format: str, log_level: str, process: int | None = Non
 
 
 class _ProcessField:
-    """Adds `process` to every line (a supervised process's index)."""
+    """Adds `process` to every line (a supervised process's index, or "router")."""
 
     __slots__ = ("_process",)
 
-    def __init__(self, process: int) -> None:
+    def __init__(self, process: int | str) -> None:
         self._process = process
 
     def __call__(self, _logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:

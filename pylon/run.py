@@ -198,7 +198,11 @@ async def start(
     )
     async with AsyncExitStack() as stack:
         if routing is None and settings.routing != "off" and router is None:
-            routing = await build_routing(routing_options(settings), observer, tokenizer=tokenizer)
+            # A supervised process of a node with a booking authority books there.
+            authority = inherited.booking_socket if inherited is not None else None
+            routing = await build_routing(
+                routing_options(settings), observer, tokenizer=tokenizer, authority=authority
+            )
         if routing is not None:
             # Closed last: the requests cancelled at close release their bookings first.
             stack.push_async_callback(routing.aclose)

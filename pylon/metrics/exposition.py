@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -23,6 +23,9 @@ from prometheus_client.registry import CollectorRegistry
 
 from pylon.metrics.catalogue import DURATION_BUCKETS, SECONDS_BUCKETS, SPECS, TOKEN_BUCKETS
 from pylon.metrics.counts import Counts, Histogram
+
+if TYPE_CHECKING:
+    from pylon.routing.build import RoutingSnapshot
 
 
 def metrics_registry(read: Callable[[], Counts]) -> CollectorRegistry:
@@ -109,7 +112,7 @@ def families(counts: Counts, build: dict[str, str]) -> Iterator[Metric]:
     yield expiry
     reloads = {(result,): count for result, count in counts.tls_reloads.items()}
     yield _counter("pylon_tls_reloads_total", reloads)
-    yield from routing_families(counts)
+    yield from routing_families(counts.routing)
 
 
 def queue_families(counts: Counts) -> Iterator[Metric]:
@@ -130,7 +133,7 @@ def queue_families(counts: Counts) -> Iterator[Metric]:
     yield throughput
 
 
-def routing_families(counts: Counts) -> Iterator[Metric]:
+def routing_families(snapshot: RoutingSnapshot | None) -> Iterator[Metric]:
     """The workers' bookings, health, passive ejections, decisions and KV-event faults, the kv
     selects' latencies, the core's own load view, the catalogue digest and the replica sync's
     events per peer (empty families with --routing off)."""
@@ -147,7 +150,6 @@ def routing_families(counts: Counts) -> Iterator[Metric]:
     )
     sync_events: dict[tuple[str, str], int] = {}
     catalogue: dict[tuple[str], int] = {}
-    snapshot = counts.routing
     if snapshot is not None:
         for label, count in snapshot.core_active.items():
             core_active.add_metric([label], count)

@@ -20,6 +20,10 @@ Reachable only on the host, only by the same user: the socket lives in a directo
 owned by pylon's user (created if missing; refused when it is anyone else's or open to others),
 the socket itself is 0600, and each connection's peer uid (`SO_PEERCRED`) must be pylon's own.
 
+The catalogue is the authority's: it alone watches `--workers-file` (or discovers instances), a
+SIGHUP reloads it (`BookingAuthority.reload`), and a change is booked from and pushed at once
+(the mirrors follow it: `pylon.routing.remote`).
+
 Reported to the `Observer` as process events: `booking_authority_listening` (`socket`,
 `routing`, `workers`), `booking_client_connected` / `booking_client_lost` (`client`: the peer's
 pid, `released`: bookings it still held), `booking_client_refused` (warning: `detail`), and
@@ -32,18 +36,20 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from pylon.core.record import RequestRecord
 from pylon.routing import Booking, NoWorker
 from pylon.routing import booking_wire as wire
 from pylon.routing.build import Routing, RoutingOptions, build_routing
-from pylon.routing.fleet import Fleet, Worker, WorkerBooking
+from pylon.routing.catalogue import CatalogueWatch
+from pylon.routing.fleet import CatalogueChange, Fleet, Worker, WorkerBooking
 from pylon.startup import StartupError
 
 if TYPE_CHECKING:
@@ -86,10 +92,47 @@ class BookingAuthority:
         self.uid = os.getuid()  # the only peer uid served: pylon's own
         self.refused = 0  # connections refused: another user, or not this protocol
         fleet.on_change(self._push)
+        fleet.on_catalogue(self._catalogue_changed)
 
     @property
     def fleet(self) -> Fleet:
         return self._fleet
+
+    @property
+    def routing(self) -> Routing:
+        return self._routing
+
+    def _catalogue_changed(self, _change: CatalogueChange) -> None:
+        """A reload (the workers file, discovery): the new catalogue is booked from at once,
+        and pushed at once (a worker added is out of rotation: no rotation change says it)."""
+        fleet = self._fleet
+        self._by_id = {w.spec.worker_id: w for w in fleet.workers}
+        self._by_label = {w.label: w for w in fleet.workers}
+        self._push()
+
+    def reload(self, sig: signal.Signals | None = None) -> None:
+        """SIGHUP: the workers file read now (`--workers-file`), discovery asked again
+        (`--discover-instances`); one `reloaded` or `reload_failed` line, as a pylon's."""
+        catalogue = self._routing.catalogue
+        fields: dict[str, Any] = {"signal": sig.name if sig is not None else None}
+        failed: dict[str, str] = {}
+        if isinstance(catalogue, CatalogueWatch):
+            result = catalogue.reload()
+            if result.failed is not None:
+                failed["workers"] = result.failed
+            else:
+                fields["workers"] = "changed" if result.change is not None else "unchanged"
+            fields["catalogue_digest"] = catalogue.digest
+        elif catalogue is not None:
+            catalogue.wake()
+            fields["workers"] = "rediscovering"
+        self._observer.process_event(
+            "reload_failed" if failed else "reloaded",
+            **fields,
+            reloaded=[] if failed or catalogue is None else ["workers"],
+            failed=failed or None,
+            detail=None if catalogue is not None else "nothing to re-read: no --workers-file",
+        )
 
     @property
     def clients(self) -> int:
@@ -106,7 +149,7 @@ class BookingAuthority:
             [
                 wire.SNAPSHOT,
                 [w.spec.text() for w in workers],
-                [w.label for w in self._fleet.in_rotation],
+                [w.label for w in self._fleet.in_rotation if not w.removed],
                 [w.last_result for w in workers],
             ]
         )
@@ -196,7 +239,8 @@ class _Client(asyncio.Protocol):
         self._batch: list[bytes] | None = None  # answers to the read being handled
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's Unix transports are not `asyncio.Transport` subclasses: only typed so.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
         sock = transport.get_extra_info("socket")
         pid, uid, _ = _PEERCRED.unpack(

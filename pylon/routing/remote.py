@@ -5,8 +5,10 @@ frames of `pylon.routing.booking_wire`), so a choice in any process sees every b
 before it by any process. The process keeps a mirror `Fleet` built from the same worker specs:
 each worker's upstream and trusted headers are needed here, where the request is. The authority
 pushes a snapshot (the catalogue, the labels in rotation, each last health answer) at connect
-and on every change; the mirror's rotation follows it exactly, and so does this process's
-readiness (`Fleet.on_change`), as if its own health checks had spoken. The active health checks
+and on every change; the mirror's catalogue follows it (`Fleet.replace_texts`: the authority's
+is the one truth, so a workers-file reload there reaches every process; `workers_reloaded`,
+trigger `authority`), its rotation follows it exactly, and so does this process's readiness
+(`Fleet.on_change`), as if its own health checks had spoken. The active health checks
 and passive health run in the authority only: the bookings here forward the exchange's moments.
 
 Per request:
@@ -45,7 +47,7 @@ import contextlib
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from pylon.core.body import with_token_data
 from pylon.core.http import Header
@@ -53,11 +55,12 @@ from pylon.core.plan import ForwardPlan
 from pylon.core.record import ExchangeHooks, RequestRecord
 from pylon.routing import Booking, NoWorker, PromptTokenizer, Router
 from pylon.routing import booking_wire as wire
-from pylon.routing.fleet import Fleet, Worker, count_decision, elsewhere
+from pylon.routing.fleet import CatalogueChange, Fleet, Worker, count_decision, elsewhere
 from pylon.routing.health import HealthChecker, HealthCheckOptions
 from pylon.routing.kv import INLINE_TOKENIZE_BYTES, rank_headers
 from pylon.routing.least_loaded import least_loaded
 from pylon.routing.round_robin import no_worker
+from pylon.routing.spec import WorkerSpecError
 
 if TYPE_CHECKING:
     from pylon.core.errors import PylonError
@@ -214,7 +217,8 @@ class AuthorityLink:
                 delay = min(delay * 2, RECONNECT_MAX_S)
 
     async def _serve(self, transport: asyncio.BaseTransport, protocol: _LinkProtocol) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's Unix transports are not `asyncio.Transport` subclasses: only typed so.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
         self._up = False
         self.generation += 1
@@ -252,18 +256,11 @@ class AuthorityLink:
         future.set_result(message)
 
     def _apply(self, specs: list[str], in_rotation: list[str], results: list[str]) -> None:
-        """The authority's snapshot on the mirror: its rotation, exactly."""
+        """The authority's snapshot on the mirror: its catalogue and its rotation, exactly."""
         fleet = self._fleet
-        ours = [w.spec.text() for w in fleet.workers]
-        if specs != ours and not self._catalogue_differs:
-            self._catalogue_differs = True  # said once per difference, not per snapshot
-            self._observer.process_event(
-                "booking_catalogue_differs",
-                detail=f"the authority's {len(specs)} workers are not this process's "
-                f"{len(ours)}: only the workers both know are followed",
-            )
-        elif specs == ours:
-            self._catalogue_differs = False
+        if specs != list(fleet.spec_texts()):
+            self._follow(specs)
+        if specs == list(fleet.spec_texts()):
             for worker, result in zip(fleet.workers, results, strict=False):
                 worker.last_result = result
         admitted = set(in_rotation)
@@ -277,6 +274,33 @@ class AuthorityLink:
             self.counters["connects"] += 1
             self._observer.process_event(
                 "booking_authority_connected", socket=str(self._path), reannounced=len(self.live)
+            )
+
+    def _follow(self, specs: list[str]) -> None:
+        """The authority's catalogue on the mirror (one truth: the authority's, which watches
+        the workers file): `workers_reloaded`, trigger `authority`. A catalogue this process
+        cannot take (a spec it cannot parse: another pylon version) keeps the one it has, and
+        only the workers both know are followed (`booking_catalogue_differs`, once)."""
+        try:
+            change = self._fleet.replace_texts(specs) if specs else None
+        except WorkerSpecError as exc:
+            change = None
+            detail = f"the authority's catalogue is not this process's: {exc}"
+        else:
+            detail = "the authority's catalogue is empty" if change is None else ""
+        if change is None:
+            if not self._catalogue_differs:
+                self._catalogue_differs = True  # said once per difference, not per snapshot
+                self._observer.process_event(
+                    "booking_catalogue_differs",
+                    detail=f"{detail}: only the workers both know are followed",
+                )
+            return
+        self._catalogue_differs = False
+        self._by_id = {w.spec.worker_id: w for w in self._fleet.workers}
+        if change.changed:
+            self._observer.process_event(
+                "workers_reloaded", source=str(self._path), trigger="authority", **change.fields()
             )
 
     def _lost(self, detail: str) -> None:
@@ -387,7 +411,8 @@ class _LinkProtocol(asyncio.Protocol):
         self.spoke: asyncio.Future[None] = loop.create_future()  # the first snapshot came
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's Unix transports are not `asyncio.Transport` subclasses: only typed so.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
 
     def data_received(self, data: bytes) -> None:
@@ -460,6 +485,7 @@ class RemoteRouter:
         self.token_data = token_data
         self._local_policy = "round-robin" if mode == "round-robin" else "least-loaded"
         self._rank_headers = {w.spec.worker_id: rank_headers(w) for w in fleet.workers}
+        fleet.on_catalogue(self._catalogue_changed)
         self._next = 0
         self._tokenize_thread: ThreadPoolExecutor | None = None
         if self._kv:
@@ -468,6 +494,10 @@ class RemoteRouter:
     @property
     def link(self) -> AuthorityLink:
         return self._link
+
+    def _catalogue_changed(self, _change: CatalogueChange) -> None:
+        fleet = self._fleet
+        self._rank_headers = {w.spec.worker_id: rank_headers(w) for w in fleet.workers}
 
     async def book(self, plan: ForwardPlan) -> Booking:
         fleet = self._fleet

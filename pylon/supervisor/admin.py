@@ -1,10 +1,13 @@
 """The supervisor's admin listener (`--admin-listen`): the whole node in one place.
 
 - `GET /live`: 200 while the supervisor runs.
-- `GET /ready`: 200 only when every process runs and its own `/ready` says ready; else 503, and
-  the JSON body names the processes that are not (`not_ready`) and why.
+- `GET /ready`: 200 only when every serving process runs and its own `/ready` says ready; else
+  503, and the JSON body names the processes that are not (`not_ready`) and why. The booking
+  authority's process (`router`) is listed (`router`: its own answer) but does not make the node
+  unready: while it is away each serving process books alone, and still serves.
 - `GET /metrics`: every process's exposition merged (`pylon.supervisor.metrics`), each sample
-  labelled `process="i"`, then the supervisor's own families. Text format 0.0.4 only.
+  labelled `process="i"` (the booking authority's `process="router"`: the node's real bookings
+  and its workers' health), then the supervisor's own families. Text format 0.0.4 only.
 
 Each process serves its own admin (`pylon.admin`) on a Unix socket in the supervisor's private
 runtime directory; every request here asks them all at once, each with a deadline
@@ -33,7 +36,7 @@ TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 class ProcessView:
     """What the admin needs of one process slot, now."""
 
-    process: int
+    process: int | str  # a serving process's index, or "router"
     running: bool
     admin_socket: str | None
 
@@ -82,9 +85,17 @@ class NodeAdmin:
     async def ready(self, _request: web.Request) -> web.Response:
         views = self._views()
         answers = await asyncio.gather(*(_ask(view, "/ready") for view in views))
-        processes = [_readiness(view, answer) for view, answer in zip(views, answers, strict=True)]
+        entries = [_readiness(view, answer) for view, answer in zip(views, answers, strict=True)]
+        processes = [e for e in entries if e["process"] != "router"]
         not_ready = [entry["process"] for entry in processes if not entry["ready"]]
-        body = {"ready": not not_ready, "not_ready": not_ready, "processes": processes}
+        body: dict[str, object] = {
+            "ready": not not_ready,
+            "not_ready": not_ready,
+            "processes": processes,
+        }
+        router = [e for e in entries if e["process"] == "router"]
+        if router:
+            body["router"] = router[0]
         return web.Response(
             status=503 if not_ready else 200,
             body=orjson.dumps(body),

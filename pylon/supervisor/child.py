@@ -12,8 +12,9 @@ Linux-only, and is lost if the supervisor died before the child asked for it; an
 missed (the kernel closes the supervisor's end whenever and however it dies) and costs one
 reader on the event loop.
 
-Role "router" runs the node's booking authority (`pylon.routing.authority.run_authority`), for
-whoever builds it; this module only dispatches to it.
+Role "router" runs the node's booking authority (`pylon.routing.authority.run_authority`) on
+the socket its handover names, with its admin (the routing figures, for the node's scrape) on
+its admin socket; every log line says `process="router"`.
 
 Exit status as `pylon serve`'s: 0 after a graceful stop, 1 when the engine never passed its
 health gate, 2 when the start is refused (`StartupError`, one line), 128 + n when forced.
@@ -24,8 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import shutil
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -52,40 +53,75 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_authority(handover: Handover, early: EarlySignals, runtime: Path) -> int:
-    """Role "router": the node's booking authority on `handover.booking_socket`, until a stop
-    signal or the supervisor's death. Wired to `pylon.routing.authority.run_authority(options,
-    socket_path, observer, stop)`, imported by name: that module comes with the booking
-    authority's branch, and this role is started by nobody until it is merged."""
+    """Role "router": the node's booking authority on `handover.booking_socket`
+    (`pylon.routing.authority.run_authority`), until a stop signal or the supervisor's death.
+    Its socket listening is its bring-up (`ready` to the supervisor); SIGHUP re-reads the
+    workers file (`BookingAuthority.reload`); its admin (`pylon.supervisor.router_admin`, on
+    `handover.admin_socket`) serves its routing figures for the node's scrape."""
     from pylon.assemble import routing_options
     from pylon.logs import configure_logging, flush_logs
     from pylon.observe import LogObserver
-    from pylon.signals import STOP
+    from pylon.routing.authority import BookingAuthority, run_authority
+    from pylon.signals import REPORT, STOP
+    from pylon.supervisor.router_admin import RouterAdmin
 
     settings = handover.rebuild_settings()
-    configure_logging(settings.log_format, settings.log_level, process=handover.process)
+    configure_logging(settings.log_format, settings.log_level, process="router")
     observer = LogObserver()
-    assert handover.booking_socket is not None, "a router is started with its socket's path"
-    authority: Any = importlib.import_module("pylon.routing.authority")
+    booking_socket = handover.booking_socket
+    assert booking_socket is not None, "a router is started with its socket's path"
 
     async def run() -> int:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in STOP:
             loop.add_signal_handler(sig, stop.set)
-        if any(sig in STOP for sig in early.take()):
-            stop.set()  # a stop before the loop's handlers: the authority stops at once
         control = socket.socket(fileno=handover.control_fd)
         control.setblocking(False)
+        admin = RouterAdmin()
+
+        def report(sig: signal.Signals) -> None:
+            """SIGUSR1/2: one `status_report` line, as each serving process says its own."""
+            fleet = admin.authority.fleet if admin.authority is not None else None
+            observer.process_event(
+                "status_report",
+                signal=sig.name,
+                role="router",
+                clients=admin.authority.clients if admin.authority is not None else 0,
+                workers=len(fleet.workers) if fleet is not None else 0,
+                workers_in_rotation=len(fleet.in_rotation) if fleet is not None else 0,
+            )
+
+        def started(authority: BookingAuthority) -> None:
+            loop.add_signal_handler(signal.SIGHUP, authority.reload, signal.SIGHUP)
+            for sig in REPORT:
+                loop.add_signal_handler(sig, report, sig)
+            admin.authority = authority
+            with contextlib.suppress(OSError):
+                control.send(READY_MESSAGE)
+
+        early_signals = early.take()
+        if any(sig in STOP for sig in early_signals):
+            stop.set()  # a stop before the loop's handlers: the authority stops at once
         _watch_supervisor(loop, control, stop, observer, runtime)
-        await authority.run_authority(
-            routing_options(settings), Path(str(handover.booking_socket)), observer, stop
-        )
+        if handover.admin_socket is not None:
+            await admin.start(handover.admin_socket)
+        try:
+            await run_authority(
+                routing_options(settings),
+                Path(booking_socket),
+                observer,
+                stop,
+                started=started,
+            )
+        finally:
+            await admin.close()
         return 0
 
     try:
         return asyncio.run(run())
     except StartupError as exc:
-        return _refused(handover, str(exc))
+        return _refused(handover, str(exc), "router")
     finally:
         flush_logs()
 
@@ -118,8 +154,9 @@ def _serve_process(handover: Handover, early: EarlySignals, runtime: Path) -> in
         flush_logs()
 
 
-def _refused(handover: Handover, reason: str) -> int:
-    print(f"pylon: process {handover.process}: {reason}", file=sys.stderr, flush=True)
+def _refused(handover: Handover, reason: str, name: int | str | None = None) -> int:
+    name = handover.process if name is None else name
+    print(f"pylon: process {name}: {reason}", file=sys.stderr, flush=True)
     return EXIT_START_REFUSED
 
 

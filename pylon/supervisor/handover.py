@@ -66,6 +66,6 @@ def settings_values(settings: Settings) -> dict[str, Any]:
 
 def child_command(role: Role, handover: Path) -> list[str]:
     """The command line of a supervised process: role "pylon" serves (`pylon.supervisor.child`);
-    role "router" runs the node's booking authority (`pylon.routing.authority.run_authority`,
-    started by whoever wires it in: the supervisor starts "pylon" processes only today)."""
+    role "router" runs the node's booking authority (`pylon.routing.authority.run_authority`:
+    the supervisor starts one when --routing is on)."""
     return [sys.executable, "-m", CHILD_MODULE, "--role", role, str(handover)]

@@ -120,6 +120,7 @@ class SupervisorCounts:
     up: Sequence[bool]  # per process slot: running now
     restarts: Mapping[str, int]  # by reason: exit (a status) or signal (killed by one)
     scraped: Sequence[bool] = ()  # per process slot: its exposition is in this answer
+    router: bool | None = None  # the booking authority's process runs now; None: there is none
 
 
 def supervisor_exposition(counts: SupervisorCounts) -> str:
@@ -138,6 +139,11 @@ def supervisor_exposition(counts: SupervisorCounts) -> str:
             f'pylon_supervisor_process_up{{process="{i}"}} {int(up)}'
             for i, up in enumerate(counts.up)
         ),
+        *(
+            [f'pylon_supervisor_process_up{{process="router"}} {int(counts.router)}']
+            if counts.router is not None
+            else []
+        ),
         "# HELP pylon_supervisor_process_scraped Whether this answer holds each process's own "
         "metrics (0: not running, or it did not answer within the deadline).",
         "# TYPE pylon_supervisor_process_scraped gauge",
@@ -146,14 +152,18 @@ def supervisor_exposition(counts: SupervisorCounts) -> str:
             for i, ok in enumerate(counts.scraped)
         ),
         "# HELP pylon_process_restarts_total Pylon processes restarted after they exited, "
-        "by reason (exit: with a status; signal: killed by one).",
+        "by reason (exit: with a status; signal: killed by one; router_*: the booking "
+        "authority's process).",
         "# TYPE pylon_process_restarts_total counter",
         *(
             f'pylon_process_restarts_total{{reason="{reason}"}} {counts.restarts.get(reason, 0)}'
-            for reason in RESTART_REASONS
+            for reason in (
+                RESTART_REASONS + (ROUTER_RESTART_REASONS if counts.router is not None else ())
+            )
         ),
     ]
     return "\n".join(lines) + "\n"
 
 
 RESTART_REASONS = ("exit", "signal")
+ROUTER_RESTART_REASONS = ("router_exit", "router_signal")  # the booking authority's process

@@ -5,11 +5,20 @@ pylon processes kept running until a stop signal drains them all.
 node's self-signed certificate and QUIC stateless-reset key, the sockets
 (`pylon.supervisor.sockets`), the admin listener (`pylon.supervisor.admin`), then
 `Supervisor.run`.
+
+With `--routing` on, one more process runs beside the N: the node's booking authority (role
+"router", `pylon.routing.authority`), its socket in the runtime directory, named in every
+serving process's handover. It is started first and kept like the others (the same backoff;
+its lines and metrics say `process="router"`), hears SIGHUP (it owns the workers file), and is
+stopped last, once the serving processes drained, so their last bookings are still exact. The
+serving processes do not wait for it: until it answers they book alone
+(`pylon.routing.remote`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -31,10 +40,11 @@ from pylon.supervisor.backoff import EXIT_START_REFUSED, Backoff, halt_status
 from pylon.supervisor.handover import (
     READY_MESSAGE,
     Handover,
+    Role,
     child_command,
     settings_values,
 )
-from pylon.supervisor.metrics import RESTART_REASONS, SupervisorCounts
+from pylon.supervisor.metrics import RESTART_REASONS, ROUTER_RESTART_REASONS, SupervisorCounts
 from pylon.supervisor.sockets import NodeSockets, bind_node
 
 if TYPE_CHECKING:
@@ -63,6 +73,7 @@ class Slot:
 
     index: int
     admin_socket: str | None
+    role: Role = "pylon"
     process: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
     ever_ready: bool = False  # a process in this slot passed bring-up once
@@ -72,6 +83,11 @@ class Slot:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.returncode is None
+
+    @property
+    def name(self) -> int | str:
+        """What its lines and metrics call it: its index, or "router"."""
+        return "router" if self.role == "router" else self.index
 
 
 @contextmanager
@@ -151,7 +167,15 @@ class Supervisor:
             Slot(i, str(node.runtime / f"admin-{i}.sock") if admin else None)
             for i in range(settings.processes)
         ]
-        self.restarts = dict.fromkeys(RESTART_REASONS, 0)
+        # The node's booking authority: with --routing on (a single pylon books alone).
+        self.router: Slot | None = None
+        self.booking_socket: Path | None = None
+        if settings.routing != "off":
+            router_admin = str(node.runtime / "admin-router.sock") if admin else None
+            self.router = Slot(settings.processes, router_admin, role="router")
+            self.booking_socket = node.runtime / "booking.sock"
+        reasons = RESTART_REASONS + (ROUTER_RESTART_REASONS if self.router else ())
+        self.restarts = dict.fromkeys(reasons, 0)
         self._stopping = asyncio.Event()
         self._halted: int | None = None
         self._halt = asyncio.Event()
@@ -164,10 +188,12 @@ class Supervisor:
             signals.on_report = self._report
             admin = await self._start_admin()
             try:
+                # The router first: its socket is up soonest for the processes' first bookings.
+                router = asyncio.create_task(self._keep(self.router)) if self.router else None
                 keepers = [asyncio.create_task(self._keep(slot)) for slot in self.slots]
                 self._announce(admin)
                 await _first(signals.stop.wait(), self._halt.wait())
-                status = await self._stop_all(signals, keepers)
+                status = await self._stop_all(signals, keepers, router)
             finally:
                 if admin is not None:
                     await admin.close()
@@ -185,6 +211,7 @@ class Supervisor:
         self._say(
             "supervisor_started",
             processes=len(self.slots),
+            router=str(self.booking_socket) if self.booking_socket else None,
             address=host_port(sockets.tcp_host, sockets.tcp_port),
             quic_port=sockets.quic_port,
             admin=admin.address if admin is not None else None,
@@ -200,7 +227,7 @@ class Supervisor:
             try:
                 process, control = await self._spawn(slot)
             except (StartupError, OSError) as exc:  # the port is gone, the runtime dir, ...
-                self._say("process_start_failed", process=slot.index, reason=str(exc))
+                self._say("process_start_failed", process=slot.name, reason=str(exc))
                 self._halt_node(slot, None, EXIT_START_REFUSED)
                 return
             reader = asyncio.create_task(self._read_control(slot, control))
@@ -212,20 +239,24 @@ class Supervisor:
                 self._exited("process_stopped", slot, process.pid, status, uptime, None)
                 return
             halt = halt_status(status, ever_ready=slot.ever_ready)
+            if slot.role == "router" and halt != EXIT_START_REFUSED:
+                halt = None  # it has no engine to wait for: anything but a refusal restarts
             if halt is not None:
                 self._exited("process_exited", slot, process.pid, status, uptime, None)
                 self._halt_node(slot, status, halt)
                 return
             delay = slot.backoff.after_exit(uptime)
-            self.restarts["signal" if status < 0 else "exit"] += 1
+            reason = "signal" if status < 0 else "exit"
+            self.restarts[f"router_{reason}" if slot.role == "router" else reason] += 1
             slot.restarts += 1
             self._exited("process_exited", slot, process.pid, status, uptime, delay)
             await _first(asyncio.sleep(delay), self._stopping.wait())
 
     async def _spawn(self, slot: Slot) -> tuple[asyncio.subprocess.Process, socket.socket]:
         """Start the slot's process with a fresh TCP socket, the slot's UDP socket and a new
-        control socket (its end closed here once the process holds it)."""
-        tcp = self._node.sockets.tcp_for_start()
+        control socket (its end closed here once the process holds it). The router gets the
+        control socket only."""
+        tcp = self._node.sockets.tcp_for_start() if slot.role == "pylon" else None
         mine, theirs = socket.socketpair()
         try:
             process = await self._exec(slot, tcp, theirs)
@@ -233,41 +264,43 @@ class Supervisor:
             mine.close()
             raise
         finally:
-            tcp.close()
+            if tcp is not None:
+                tcp.close()
             theirs.close()
         slot.process = process
         slot.started_at = asyncio.get_running_loop().time()
         if self._stopping.is_set():  # the stop came while it started: it drains at once
             process.send_signal(signal.SIGTERM)
-        self._say("process_started", process=slot.index, pid=process.pid, restarts=slot.restarts)
+        self._say("process_started", process=slot.name, pid=process.pid, restarts=slot.restarts)
         return process, mine
 
     async def _exec(
-        self, slot: Slot, tcp: socket.socket, control: socket.socket
+        self, slot: Slot, tcp: socket.socket | None, control: socket.socket
     ) -> asyncio.subprocess.Process:
         """Write the slot's handover and start its process with `tcp`, the slot's UDP socket
         and `control`."""
         node = self._node
-        udp = node.sockets.udp[slot.index] if node.sockets.udp else None
+        udp = node.sockets.udp[slot.index] if node.sockets.udp and tcp is not None else None
         if slot.admin_socket is not None:
             Path(slot.admin_socket).unlink(missing_ok=True)
         handover = Handover(
             settings=self._values,
             process=slot.index,
             processes=len(self.slots),
-            tcp_fd=tcp.fileno(),
+            tcp_fd=tcp.fileno() if tcp is not None else None,
             udp_fd=udp.fileno() if udp is not None else None,
             control_fd=control.fileno(),
             admin_socket=slot.admin_socket,
             tls_cert=str(node.tls_pair[0]) if node.tls_pair else None,
             tls_key=str(node.tls_pair[1]) if node.tls_pair else None,
             reset_key=node.reset_key.hex() if node.reset_key else None,
+            booking_socket=str(self.booking_socket) if self.booking_socket else None,
         )
-        path = node.runtime / f"process-{slot.index}.json"
+        path = node.runtime / f"process-{slot.name}.json"
         handover.write(path)
-        fds = [tcp.fileno(), control.fileno(), *([udp.fileno()] if udp is not None else [])]
+        fds = [control.fileno(), *(s.fileno() for s in (tcp, udp) if s is not None)]
         return await asyncio.create_subprocess_exec(
-            *child_command("pylon", path),
+            *child_command(slot.role, path),
             pass_fds=fds,
             stdin=asyncio.subprocess.DEVNULL,
             # Its own process group: a terminal's Ctrl-C reaches the supervisor only, which
@@ -294,7 +327,7 @@ class Supervisor:
         reason = "start_refused" if halt == EXIT_START_REFUSED else "engine_not_ready"
         self._say(
             "supervisor_halted",
-            process=slot.index,
+            process=slot.name,
             exit_code=status,
             reason=reason,
             detail="a process could not start, and another start would fail the same way: "
@@ -313,7 +346,7 @@ class Supervisor:
     ) -> None:
         """`process_exited` (unasked: restarted after `restart_in` s, unless the node halts)
         or `process_stopped` (in the node's stop), with the exit code or the signal."""
-        fields: dict[str, object] = {"process": slot.index, "pid": pid}
+        fields: dict[str, object] = {"process": slot.name, "pid": pid}
         if status < 0:
             fields["signal"] = _signal_name(-status)
         else:
@@ -328,7 +361,8 @@ class Supervisor:
 
     # --- signals ---
     def _reload(self, sig: signal.Signals) -> None:
-        """SIGHUP: every process re-reads what it can (`pylon.run.Running.reload`)."""
+        """SIGHUP: every process re-reads what it can (`pylon.run.Running.reload`); the router
+        re-reads the workers file (the serving processes follow its catalogue)."""
         self._say("reload_forwarded", signal=sig.name, processes=self._signal_all(sig))
 
     def _report(self, sig: signal.Signals) -> None:
@@ -342,30 +376,39 @@ class Supervisor:
             pids=[
                 slot.process.pid if slot.running and slot.process else None for slot in self.slots
             ],
+            router=self.router.process.pid
+            if self.router and self.router.running and self.router.process
+            else None,
             restarts=self.restarts,
         )
         self._signal_all(sig)
 
-    def _signal_all(self, sig: signal.Signals) -> list[int]:
-        sent = []
-        for slot in self.slots:
+    def _signal_all(self, sig: signal.Signals, *, router: bool = True) -> list[int | str]:
+        sent: list[int | str] = []
+        for slot in [*self.slots, *([self.router] if router and self.router else [])]:
             if slot.running and slot.process is not None:
                 try:
                     slot.process.send_signal(sig)
                 except ProcessLookupError:
                     continue
-                sent.append(slot.index)
+                sent.append(slot.name)
         return sent
 
-    async def _stop_all(self, signals: Signals, keepers: list[asyncio.Task[None]]) -> int:
+    async def _stop_all(
+        self,
+        signals: Signals,
+        keepers: list[asyncio.Task[None]],
+        router: asyncio.Task[None] | None = None,
+    ) -> int:
         """Every process gets SIGTERM (its graceful drain: --shutdown-grace) and then
         `STOP_MARGIN` to exit; a second signal here is forwarded (it forces their drains,
-        which then get `FORCED_WAIT`); what still runs then is killed. Returns the exit
-        status: 0 when every process exited 0 (drained)."""
+        which then get `FORCED_WAIT`); what still runs then is killed. The router is stopped
+        once the serving processes are gone (their drains still book through it). Returns
+        the exit status: 0 when every process exited 0 (drained)."""
         self._stopping.set()
         grace = self._settings.shutdown_grace
         self._say("stopping", role="supervisor", processes=len(self.slots), grace_s=grace)
-        self._signal_all(signal.SIGTERM)
+        self._signal_all(signal.SIGTERM, router=False)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace + STOP_MARGIN
         pending: set[asyncio.Future[None]] = {task for task in keepers if not task.done()}
@@ -384,21 +427,33 @@ class Supervisor:
         finally:
             if forced is not None:
                 forced.cancel()
+        if router is not None:
+            await self._stop_router(router, deadline)
         killed = self._kill_rest()
-        await asyncio.gather(*keepers, return_exceptions=True)
+        await asyncio.gather(*keepers, *([router] if router else []), return_exceptions=True)
         return self._exit_status(signals, killed)
 
-    def _kill_rest(self) -> list[int]:
-        killed = []
-        for slot in self.slots:
+    async def _stop_router(self, router: asyncio.Task[None], deadline: float) -> None:
+        """The router's stop: SIGTERM, then until the node's deadline (at least
+        `FORCED_WAIT`) to close its socket."""
+        if self.router is None or not self.router.running or self.router.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.router.process.send_signal(signal.SIGTERM)
+        remaining = max(deadline - asyncio.get_running_loop().time(), FORCED_WAIT)
+        await asyncio.wait([router], timeout=remaining)
+
+    def _kill_rest(self) -> list[int | str]:
+        killed: list[int | str] = []
+        for slot in [*self.slots, *([self.router] if self.router else [])]:
             if slot.running and slot.process is not None:
                 slot.process.kill()
-                killed.append(slot.index)
+                killed.append(slot.name)
         if killed:
             self._say("processes_killed", processes=killed, detail="still running after the stop")
         return killed
 
-    def _exit_status(self, signals: Signals, killed: list[int]) -> int:
+    def _exit_status(self, signals: Signals, killed: list[int | str]) -> int:
         codes = [slot.process.returncode if slot.process else None for slot in self.slots]
         self._say("stopped", role="supervisor", exit_codes=codes, killed=killed or None)
         if self._halted is not None:
@@ -410,14 +465,16 @@ class Supervisor:
 
     # --- what the admin reads ---
     def _views(self) -> list[ProcessView]:
-        return [ProcessView(slot.index, slot.running, slot.admin_socket) for slot in self.slots]
+        slots = [*self.slots, *([self.router] if self.router else [])]
+        return [ProcessView(slot.name, slot.running, slot.admin_socket) for slot in slots]
 
     def counts(self, scraped: Sequence[bool] = ()) -> SupervisorCounts:
         return SupervisorCounts(
             configured=len(self.slots),
             up=[slot.running for slot in self.slots],
             restarts=dict(self.restarts),
-            scraped=scraped,
+            scraped=scraped[: len(self.slots)],
+            router=self.router.running if self.router else None,
         )
 
 

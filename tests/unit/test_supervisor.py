@@ -192,6 +192,20 @@ def test_the_supervisors_own_families_parse() -> None:
     assert ("pylon_supervisor_process_scraped", (("process", "0"),), 1.0) in samples
     assert ("pylon_process_restarts_total", (("reason", "signal"),), 1.0) in samples
     assert ("pylon_process_restarts_total", (("reason", "exit"),), 0.0) in samples
+    # No router (--routing off): no router sample, no router reasons.
+    assert not [sample for sample in samples if "router" in str(sample)]
+
+
+def test_the_router_process_has_its_own_up_sample_and_restart_reasons() -> None:
+    text = supervisor_exposition(
+        SupervisorCounts(configured=2, up=[True, True], restarts={"router_signal": 1}, router=False)
+    )
+    samples = _parsed(text)
+    assert ("pylon_supervisor_process_up", (("process", "router"),), 0.0) in samples
+    assert ("pylon_supervisor_processes_up", (), 2.0) in samples  # the serving processes
+    assert ("pylon_process_restarts_total", (("reason", "router_signal"),), 1.0) in samples
+    assert ("pylon_process_restarts_total", (("reason", "router_exit"),), 0.0) in samples
+    assert ("pylon_process_restarts_total", (("reason", "signal"),), 0.0) in samples
 
 
 # --- handover -------------------------------------------------------------------------------
