@@ -224,16 +224,11 @@ def measure(
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of `pid` and every process under it (a supervisor and its children)."""
-    total = 0.0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        with contextlib.suppress(OSError):
-            total += cpu_seconds(current)
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(child) for child in (task / "children").read_text().split()]
-    return total
+    """CPU seconds of `pid` and every process under it (a supervisor and its children):
+    `bench.procs.cpu_seconds` walks the tree itself."""
+    with contextlib.suppress(OSError):
+        return cpu_seconds(pid)
+    return 0.0
 
 
 def free_udp_port() -> int:
