@@ -232,13 +232,7 @@ class TlsIdentity:
         else:
             material = self_signed_material()
         identity = cls(material, cert_path, key_path, client_ca, report)
-        identity._report(
-            "tls_identity_loaded",
-            source=material.source,
-            fingerprint_sha256=material.fingerprint,
-            not_after=material.not_after.isoformat(),
-            client_ca=str(client_ca) if client_ca else None,
-        )
+        identity._report_loaded()
         return identity
 
     @classmethod
@@ -255,14 +249,19 @@ class TlsIdentity:
         material = load_material(cert_path, key_path)
         material = parse_material(material.cert_pem, material.key_pem, source="self-signed")
         identity = cls(material, None, None, client_ca, report)
-        identity._report(
+        identity._report_loaded()
+        return identity
+
+    def _report_loaded(self) -> None:
+        material = self.current
+        client_ca = self.client_ca
+        self._report(
             "tls_identity_loaded",
             source=material.source,
             fingerprint_sha256=material.fingerprint,
             not_after=material.not_after.isoformat(),
             client_ca=str(client_ca) if client_ca else None,
         )
-        return identity
 
     @property
     def current(self) -> TlsMaterial:
