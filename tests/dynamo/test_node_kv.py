@@ -6,8 +6,9 @@ Three mock_dynamo workers (`--flavor dynamo`, a prefix cache, KV events on a ZMQ
 tiny offline model dir of `scripts/dynamo_stack.py` as tokenizer), 127.0.0.1, kernel-picked
 ports. Requests sharing a long prefix, each over a new TCP connection (so the kernel spreads
 them over both serving processes), all go to the worker that holds the prefix: one core
-decides for the node, so prefix affinity holds across its processes. Afterwards the core counts
-no request anywhere and no process booked alone.
+decides for the node, so prefix affinity holds across its processes (and it is the only core:
+each worker's KV-event socket has the router's two subscriptions, none from a serving process).
+Afterwards the core counts no request and no process booked alone.
 """
 
 from __future__ import annotations
@@ -196,6 +197,8 @@ def _ready(node: KvNode, mocks: list[Mock]) -> None:
         params = {"wait_subscribers": str(SUBSCRIBERS), "timeout": "15"}
         reply = httpx.get(f"{mock.url}/test-control/kv", params=params, timeout=20)
         assert reply.status_code == 200, reply.text
+        # No more: the serving processes run no core of their own.
+        assert reply.json()["events"]["subscribers"] == SUBSCRIBERS, reply.json()
         httpx.post(f"{mock.url}/test-control/reset", timeout=10).raise_for_status()
 
 
