@@ -13,6 +13,7 @@ from mutations import (
     lifecycle,
     limits,
     loop,
+    node,
     routes,
     routing,
     signals,
@@ -56,4 +57,5 @@ SECURITY: list[Mutation] = [
     *routing.PASSIVE_HEALTH,
     *routing.CONNECT_MOVE,
     *endpoints.MUTATIONS,
+    *node.MUTATIONS,
 ]

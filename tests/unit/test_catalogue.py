@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pylon.core.record import RequestRecord
 from pylon.routing.catalogue import (
+    MAX_WORKERS_FILE_BYTES,
     CatalogueError,
     CatalogueRules,
     CatalogueWatch,
@@ -18,6 +19,7 @@ from pylon.routing.catalogue import (
     WorkersFileOptions,
     check_catalogue,
     parse_workers_file,
+    read_workers_file,
 )
 from pylon.routing.fleet import Fleet, WorkerBooking
 from pylon.routing.outlier import OutlierDetector, OutlierOptions, OutlierState
@@ -198,6 +200,17 @@ def test_the_catalogue_is_bounded() -> None:
     check_catalogue(specs[:MAX_WORKERS], rules, "here")
     with pytest.raises(CatalogueError, match=f"at most {MAX_WORKERS}"):
         check_catalogue(specs, rules, "here")
+
+
+def test_a_workers_file_is_read_up_to_its_cap_and_refused_beyond(tmp_path: Path) -> None:
+    """The file is read bounded: a file at the cap is read whole, one byte more is refused
+    (a runaway writer cannot make pylon hold it)."""
+    path = tmp_path / "workers.toml"
+    path.write_bytes(b"#" * MAX_WORKERS_FILE_BYTES)
+    assert len(read_workers_file(path)) == MAX_WORKERS_FILE_BYTES
+    path.write_bytes(b"#" * (MAX_WORKERS_FILE_BYTES + 1))
+    with pytest.raises(CatalogueError, match=f"larger than {MAX_WORKERS_FILE_BYTES} bytes"):
+        read_workers_file(path)
 
 
 def write_workers(path: Path, *specs: WorkerSpec) -> bytes:
