@@ -10,9 +10,9 @@ docs/operations.md tables them the same way. `load_settings` turns every failure
 
 Layout: `topics` (the topic names and `group`), one module per topic holding that topic's part
 of the model (`listeners`, `engine`, `routing`, `bringup`, `queue_gate`, `limits`, `timeouts`,
-`tls_auth`, `http2`, `quic`, `flood_guards`, `logging`, `tracing`), `model` (`Settings`: the
-parts composed, and the rules that span topics), `sources` (the precedence) and `load`
-(`load_settings` and its one-line errors). Import from `pylon.settings`.
+`tls_auth`, `http2`, `quic`, `flood_guards`, `logging`, `tracing`, `gateway`), `model`
+(`Settings`: the parts composed, and the rules that span topics), `sources` (the precedence)
+and `load` (`load_settings` and its one-line errors). Import from `pylon.settings`.
 """
 
 from pylon.settings.engine import Backend
@@ -33,6 +33,7 @@ from pylon.settings.topics import (
     BRINGUP,
     ENGINE,
     FLOODS,
+    GATEWAY,
     GROUPS,
     HTTP2,
     LIMITS,
@@ -61,6 +62,7 @@ __all__ = [
     "ENGINE",
     "ENV_PREFIX",
     "FLOODS",
+    "GATEWAY",
     "GROUPS",
     "HTTP2",
     "LIMITS",

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pylon.settings.bringup import BringupSettings
 from pylon.settings.engine import EngineSettings
 from pylon.settings.flood_guards import FloodGuardSettings
+from pylon.settings.gateway import GatewaySettings
 from pylon.settings.http2 import Http2Settings
 from pylon.settings.limits import LimitSettings
 from pylon.settings.listeners import ListenerSettings
@@ -34,6 +35,7 @@ from pylon.settings.tracing import TracingSettings
 # validators run in the same order, before the cross-topic ones below.
 class Settings(
     BaseSettings,
+    GatewaySettings,
     TracingSettings,
     LoggingSettings,
     FloodGuardSettings,

@@ -26,6 +26,7 @@ QUIC = "HTTP/3 / QUIC"
 FLOODS = "Flood guards"
 LOGGING = "Logging"
 TRACING = "Tracing"
+GATEWAY = "Gateway"
 GROUPS = (
     LISTENERS,
     ENGINE,
@@ -40,6 +41,7 @@ GROUPS = (
     FLOODS,
     LOGGING,
     TRACING,
+    GATEWAY,
 )
 
 # A request path a setting names (a health path): visible ASCII from a leading `/`, no `#`.
