@@ -45,6 +45,11 @@ def check_files(settings: Settings) -> None:
         _check_identity(settings.tls_cert, settings.tls_key)
     if settings.tls_client_ca is not None:
         _check_client_ca(settings.tls_client_ca)
+    if settings.gateway_token_file is not None:
+        _check_gateway_token_file(settings.gateway_token_file)
+    if settings.gateway_ca is not None:
+        _check_gateway_ca(settings.gateway_ca)
+    _check_registered_url(settings)
 
 
 # What `pylon.otel` imports: the SDK and the OTLP/HTTP exporter (the `otel` extra).
@@ -196,6 +201,68 @@ def _check_client_ca(path: Path) -> None:
         raise StartupError(f"--tls-client-ca {path}: {exc}") from None
 
 
+def _check_gateway_token_file(path: Path) -> None:
+    """The token pylon presents to the gateway: one non-empty line (re-read at every use, so
+    this only refuses a start that could not register at all)."""
+    token = _read("--gateway-token-file", path).strip()
+    if not token:
+        raise StartupError(f"--gateway-token-file {path}: the file is empty")
+    if b"\n" in token or b"\r" in token:
+        raise StartupError(f"--gateway-token-file {path}: the token must be a single line")
+    try:
+        token.decode("ascii")
+    except UnicodeDecodeError:
+        raise StartupError(f"--gateway-token-file {path}: the token must be ASCII") from None
+
+
+def _check_gateway_ca(path: Path) -> None:
+    """The bundle the gateway's certificate is verified against: PEM certificates OpenSSL
+    loads (the reference Pylon reads it only at the first dial, so a bad one failed late)."""
+    from cryptography import x509
+
+    data = _read("--gateway-ca", path)
+    try:
+        x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise StartupError(f"--gateway-ca {path}: no PEM certificate in it") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=str(path))
+    except (ssl.SSLError, OSError) as exc:
+        reason = getattr(exc, "reason", None) or exc.strerror or "refused"
+        raise StartupError(f"--gateway-ca {path}: OpenSSL refused it ({reason})") from None
+
+
+def registered_url(settings: Settings, quic_address: str | None) -> str:
+    """The URL registered with the gateway: `--inference-server-url`, or in direct mode
+    quic://HOST:PORT of the UDP listener as bound (`quic_address`: a port 0 resolved); in
+    reverse mode nothing is dialled, so none ("")."""
+    if settings.inference_server_url is not None:
+        return settings.inference_server_url
+    if settings.connectivity == "reverse" or quic_address is None:
+        return ""
+    return f"quic://{quic_address}"
+
+
+def _check_registered_url(settings: Settings) -> None:
+    """Direct mode registers where the gateway dials: refuse to advertise what cannot be."""
+    if not settings.gateway or settings.connectivity == "reverse":
+        return
+    if settings.inference_server_url is not None:
+        return
+    if settings.quic_listen is None:
+        raise StartupError(
+            "--gateway in direct mode needs --quic-listen (the gateway dials pylon over "
+            "HTTP/3) or --inference-server-url saying where the gateway reaches this node"
+        )
+    host, _ = split_host_port(settings.quic_listen)
+    if host in ("0.0.0.0", "::", ""):
+        raise StartupError(
+            f"--gateway in direct mode would register quic://{settings.quic_listen}, which the "
+            "gateway cannot dial (a wildcard address): give --inference-server-url"
+        )
+
+
 # --- warnings -------------------------------------------------------------------------------
 
 _QUIC_TUNING = (
@@ -227,6 +294,17 @@ _WORKER_HEALTH_TUNING = (
 def config_warnings(settings: Settings) -> list[StartupWarning]:
     """Settings that will not do what they say, short of a refusal."""
     warnings: list[StartupWarning] = []
+    if settings.gateway_insecure:
+        warnings.append(
+            StartupWarning(
+                "gateway_insecure",
+                {
+                    "detail": "--gateway-insecure: the gateway's certificate is not verified on "
+                    "reverse tunnels, so anyone on the path can pose as the gateway and receive "
+                    "the node's token and send it requests; give --gateway-ca instead"
+                },
+            )
+        )
     if settings.upstream is not None:
         path = (settings.upstream.path or "").rstrip("/")
         if path.endswith("/v1"):
