@@ -164,7 +164,7 @@ _MAX_TABLE = 4 + 4 * 64 + 4  # the largest segment table `framed_size` reads
 
 
 class _RequestStream:
-    __slots__ = ("buffer", "forgotten", "need", "phase", "receiving_ended", "trailers")
+    __slots__ = ("buffer", "forgotten", "need", "phase", "receiving_ended", "released", "trailers")
 
     def __init__(self) -> None:
         self.phase = _AWAIT_HEAD
@@ -173,6 +173,7 @@ class _RequestStream:
         self.trailers: list[tuple[bytes, bytes]] | None = None
         self.receiving_ended = False
         self.forgotten = False
+        self.released = False  # the application stopped reading it (stop, reset or forget)
 
     def drop(self) -> None:
         self.phase = _DROPPING
@@ -186,8 +187,10 @@ class RawQuicLayer:
 
     :param max_header_message: the largest headers or trailers message read (framed bytes); a
         larger one is refused unread with `MessageRejected(status=431)`.
-    :param max_body_message: the largest body message read; a larger one is refused unread with
-        `MessageRejected(status=413)`.
+    :param max_body_message: the largest body message read; a larger one is refused with
+        `MessageRejected(status=413)`. (After the head a message may be a body chunk or the
+        trailers, told apart only once read: one announced over both caps is refused unread, one
+        within the other cap is read, then refused.)
     :param max_entries: the most entries a map may carry (Stargate's 4096).
     """
 
@@ -436,6 +439,7 @@ class RawQuicLayer:
         if not stream.receiving_ended:
             self._stop(stream_id, error_code)
         stream.drop()
+        stream.released = True
 
     def forget(self, stream_id: int) -> None:
         """Drop the state of a stream the application is done with (a marker stays until the
@@ -446,8 +450,14 @@ class RawQuicLayer:
         if stream.receiving_ended:
             del self._requests[stream_id]
         else:
-            stream.forgotten = True
+            stream.forgotten = stream.released = True
             stream.drop()
+
+    def released(self, stream_id: int) -> bool:
+        """The application has stopped reading the stream (`stop_receiving`, `reset_stream` or
+        `forget`): events of it still in a batch `handle_event` returned are stale."""
+        stream = self._requests.get(stream_id)
+        return stream is not None and stream.released
 
     def _stop(self, stream_id: int, error_code: int) -> None:
         with contextlib.suppress(RuntimeError, ValueError):  # discarded already: nothing to stop
@@ -645,6 +655,8 @@ class RawQuicTunnelProtocol(QuicConnectionProtocol):
         if self._gone:
             return
         for raw_event in self._layer.handle_event(event):
+            if isinstance(raw_event, MessageRejected) and self._layer.released(stream_id):
+                continue  # answered already by an event before it in this batch
             self._raw_event(raw_event)
 
     # --- request events ---

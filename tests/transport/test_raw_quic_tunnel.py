@@ -33,6 +33,7 @@ from pylon.gateway.wire import FrameReader, RawBody, RawHeaders, decode_raw, enc
 from pylon.server.rawquic import STOP_CANCELLED, STOP_GOAWAY, RawQuicOptions, RawQuicTunnelProtocol
 from tests.cancellation import assert_cancelled_promptly
 from tests.h3client import CHAT, MODEL, chat, sse_payloads
+from tests.observers import SeenObserver
 from tests.stack import Stack, StackFactory
 from tests.unit.quic_pair import certificate
 
@@ -344,3 +345,23 @@ async def test_close_now_cancels_what_runs(make_stack: StackFactory) -> None:
         await assert_cancelled_promptly(stack.client, stack.mock.base_url, "raw-close", closed_at)
         async with asyncio.timeout(5):
             await t.gateway.terminated.wait()
+
+
+async def test_one_answer_when_a_rejected_head_is_followed_by_garbage(
+    make_stack: StackFactory,
+) -> None:
+    # The head is refused at once (no x-model), and the bytes after it in the same packet are
+    # malformed: the stream still gets exactly one answer, the head's, and one record.
+    observer = SeenObserver()
+    stack = await make_stack("dynamo", observer=observer)
+    async with tunnel(stack) as t:
+        fields = [f for f in request(request_id="raw-twice") if f[0] != "x-model"]
+        head = encode_raw(RawHeaders(tuple(fields)))
+        garbage = b"\x00\x00\x00\x00\x02\x00\x00\x00" + b"\xff" * 16
+        reply = await t.gateway.open([], raw=head + garbage, fin=True).wait()
+        heads = [m for m in reply.messages if isinstance(m, RawHeaders)]
+        assert len(heads) == 1, reply.messages
+        assert reply.status == 400 and reply.json()["code"] == "missing_model"
+        assert observer.seen == [("rejected", "raw-twice")]
+        again = await t.gateway.open(request(), [json.dumps(chat()).encode()]).wait()
+        assert again.status == 200
