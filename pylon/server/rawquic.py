@@ -28,7 +28,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol, QuicStreamHandler
 from aioquic.quic.connection import QuicConnection
@@ -614,8 +614,7 @@ class RawQuicTunnelProtocol(QuicConnectionProtocol):
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         # As in pylon's HTTP/3: let an ACK wait up to ACK_COALESCE_DELAY to ride with the
         # response rather than going out alone.
-        assert isinstance(data, bytes)
-        self._quic.receive_datagram(data, addr, now=self._loop.time())
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
         self._process_events()
         if not self._gone and closing(self._quic):
             self._streams_gone()  # the gateway's CONNECTION_CLOSE: cancel now
