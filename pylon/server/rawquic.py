@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -960,3 +960,16 @@ class RawResponder:
         if ended:
             self.closed = True
             self._conn.forget_stream(self.sid)
+
+
+def raw_quic_protocol(
+    ingress: Ingress, options: RawQuicOptions | None = None
+) -> Callable[..., RawQuicTunnelProtocol]:
+    """The `create_protocol` for `aioquic.asyncio.client.connect` of a raw-QUIC reverse tunnel."""
+
+    def create(
+        quic: QuicConnection, stream_handler: QuicStreamHandler | None = None
+    ) -> RawQuicTunnelProtocol:
+        return RawQuicTunnelProtocol(quic, stream_handler, ingress=ingress, options=options)
+
+    return create

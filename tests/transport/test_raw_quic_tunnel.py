@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import ssl
 import time
@@ -30,7 +29,10 @@ from aioquic.quic.events import (
 )
 
 from pylon.gateway.wire import FrameReader, RawBody, RawHeaders, decode_raw, encode_raw
-from pylon.server.rawquic import STOP_CANCELLED, STOP_GOAWAY, RawQuicOptions, RawQuicTunnelProtocol
+from pylon.server.rawquic import STOP_CANCELLED, STOP_GOAWAY, RawQuicOptions,
+    RawQuicTunnelProtocol,
+    raw_quic_protocol,
+
 from tests.cancellation import assert_cancelled_promptly
 from tests.h3client import CHAT, MODEL, chat, sse_payloads
 from tests.observers import SeenObserver
@@ -98,6 +100,7 @@ class Gateway(QuicConnectionProtocol):
         self.streams: dict[int, GatewayStream] = {}
         self.handshake = b""
         self.terminated = asyncio.Event()
+        self.close_reason: str | None = None
 
     def open(
         self,
@@ -125,6 +128,7 @@ class Gateway(QuicConnectionProtocol):
             if not type(self).connected.done():
                 type(self).connected.set_result(self)
         elif isinstance(event, ConnectionTerminated):
+            self.close_reason = event.reason_phrase
             self.terminated.set()
             for stream in self.streams.values():
                 stream.done.set()
@@ -186,9 +190,7 @@ async def tunnel(stack: Stack, options: RawQuicOptions | None = None) -> AsyncIt
         client_config = QuicConfiguration(
             is_client=True, server_name="localhost", verify_mode=ssl.CERT_NONE
         )
-        factory = functools.partial(
-            RawQuicTunnelProtocol, ingress=stack.running.core.ingress, options=options
-        )
+        factory = raw_quic_protocol(stack.running.core.ingress, options)
         async with asyncio.timeout(10):
             async with connect(
                 "127.0.0.1",
@@ -365,3 +367,17 @@ async def test_one_answer_when_a_rejected_head_is_followed_by_garbage(
         assert observer.seen == [("rejected", "raw-twice")]
         again = await t.gateway.open(request(), [json.dumps(chat()).encode()]).wait()
         assert again.status == 200
+
+
+async def test_rapid_reset_closes_the_connection(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", mock={"ttft_ms": 500}, max_stream_resets=20)
+    async with tunnel(stack) as t:
+        body = json.dumps(chat()).encode()
+        for i in range(40):
+            t.gateway.reset(t.gateway.open(request(request_id=f"rr-{i}"), [body]))
+        async with asyncio.timeout(5):
+            await t.gateway.terminated.wait()
+        assert t.gateway.close_reason == "too many stream resets"
+    async with tunnel(stack) as fresh:
+        reply = await fresh.gateway.open(request(), [json.dumps(chat()).encode()]).wait()
+        assert reply.status == 200
