@@ -29,10 +29,13 @@ from aioquic.quic.events import (
 )
 
 from pylon.gateway.wire import FrameReader, RawBody, RawHeaders, decode_raw, encode_raw
-from pylon.server.rawquic import STOP_CANCELLED, STOP_GOAWAY, RawQuicOptions,
+from pylon.server.rawquic import (
+    STOP_CANCELLED,
+    STOP_GOAWAY,
+    RawQuicOptions,
     RawQuicTunnelProtocol,
     raw_quic_protocol,
-
+)
 from tests.cancellation import assert_cancelled_promptly
 from tests.h3client import CHAT, MODEL, chat, sse_payloads
 from tests.observers import SeenObserver
