@@ -734,9 +734,8 @@ class RawQuicTunnelProtocol(QuicConnectionProtocol):
         if responder is not None and not responder.closed:
             responder.closed = True
             responder.wake(ConnectionResetError("stream reset by the gateway"))
-            self._reset(sid, STOP_CANCELLED)
-        elif event.by_reset:
-            self._layer.forget(sid)
+        # Either half aborted ends the request: stop the other half too, and forget it.
+        self._reset(sid, STOP_CANCELLED)
 
     # --- Framing (used by the table) ---
     def response_sink(self, stream: Stream, request: AdmittedRequest) -> ResponseSink:
@@ -763,6 +762,12 @@ class RawQuicTunnelProtocol(QuicConnectionProtocol):
     def in_progress(self) -> int:
         """Requests on this connection that have started and are not answered yet."""
         return len(self._table)
+
+    @property
+    def tracked_streams(self) -> int:
+        """Request streams the framing still holds state for (answered ones whose gateway side
+        has not ended yet included): for tests and metrics."""
+        return self._layer.open_streams
 
     @property
     def draining(self) -> bool:
@@ -956,6 +961,7 @@ class RawResponder:
                 layer.end(self.sid)
         except StreamGone:
             self.closed = True  # the gateway reset the stream between the write and this flush
+            self._conn.forget_stream(self.sid)
             return
         if ended:
             self.closed = True

@@ -121,6 +121,11 @@ class Gateway(QuicConnectionProtocol):
         self.transmit()
         return stream
 
+    def stop(self, stream: GatewayStream, code: int = STOP_CANCELLED) -> None:
+        """STOP_SENDING only: the gateway no longer wants the response."""
+        self._quic.stop_stream(stream.stream_id, code)
+        self.transmit()
+
     def reset(self, stream: GatewayStream, code: int = STOP_CANCELLED) -> None:
         self._quic.reset_stream(stream.stream_id, code)
         self._quic.stop_stream(stream.stream_id, code)
@@ -175,6 +180,13 @@ def request(
     ]
 
 
+async def forgotten(pylon: RawQuicTunnelProtocol, timeout: float = 5.0) -> None:
+    """Until pylon holds no state for any request stream (polled, with a deadline)."""
+    async with asyncio.timeout(timeout):
+        while pylon.tracked_streams or pylon.in_progress:
+            await asyncio.sleep(0.01)
+
+
 @contextlib.asynccontextmanager
 async def tunnel(stack: Stack, options: RawQuicOptions | None = None) -> AsyncIterator[Tunnel]:
     cert, key = certificate("localhost")
@@ -222,7 +234,7 @@ async def test_chat_completion(make_stack: StackFactory) -> None:
         names = [name.lower() for name, _ in record["headers"]]
         assert "x-method" not in names and "x-path" not in names
         assert record["method"] == "POST" and record["raw_path"] == CHAT
-        assert t.pylon.in_progress == 0
+        await forgotten(t.pylon)
 
 
 async def test_body_in_many_chunks_and_split_messages(make_stack: StackFactory) -> None:
@@ -248,6 +260,7 @@ async def test_streaming_chat_arrives_as_body_messages(make_stack: StackFactory)
         assert len(bodies) >= 2  # relayed as the engine produced them, not buffered whole
         assert reply.body.rstrip().endswith(b"data: [DONE]")
         assert len(sse_payloads(reply.body)) >= 2
+        await forgotten(t.pylon)
 
 
 async def test_unknown_route_is_pylons_problem(make_stack: StackFactory) -> None:
@@ -272,6 +285,7 @@ async def test_missing_x_method_is_a_400_on_that_stream_only(make_stack: StackFa
         assert bad.head.get("x-request-id") == "raw-bad"
         good = await t.gateway.open(request(), [json.dumps(chat()).encode()]).wait()
         assert good.status == 200
+        await forgotten(t.pylon)
 
 
 async def test_garbage_on_a_stream_is_a_400_problem(make_stack: StackFactory) -> None:
@@ -291,6 +305,8 @@ async def test_oversized_head_is_refused_unread(make_stack: StackFactory) -> Non
         bad = await t.gateway.open([], raw=raw, fin=False).wait()
         assert bad.status == 431
         assert bad.stop_code is not None  # pylon asked the gateway to stop sending
+        t.gateway.reset(bad, 0)  # what a gateway does on STOP_SENDING
+        await forgotten(t.pylon)
 
 
 async def test_gateway_reset_cancels_the_engine_request(make_stack: StackFactory) -> None:
@@ -302,6 +318,7 @@ async def test_gateway_reset_cancels_the_engine_request(make_stack: StackFactory
         t.gateway.reset(reply)
         reset_at = time.time()
         await assert_cancelled_promptly(stack.client, stack.mock.base_url, "raw-reset", reset_at)
+        await forgotten(t.pylon)
         # The connection stays usable.
         again = await t.gateway.open(request(), [json.dumps(chat()).encode()]).wait()
         assert again.status == 200
@@ -384,3 +401,17 @@ async def test_rapid_reset_closes_the_connection(make_stack: StackFactory) -> No
     async with tunnel(stack) as fresh:
         reply = await fresh.gateway.open(request(), [json.dumps(chat()).encode()]).wait()
         assert reply.status == 200
+
+
+async def test_gateway_stop_sending_cancels_the_engine_request(make_stack: StackFactory) -> None:
+    stack = await make_stack("dynamo", mock={"token_delay_ms": 50, "num_tokens": 400})
+    async with tunnel(stack) as t:
+        body = json.dumps(chat(stream=True, max_tokens=400)).encode()
+        reply = t.gateway.open(request(request_id="raw-stop"), [body])
+        await reply.wait_until(lambda: reply.body.count(b"data:") >= 2)
+        t.gateway.stop(reply)
+        stopped_at = time.time()
+        await assert_cancelled_promptly(stack.client, stack.mock.base_url, "raw-stop", stopped_at)
+        await reply.wait()
+        assert reply.reset_code is not None
+        await forgotten(t.pylon)
