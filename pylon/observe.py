@@ -105,6 +105,7 @@ _WARNING_EVENTS = frozenset(
     {
         "h2_flood",
         "h3_flood",
+        "raw_quic_flood",
         "h2_send_failed",
         "h2_response_head_refused",
         "quic_client_rejected",

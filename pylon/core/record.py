@@ -67,7 +67,7 @@ class RequestRecord:
     )
 
     def __init__(self, transport: str, stream_id: int, head_at: float) -> None:
-        self.transport = transport  # "http1", "h2" or "h3"
+        self.transport = transport  # "http1", "h2", "h3" or "raw-quic"
         self.stream_id = stream_id
         self.head_at = head_at  # the request head was received
         self.dispatched_at: float | None = None  # the first attempt was written to the engine
