@@ -55,9 +55,7 @@ class FakeEngine:
     latency: float = 0.25
     now: float = 1000.0
     posts: list[dict[str, Any]] = field(default_factory=list)
-    sleeps: asyncio.Queue[tuple[float, asyncio.Future[None]]] = field(
-        default_factory=asyncio.Queue
-    )
+    sleeps: asyncio.Queue[tuple[float, asyncio.Future[None]]] = field(default_factory=asyncio.Queue)
     _pending: tuple[float, asyncio.Future[None]] | None = None
 
     def clock(self) -> float:
@@ -382,4 +380,9 @@ def test_readiness_follows_the_canary_after_an_engine_fault() -> None:
     lifecycle.set_engine(None)
     lifecycle.set_canary(None)
     assert lifecycle.readiness() == (True, "ready")
-    assert [c[1] for c in changes] == ["canary_failed", "engine_unhealthy", "canary_failed", "ready"]
+    assert [c[1] for c in changes] == [
+        "canary_failed",
+        "engine_unhealthy",
+        "canary_failed",
+        "ready",
+    ]
