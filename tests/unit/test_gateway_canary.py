@@ -18,8 +18,8 @@ from pylon.core.priority import PriorityWrite
 from pylon.core.upstream import Upstream
 from pylon.gateway.board import GatewayBoard, ModelHealth
 from pylon.gateway.canary import (
-    CanaryOptions,
     Canaries,
+    CanaryOptions,
     CanaryTarget,
     fleet_target,
     judge,

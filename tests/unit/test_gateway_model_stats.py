@@ -222,7 +222,7 @@ def test_output_tps_over_the_sliding_window() -> None:
 
 def test_retired_models_are_forgotten() -> None:
     queue = gate()
-    stats, meter, clock = collector(queue)
+    stats, meter, _clock = collector(queue)
     meter.complete(record(model="m", output_tokens=100, done_at=100.0))
     assert stats.collect(["m"])["m"].max_output_tps == 10.0
     assert stats.collect(["n"]).keys() == {"n"}  # m retired: its meter and maxima go
