@@ -286,8 +286,9 @@ class ModelStatsCollector:
         self, model: str, snap: QueueSnapshot | None, now: float, observed_at: int
     ) -> ModelStatsValue:
         caps = self._caps.setdefault(model, {CAP_QUEUE})
-        if snap is not None and snap.input_tps is not None:
-            self._input_tps[model] = snap.input_tps
+        known_tps = snap.input_tps if snap is not None else self._table.input_tps(model)
+        if known_tps is not None:  # (a model with no table yet: the initial throughput)
+            self._input_tps[model] = known_tps
         input_tps = self._input_tps.get(model, 0.0)
         if model in self._input_tps:
             caps.add(CAP_INPUT_TPS)
@@ -301,7 +302,7 @@ class ModelStatsCollector:
             caps.add(CAP_KV)
         if snap is None:
             pending = pending_tokens = prefill = prefill_tokens = decode = decode_tokens = 0
-            estimates: Mapping[int, int] = {}
+            estimates: Mapping[int, int] = {0: 0} if known_tps is not None else {}
         else:
             pending, pending_tokens = snap.pending, snap.pending_tokens
             prefill, prefill_tokens = snap.prefill, snap.prefill_tokens
