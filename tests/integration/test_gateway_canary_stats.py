@@ -16,7 +16,7 @@ import httpx
 from mock_dynamo.server import MockConfig, start_mock
 from pylon.core.upstream import Upstream
 from pylon.gateway.board import GatewayBoard, ModelHealth
-from pylon.gateway.canary import CanaryOptions, Canaries, single_target
+from pylon.gateway.canary import Canaries, CanaryOptions, single_target
 from pylon.gateway.model_stats import LevelPriorities, OutputMeter, build_collector
 from pylon.observe import Observers
 from tests.observers import EventObserver
