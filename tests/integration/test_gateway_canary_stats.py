@@ -12,15 +12,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 
 from mock_dynamo.server import MockConfig, start_mock
+from pylon.adapters import AdapterOptions, build_adapter
 from pylon.core.upstream import Upstream
 from pylon.gateway.board import GatewayBoard, ModelHealth
 from pylon.gateway.canary import Canaries, CanaryOptions, single_target
 from pylon.gateway.model_stats import LevelPriorities, OutputMeter, build_collector
 from pylon.observe import Observers
 from tests.observers import EventObserver
-from tests.stack import MODEL, Stack, StackFactory
+from tests.stack import FLAVOR, MODEL, Stack, StackFactory
 
 FAST = CanaryOptions(interval=0.05, timeout=2.0, max_tokens=237, recovery_interval=0.05)
 CHAT = "/v1/chat/completions"
@@ -79,6 +81,33 @@ async def test_a_forced_failure_flips_the_models_health_and_back() -> None:
                 if name.lower() == "x-request-id"
             )
             assert {r["body"]["stream"] for r in canary} == {False}
+    finally:
+        await mock.stop()
+
+
+@pytest.mark.parametrize("backend", ["dynamo", "vllm", "sglang", "passthrough"])
+async def test_each_backend_answers_the_canary_with_its_priority(backend: str) -> None:
+    """The canary as each backend's engine takes it, with the most urgent priority written
+    the backend's way (a header for Dynamo, the body for vLLM and SGLang, nothing for
+    passthrough)."""
+    flavor = FLAVOR[backend]
+    mock = await start_mock(MockConfig(flavor=flavor, models=("m",)), host="127.0.0.1", port=0)  # type: ignore[arg-type]
+    board = GatewayBoard(reverse=False)
+    observer = EventObserver()
+    adapter = build_adapter(backend, AdapterOptions(3600), derive=True)
+    try:
+        async with (
+            httpx.AsyncClient(base_url=mock.base_url, timeout=5) as control,
+            canaries_on(mock.base_url, board, observer, priority=adapter.derive(0)) as canaries,
+        ):
+            canaries.sync(["m"])
+            passed = await observer.wait_for("canary_passed", model="m")
+            assert passed["completion_tokens"] == 16  # the mock's default answer length
+            (record, *_) = (await control.get("/test-control")).json()["requests"]
+            assert record["body"].get("priority") == adapter.derive(0).body_priority
+            sent = {name.lower() for name, _ in record["headers"]}
+            assert ("x-dynamo-request-priority" in sent) == (backend == "dynamo")
+            assert board.unhealthy_models() == {}
     finally:
         await mock.stop()
 
