@@ -329,6 +329,13 @@ class ModelStatsCollector:
             stats_sources=sources,
         )
 
+    def retire(self, model: str) -> None:
+        """Forget what was learnt about `model` (its generation ended: a re-published model
+        starts afresh even between two collections)."""
+        for state in (self._input_tps, self._max_output, self._caps):
+            state.pop(model, None)
+        self._meter.retire(model)
+
     def _forget_others(self, published: Mapping[str, None]) -> None:
         for state in (self._input_tps, self._max_output, self._caps):
             for model in [m for m in state if m not in published]:
@@ -347,11 +354,11 @@ def build_collector(
     wall: Clock = time.time,
 ) -> ModelStatsCollector:
     """The collector of a running pylon: its queue table, `meter` (which must be among the
-    observers `pylon.run.start` was given) and its backend's levels. `routing` is accepted for
-    the KV figures; pylon's routers know no cache capacity, so none come from it today (pass
-    `kv_cache` where something knows them)."""
+    observers `pylon.run.start` was given) and its backend's levels; it forgets each model the
+    catalogue retires. `routing` is accepted for the KV figures; pylon's routers know no cache
+    capacity, so none come from it today (pass `kv_cache` where something knows them)."""
     del routing  # no KV capacity known to any router (see the module docstring)
-    return ModelStatsCollector(
+    collector = ModelStatsCollector(
         core.queue.table,
         meter,
         LevelPriorities(core.queue.adapter),
@@ -359,3 +366,5 @@ def build_collector(
         clock=clock,
         wall=wall,
     )
+    core.lifecycle.models.on_retire(collector.retire)
+    return collector

@@ -230,6 +230,11 @@ def test_retired_models_are_forgotten() -> None:
     value = stats.collect(["m"])["m"]  # re-published: a new generation starts afresh
     assert (value.output_tps, value.max_output_tps) == (0.0, 0.0)
     assert CAP_OUTPUT not in value.stats_capabilities
+    meter.complete(record(model="m", output_tokens=100, done_at=100.0))
+    assert stats.collect(["m"])["m"].max_output_tps == 10.0
+    stats.retire("m")  # retired and re-published between two collections
+    assert meter.models() == []
+    assert stats.collect(["m"])["m"].max_output_tps == 0.0
 
 
 def test_kv_figures_when_something_knows_them() -> None:
