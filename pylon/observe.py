@@ -139,6 +139,7 @@ _WARNING_EVENTS = frozenset(
         "process_exited",
         "processes_killed",
         "supervisor_gone",
+        "canary_failed",  # pylon.gateway.canary: a model's canary failed (INACTIVE, /ready 503)
     }
 )
 _ERROR_EVENTS = frozenset(
@@ -169,6 +170,8 @@ _DEBUG_EVENTS = frozenset(
         "stream_reset_by_client",
         "engine_health_probe",
         "worker_health_probe",
+        "canary_passed",
+        "canary_still_failing",
     }
 )
 

@@ -171,6 +171,7 @@ class ModelQueue:
         "_samples",
         "_tokens_acc",
         "decode",
+        "decode_tokens",
         "input_tps",
         "model",
         "pending",
@@ -186,6 +187,7 @@ class ModelQueue:
         self.prefill = 0
         self.prefill_tokens = 0
         self.decode = 0
+        self.decode_tokens = 0  # input tokens of the requests in decode (the snapshot's total)
         # Throughput: tokens per second, None while unknown.
         self.input_tps: float | None = initial_tps if tracked else None
         self._busy_count = 0  # sampled requests between dispatch and first output
@@ -341,6 +343,7 @@ class QueueEntry(ExchangeHooks):
             queue.prefill -= 1
             queue.prefill_tokens -= self.tokens
         queue.decode += 1
+        queue.decode_tokens += self.tokens
         self.phase = DECODE
         if self._busy:
             self._busy = False
@@ -360,6 +363,7 @@ class QueueEntry(ExchangeHooks):
             queue.prefill_tokens -= self.tokens
         else:
             queue.decode -= 1
+            queue.decode_tokens -= self.tokens
         self.phase = GONE
         if self._busy:
             self._busy = False
@@ -385,6 +389,7 @@ class QueueSnapshot:
     # gets the lower one's estimate; below all of them, the prefill work alone (`idle_ms`).
     estimates_ms: tuple[tuple[int, int], ...]
     idle_ms: int | None  # the estimate with nothing pending ahead: prefill work only
+    decode_tokens: int = 0  # input tokens of the requests in decode (no input work left)
 
 
 class QueueTable:
@@ -452,6 +457,7 @@ class QueueTable:
                     decode=queue.decode,
                     estimates_ms=estimates,
                     idle_ms=idle_ms,
+                    decode_tokens=queue.decode_tokens,
                 )
             )
         return out
@@ -475,6 +481,11 @@ class QueueGate:
     @property
     def policy(self) -> QueuePolicy:
         return self._policy
+
+    @property
+    def adapter(self) -> PriorityAdapter:
+        """The backend's adapter, whose `queue_level` sorts the table's levels."""
+        return self._adapter
 
     def admit(self, request: TunnelRequest, body_size: int, stream: bool) -> QueueEntry:
         """Decide on `request` (when the gateway sent an expectation) and, unless refused,
