@@ -277,7 +277,8 @@ class TunnelLink(Protocol):
         ...
 
     def serve(self) -> None:
-        """Accepted: start taking the gateway's streams, and the keepalive."""
+        """Accepted: start taking the gateway's streams, and the keepalive (idempotent: a
+        link may start at once when it reads an accepting ack, before its reader wakes)."""
         ...
 
     def drain(self) -> None:
@@ -326,6 +327,7 @@ class TunnelHttp3Protocol(Http3Protocol):
         self._keepalive = options.keepalive
         self._ping: asyncio.TimerHandle | None = None
         self._end_reason = "closed"
+        self._serving = False
 
     # TunnelLink
     def send_handshake(self, handshake: wire.Handshake) -> None:
@@ -336,6 +338,9 @@ class TunnelHttp3Protocol(Http3Protocol):
         return await asyncio.shield(self._ack)
 
     def serve(self) -> None:
+        if self._serving:
+            return
+        self._serving = True
         self.start_http()
         self._ping = self._loop.call_later(self._keepalive, self._send_ping)
         self.transmit()
@@ -352,6 +357,9 @@ class TunnelHttp3Protocol(Http3Protocol):
                 self._fail_ack(exc)
                 return
             if ack is not None and not self._ack.done():
+                if ack.accepted:
+                    # At once: the gateway may open its first request in the same datagram.
+                    self.serve()
                 self._ack.set_result(ack)
             return
         if isinstance(event, ConnectionTerminated):

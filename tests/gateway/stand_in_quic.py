@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pylsqpack
-from cryptography.hazmat.primitives import serialization
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
 from aioquic.quic.configuration import QuicConfiguration
@@ -39,6 +38,7 @@ from aioquic.quic.events import (
     StreamDataReceived,
     StreamReset,
 )
+from cryptography.hazmat.primitives import serialization
 
 from pylon.gateway import wire
 from tests.certs import make_ca, make_leaf, write_pair

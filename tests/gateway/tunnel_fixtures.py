@@ -36,8 +36,8 @@ class Tunnel:
 TunnelFactory = Callable[..., Awaitable[Tunnel]]
 
 
-def headers(request_id: str = "req-1", **extra: str) -> list[tuple[str, str]]:
-    return [("x-request-id", request_id), ("x-model", MODEL), *extra.items()]
+def headers(request_id: str = "req-1", model: str = MODEL, **extra: str) -> list[tuple[str, str]]:
+    return [("x-request-id", request_id), ("x-model", model), *extra.items()]
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ async def make_tunnel(make_stack: StackFactory, tmp_path: Path) -> AsyncIterator
             start: bool = True,
             **options: Any,
         ) -> Tunnel:
-            stack = await make_stack(quic_listen=None, **(stack_settings or {}))
+            stack = await make_stack(**{"quic_listen": None, **(stack_settings or {})})
             if gateway is None:
                 folder = tmp_path / f"gw{len(list(tmp_path.iterdir()))}"
                 folder.mkdir()
