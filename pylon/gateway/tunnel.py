@@ -593,7 +593,14 @@ class ReverseTunnels:
         configuration = self._configuration(derive_sni(slot.target.target))
         candidates = await resolve(host, port)
         errors: list[str] = []
+        created: list[TunnelLink] = []
+
+        def create(quic: QuicConnection, **kwargs: Any) -> TunnelLink:
+            created.append(self._factory(quic, self, options, kwargs))
+            return created[-1]
+
         for address in candidates:
+            tried = len(created)
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     async with asyncio.timeout(options.connect_timeout):
@@ -602,14 +609,15 @@ class ReverseTunnels:
                                 address,
                                 port,
                                 configuration=configuration,
-                                create_protocol=lambda quic, **kw: self._factory(
-                                    quic, self, options, kw
-                                ),
+                                create_protocol=create,
                                 wait_connected=True,
                             )
                         )
                 except (OSError, ConnectionError, TimeoutError) as exc:
-                    errors.append(f"{address}: {_describe(exc)}")
+                    # aioquic's ConnectionError says nothing: the link kept the close's reason
+                    # (a TLS alert: an untrusted certificate, a name mismatch).
+                    why = created[tried].end_reason if len(created) > tried else ""
+                    errors.append(f"{address}: {why if why != 'closed' else _describe(exc)}")
                     continue
                 link = cast(TunnelLink, protocol)
                 return await self._handshake_and_serve(slot, link, handshake, address, port)

@@ -38,7 +38,9 @@ from aioquic.quic.events import (
     StreamDataReceived,
     StreamReset,
 )
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from pylon.gateway import wire
 from tests.certs import make_ca, make_leaf, write_pair
@@ -149,6 +151,7 @@ class GatewayConnection(QuicConnectionProtocol):
         self.accepted = False
         self.terminated: ConnectionTerminated | None = None
         self.silent = False  # `vanish`: every datagram dropped, nothing sent
+        self.datagrams = 0  # received (keepalive PINGs included)
         self.goaways: list[int] = []
         self._reader = wire.FrameReader(wire.MAX_HANDSHAKE_BYTES)
         self._responses: dict[int, GatewayResponse] = {}
@@ -161,7 +164,9 @@ class GatewayConnection(QuicConnectionProtocol):
     # --- aioquic ---
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         if not self.silent:
+            self.datagrams += 1
             super().datagram_received(data, addr)
+            self.gateway._changed()
 
     def transmit(self) -> None:
         if not self.silent:
@@ -321,6 +326,7 @@ class StandInGateway:
         *,
         refuse_duplicates: bool = False,
         authority: str = "stargate",
+        ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None = None,
     ) -> None:
         self.folder = folder
         # inference server id -> the token it must present (None: none)
@@ -331,12 +337,16 @@ class StandInGateway:
         self.handshakes: list[tuple[wire.Handshake, str | None]] = []  # (handshake, NACK)
         self.refused: Counter[str] = Counter()
         self.live: list[GatewayConnection] = []  # accepted and not ended
+        # `keep_gone`: an ended connection still counts for the duplicate check (a gateway
+        # that has not noticed a broken path yet) until `release_gone`.
+        self.keep_gone = False
+        self.gone: list[GatewayConnection] = []
         self.accepted = 0
         self.dialled = 0  # QUIC connections pylon opened
         self._server: QuicServer | None = None
         self._round_robin = itertools.count()
         self._change = asyncio.Event()
-        ca = make_ca("stand-in gateway CA")
+        self.ca = ca = ca or make_ca("stand-in gateway CA")  # another stand-in may share it
         self.ca_path = folder / "gateway-ca.pem"
         self.ca_path.write_bytes(ca[0].public_bytes(serialization.Encoding.PEM))
         self.cert_path, self.key_path = write_pair(folder, make_leaf(ca, "stargate"), "gateway")
@@ -383,7 +393,7 @@ class StandInGateway:
             return wire.NACK_AUTHENTICATION
         if self.refuse_duplicates and any(
             c.handshake is not None and c.handshake.inference_server_id == server_id
-            for c in self.live
+            for c in [*self.live, *self.gone]
         ):
             return wire.NACK_DUPLICATE
         return None
@@ -400,6 +410,13 @@ class StandInGateway:
     def _gone(self, connection: GatewayConnection) -> None:
         if connection in self.live:
             self.live.remove(connection)
+            if self.keep_gone:
+                self.gone.append(connection)
+
+    def release_gone(self) -> None:
+        """The gateway finally notices its old connections are dead."""
+        self.gone.clear()
+        self.keep_gone = False
 
     def _changed(self) -> None:
         self._change.set()

@@ -28,6 +28,19 @@ class Tunnel:
     tunnels: ReverseTunnels
     events: EventObserver
 
+    async def up(self, count: int = 1) -> None:
+        """Until `count` connections are up on both sides (the gateway accepted them, and
+        pylon read the acks)."""
+        await self.gateway.wait_live(count)
+        while self.tunnels.connected(GATEWAY) < count:
+            # (no await between the check and the mark: no event can slip in between)
+            await self.events.wait_for("tunnel_connected", after=self.events.mark())
+
+    async def down(self) -> None:
+        """Until pylon counts no connection up (each loss is a `tunnel_lost`)."""
+        while self.tunnels.connected(GATEWAY) > 0:
+            await self.events.wait_for("tunnel_lost", after=self.events.mark())
+
     def target(self, gateway: StandInGateway | None = None) -> TunnelTarget:
         address = (gateway or self.gateway).address
         return TunnelTarget(target=address, dial_addr=address)

@@ -1,0 +1,279 @@
+"""The reverse tunnel's connections: refusals and their retries, tokens, several connections,
+lost paths, trust, drain and target changes, against the stand-in gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from pylon.gateway import wire
+from pylon.gateway.tunnel import TunnelOptions
+from tests.certs import make_ca
+from tests.gateway.stand_in_quic import StandInGateway
+from tests.gateway.tunnel_fixtures import GATEWAY, NODE, TunnelFactory, headers
+from tests.stack import MODEL
+
+CHAT = "/v1/chat/completions"
+H3_REQUEST_REJECTED = 0x10B
+
+
+def chat(stream: bool = False, max_tokens: int = 4) -> bytes:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    return json.dumps({**body, "stream": stream, "max_tokens": max_tokens}).encode()
+
+
+async def served(tunnel_gateway: StandInGateway, request_id: str = "ok-1") -> None:
+    response = await tunnel_gateway.request("POST", CHAT, headers(request_id), chat())
+    assert response.status == 200, response.body
+
+
+@pytest.mark.parametrize("reason", wire.NACK_REASONS)
+async def test_each_refusal_is_one_event_and_is_retried(
+    make_tunnel: TunnelFactory, reason: str
+) -> None:
+    tunnel = await make_tunnel(start=False)
+    tunnel.gateway.nack_next = [reason]
+    tunnel.tunnels.start()
+    refused = await tunnel.events.wait_for("tunnel_refused")
+    assert refused == {"gateway": GATEWAY, "index": 0, "reason": reason, "backoff_s": 0.05}
+    assert tunnel.tunnels.refusals == {reason: 1}
+    assert tunnel.board.tunnels(GATEWAY) == 0
+    await tunnel.events.wait_for("tunnel_connected")
+    assert [r for _, r in tunnel.gateway.handshakes] == [reason, None]
+    await served(tunnel.gateway)
+
+
+async def test_the_gateway_table_refuses_an_unknown_id_with_growing_backoff(
+    make_tunnel: TunnelFactory,
+) -> None:
+    tunnel = await make_tunnel(inference_server_id="node-unknown")
+    for _ in range(4):
+        await tunnel.events.wait_for("tunnel_refused", after=len(tunnel.events.events))
+    backoffs = [e["backoff_s"] for e in tunnel.events.of("tunnel_refused")]
+    assert backoffs[:4] == [0.05, 0.1, 0.2, 0.2]  # doubling, capped at backoff_max
+    assert {e["reason"] for e in tunnel.events.of("tunnel_refused")} == {wire.NACK_UNAUTHORIZED_ID}
+    assert tunnel.gateway.accepted == 0 and not tunnel.events.of("tunnel_connected")
+
+
+async def test_the_token_file_is_read_at_every_dial(
+    make_tunnel: TunnelFactory, tmp_path: Path
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("wrong\n")
+    folder = tmp_path / "gw"
+    folder.mkdir()
+    gateway = StandInGateway(folder, {NODE: "secret-1"})
+    tunnel = await make_tunnel(gateway=gateway, token_file=token)
+    refused = await tunnel.events.wait_for("tunnel_refused")
+    assert refused["reason"] == wire.NACK_AUTHENTICATION
+    token.write_text("  secret-1 \n")  # trimmed
+    await tunnel.events.wait_for("tunnel_connected")
+    assert gateway.handshakes[-1][0].auth_token == "secret-1"
+    await served(gateway)
+    # Rotation: both sides move to a new token; the next dial presents it.
+    gateway.tokens[NODE] = "secret-2"
+    token.write_text("secret-2")
+    mark = tunnel.events.mark()
+    gateway.drop()
+    await tunnel.events.wait_for("tunnel_lost", after=mark)
+    await tunnel.events.wait_for("tunnel_connected", after=mark)
+    assert gateway.handshakes[-1] == (wire.Handshake(NODE, "secret-2"), None)
+    await served(gateway, "ok-2")
+
+
+async def test_an_unreadable_token_file_fails_the_dial(
+    make_tunnel: TunnelFactory, tmp_path: Path
+) -> None:
+    tunnel = await make_tunnel(token_file=tmp_path / "missing")
+    failed = await tunnel.events.wait_for("tunnel_dial_failed")
+    assert "token file" in failed["reason"] and failed["backoff_s"] == 0.05
+    assert tunnel.gateway.dialled == 0
+
+
+async def test_a_duplicate_is_retried_until_the_gateway_lets_go(
+    make_tunnel: TunnelFactory, tmp_path: Path
+) -> None:
+    folder = tmp_path / "gw"
+    folder.mkdir()
+    gateway = StandInGateway(folder, refuse_duplicates=True)
+    tunnel = await make_tunnel(gateway=gateway)
+    await tunnel.events.wait_for("tunnel_connected")
+    # A broken path the gateway has not noticed: its old connection still counts.
+    gateway.keep_gone = True
+    mark = tunnel.events.mark()
+    gateway.drop()
+    lost = await tunnel.events.wait_for("tunnel_lost", after=mark)
+    assert "dropped by the stand-in" in lost["reason"] and lost["lived_s"] >= 0
+    assert (await tunnel.events.wait_for("tunnel_refused", after=mark))["reason"] == (
+        wire.NACK_DUPLICATE
+    )
+    assert not tunnel.events.of("tunnel_connected", after=mark)
+    gateway.release_gone()
+    await tunnel.events.wait_for("tunnel_connected", after=mark)
+    assert tunnel.tunnels.refusals[wire.NACK_DUPLICATE] >= 1
+    await served(gateway)
+
+
+async def test_two_connections_both_serve(make_tunnel: TunnelFactory) -> None:
+    tunnel = await make_tunnel(connections=2)
+    await tunnel.up(2)
+    assert sorted(e["index"] for e in tunnel.events.of("tunnel_connected")) == [0, 1]
+    replies = [
+        await tunnel.gateway.request("POST", CHAT, headers(f"rr-{i}"), chat()) for i in range(4)
+    ]
+    assert [r.status for r in replies] == [200] * 4
+    assert len({id(r.connection) for r in replies}) == 2
+    # One path lost: the other still serves while the first redials.
+    flips: list[str] = []
+    tunnel.board.subscribe(flips.append)
+    first = tunnel.gateway.live[0]
+    first.drop()
+    await tunnel.gateway.wait_until(lambda: first.terminated is not None, what="the drop")
+    await served(tunnel.gateway, "one-left")
+    await tunnel.gateway.wait_live(2)
+    assert "tunnel" not in flips  # never down to zero: the registration saw no flip
+
+
+async def test_a_dropped_connection_is_redialled_and_serves_again(
+    make_tunnel: TunnelFactory,
+) -> None:
+    tunnel = await make_tunnel()
+    await tunnel.events.wait_for("tunnel_connected")
+    await served(tunnel.gateway)
+    flips: list[str] = []
+    tunnel.board.subscribe(flips.append)
+    mark = tunnel.events.mark()
+    tunnel.gateway.drop()
+    await tunnel.events.wait_for("tunnel_lost", after=mark)
+    await tunnel.events.wait_for("tunnel_connected", after=mark)
+    assert flips == ["tunnel", "tunnel"]  # down, then up again
+    assert tunnel.board.tunnels(GATEWAY) == 1
+    await served(tunnel.gateway, "again")
+
+
+async def test_a_silent_path_is_noticed_by_the_idle_timeout(make_tunnel: TunnelFactory) -> None:
+    tunnel = await make_tunnel(keepalive=0.2, idle_timeout=1.0)
+    await tunnel.up()
+    old = tunnel.gateway.live[0]
+    mark = tunnel.events.mark()
+    old.vanish()
+    lost = await tunnel.events.wait_for("tunnel_lost", after=mark, timeout=5)
+    assert lost["lived_s"] >= 1.0
+    await tunnel.events.wait_for("tunnel_connected", after=mark)
+    await served(tunnel.gateway)
+
+
+async def test_keepalive_holds_a_quiet_tunnel_past_the_idle_timeout(
+    make_tunnel: TunnelFactory,
+) -> None:
+    tunnel = await make_tunnel(keepalive=0.2, idle_timeout=0.8)
+    await tunnel.up()
+    connection = tunnel.gateway.live[0]
+    # Wait on the pings themselves: ten keepalives arrive, well past one idle timeout.
+    loop = asyncio.get_running_loop()
+    started, seen = loop.time(), connection.datagrams
+    await tunnel.gateway.wait_until(lambda: connection.datagrams >= seen + 10, what="pings")
+    assert loop.time() - started > 0.8 * 2  # (10 PINGs at 0.2 s: two idle timeouts)
+    assert connection.terminated is None and tunnel.gateway.live == [connection]
+    assert not tunnel.events.of("tunnel_lost")
+
+
+async def test_a_gateway_certificate_from_another_ca_is_refused(
+    make_tunnel: TunnelFactory, tmp_path: Path
+) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    other = tmp_path / "other-ca.pem"
+    other.write_bytes(make_ca("someone else")[0].public_bytes(serialization.Encoding.PEM))
+    tunnel = await make_tunnel(ca=other)
+    failed = await tunnel.events.wait_for("tunnel_dial_failed")
+    assert "certificate" in failed["reason"].lower(), failed
+    assert tunnel.gateway.accepted == 0 and not tunnel.gateway.handshakes
+    assert tunnel.board.tunnels(GATEWAY) == 0
+
+
+async def test_insecure_dials_without_verifying(make_tunnel: TunnelFactory) -> None:
+    tunnel = await make_tunnel(insecure=True)
+    await tunnel.events.wait_for("tunnel_connected")
+    await served(tunnel.gateway)
+
+
+async def test_drain_stops_new_streams_and_lets_in_flight_finish(
+    make_tunnel: TunnelFactory,
+) -> None:
+    tunnel = await make_tunnel(stack_settings={"mock": {"token_delay_ms": 40, "num_tokens": 10}})
+    await tunnel.up()
+    connection = tunnel.gateway.live[0]
+    dialled = tunnel.gateway.dialled
+    slow = tunnel.gateway.send("POST", CHAT, headers("slow"), chat(stream=True, max_tokens=10))
+    await tunnel.stack.wait_record("slow", "received")
+    drained = asyncio.get_running_loop().create_task(tunnel.tunnels.drain(10.0))
+    await tunnel.gateway.wait_until(lambda: connection.goaways != [], what="GOAWAY")
+    assert connection.goaways == [slow.stream_id + 4]
+    late = tunnel.gateway.send("POST", CHAT, headers("late"), chat(), connection=connection)
+    await late.wait()
+    assert late.reset_code == H3_REQUEST_REJECTED and late.status is None
+    await slow.wait()
+    assert slow.status == 200 and slow.body.rstrip().endswith(b"[DONE]")
+    assert await drained is True
+    assert tunnel.board.tunnels(GATEWAY) == 0  # every link closed before drain returned
+    assert tunnel.gateway.dialled == dialled  # no redial after the drain
+    assert [r["headers"] for r in await tunnel.stack.records()]  # "late" never reached it
+    assert len(await tunnel.stack.records()) == 1
+
+
+async def test_a_new_target_retires_the_old_connections(
+    make_tunnel: TunnelFactory, tmp_path: Path
+) -> None:
+    tunnel = await make_tunnel()
+    await tunnel.up()
+    old = tunnel.gateway.live[0]
+    folder = tmp_path / "second"
+    folder.mkdir()
+    second = await StandInGateway(folder, ca=tunnel.gateway.ca).start()
+    try:
+        mark = tunnel.events.mark()
+        tunnel.board.set_target(GATEWAY, tunnel.target(second))
+        await second.wait_live(1)
+        await tunnel.gateway.wait_until(lambda: old.terminated is not None, what="retired")
+        connected = await tunnel.events.wait_for("tunnel_connected", after=mark)
+        assert connected["target"] == second.address
+        await served(second)
+        assert tunnel.gateway.accepted == 1  # the old target is not redialled
+        tunnel.board.set_target(GATEWAY, None)
+        await second.wait_until(lambda: not second.live, what="closed")
+        await tunnel.down()
+        assert tunnel.board.tunnels(GATEWAY) == 0
+    finally:
+        second.close()
+
+
+async def test_a_target_that_goes_away_closes_its_connections(make_tunnel: TunnelFactory) -> None:
+    tunnel = await make_tunnel(connections=2)
+    await tunnel.gateway.wait_live(2)
+    old = list(tunnel.gateway.live)
+    tunnel.board.set_target(GATEWAY, None)  # (its registration stream ended)
+    await tunnel.gateway.wait_until(
+        lambda: all(c.terminated is not None for c in old), what="both closed"
+    )
+    await tunnel.down()
+    assert tunnel.board.tunnels(GATEWAY) == 0
+    dialled = tunnel.gateway.dialled
+    # Back again: dialled afresh.
+    tunnel.board.set_target(GATEWAY, tunnel.target())
+    await tunnel.gateway.wait_live(2)
+    assert tunnel.gateway.dialled == dialled + 2
+
+
+def test_options_refuse_what_cannot_work(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="CA"):
+        TunnelOptions(inference_server_id=NODE)
+    with pytest.raises(ValueError, match="contradict"):
+        TunnelOptions(inference_server_id=NODE, ca=tmp_path, insecure=True)
+    with pytest.raises(ValueError, match="idle timeout"):
+        TunnelOptions(inference_server_id=NODE, insecure=True, keepalive=5, idle_timeout=5)
+    with pytest.raises(ValueError, match="id"):
+        TunnelOptions(inference_server_id="", insecure=True)
