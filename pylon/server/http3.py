@@ -1,4 +1,10 @@
-"""HTTP/3 framing (direct tunnel mode): aioquic's QUIC, pylon's own HTTP/3 request layer.
+"""HTTP/3 framing: aioquic's QUIC, pylon's own HTTP/3 request layer, in either QUIC role.
+
+`Http3Server` listens (direct mode: pylon is the QUIC server); a reverse tunnel
+(`pylon.gateway.tunnel`) dials the gateway and serves the same `Http3Protocol` on its client
+connection (role-reversed HTTP/3: the gateway's server-initiated streams are the requests). The
+protocol takes an `Http3Owner` (the intake and its table of connections); what only a QUIC server
+does (derived stateless reset tokens, client certificates) comes from the server's keywords.
 
 QUIC + TLS 1.3 come from aioquic (`QuicConnectionProtocol`, ALPN h3, no 0-RTT). Above it,
 `pylon.server.h3layer.H3Layer` turns QUIC stream data into request events on aioquic's public
