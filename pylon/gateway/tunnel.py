@@ -191,7 +191,9 @@ def split_host_port(address: str) -> tuple[str, int | None]:
         host, port = rest.split(":")
     else:
         host, port = rest, ""  # a bare host, or an unbracketed IPv6 address
-    return host, int(port) if port.isdigit() else None
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        return host, None
+    return host, int(port)
 
 
 def derive_sni(target: str) -> str:

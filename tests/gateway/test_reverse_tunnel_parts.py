@@ -48,8 +48,8 @@ def test_an_ip_target_gets_the_default_sni(address: ipaddress.IPv4Address, port:
 
 @given(st.text(max_size=40))
 def test_any_text_splits_without_raising(text: str) -> None:
-    host, port = split_host_port(text)
-    assert port is None or 0 <= port
+    _, port = split_host_port(text)
+    assert port is None or 0 < port < 65536
     assert derive_sni(text)
 
 
@@ -66,6 +66,12 @@ def test_any_text_splits_without_raising(text: str) -> None:
 )
 def test_sni_examples(target: str, sni: str) -> None:
     assert derive_sni(target) == sni
+
+
+def test_a_port_out_of_range_is_no_port() -> None:
+    assert split_host_port("gw:0") == ("gw", None)
+    assert split_host_port("gw:65536") == ("gw", None)
+    assert split_host_port("gw:\u0661\u0662") == ("gw", None)  # non-ASCII digits
 
 
 def write_ca(path: Path, name: str) -> bytes:
