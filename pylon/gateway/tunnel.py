@@ -21,7 +21,9 @@ A refusal (`tunnel_refused`, one event per reason, counted in `refusals`) or a f
 reset when the target changes or when a connection lived over `backoff_reset_after`. Every reason
 is retried: `duplicate connection` is expected after a path break (the gateway keeps the old
 connection until its idle timeout), and the others may be transient (a registration not yet
-applied). The connected count per gateway goes to `board.set_tunnels`.
+applied). A gateway that allows one connection per node refuses the extra ones as duplicates
+while one is up: those wait as standbys (`standby=True`, retried at `backoff_max`). The connected
+count per gateway goes to `board.set_tunnels`.
 
 The stream layer is chosen by `TunnelOptions.protocol` through a `LinkFactory`: `http3` is built
 in (`TunnelHttp3Protocol`); `raw-quic` plugs in by passing `links={"raw-quic": factory}`, a
@@ -559,12 +561,21 @@ class ReverseTunnels:
                     lived = await self._connect_and_serve(slot)
                 except TunnelRefused as refused:
                     self.refusals[refused.reason] += 1
+                    standby = (
+                        refused.reason == wire.NACK_DUPLICATE and self._connected[slot.gateway] > 0
+                    )
+                    if standby:
+                        # A gateway that takes one connection per node (the reference's): this
+                        # one waits as a standby, retried at the longest backoff, and takes over
+                        # once the gateway lets go of the live one.
+                        backoff = options.backoff_max
                     self._observer.process_event(
                         "tunnel_refused",
                         gateway=slot.gateway,
                         index=slot.index,
                         reason=refused.reason,
                         backoff_s=backoff,
+                        **({"standby": True} if standby else {}),
                     )
                 except TunnelError as failed:
                     self.dial_failures += 1

@@ -117,6 +117,26 @@ async def test_a_duplicate_is_retried_until_the_gateway_lets_go(
     await served(gateway)
 
 
+async def test_a_gateway_that_takes_one_connection_gets_a_standby(
+    make_tunnel: TunnelFactory, tmp_path: Path
+) -> None:
+    folder = tmp_path / "gw"
+    folder.mkdir()
+    gateway = StandInGateway(folder, refuse_duplicates=True)
+    tunnel = await make_tunnel(gateway=gateway, connections=2)
+    await tunnel.up()
+    standby = await tunnel.events.wait_for("tunnel_refused", standby=True)
+    assert standby["reason"] == wire.NACK_DUPLICATE and standby["backoff_s"] == 0.2
+    assert len(gateway.live) == 1
+    # The live one goes: one of the two (the standby or the redial) takes over.
+    mark = tunnel.events.mark()
+    gateway.drop()
+    await tunnel.events.wait_for("tunnel_connected", after=mark)
+    await tunnel.up()
+    await served(gateway)
+    assert len(gateway.live) == 1
+
+
 async def test_two_connections_both_serve(make_tunnel: TunnelFactory) -> None:
     tunnel = await make_tunnel(connections=2)
     await tunnel.up(2)
