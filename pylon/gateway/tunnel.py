@@ -38,7 +38,7 @@ import contextlib
 import ipaddress
 import socket
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
@@ -48,6 +48,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import (
     ConnectionTerminated,
+    HandshakeCompleted,
     QuicEvent,
     StopSendingReceived,
     StreamDataReceived,
@@ -272,7 +273,16 @@ class HandshakeStream:
 
 
 class TunnelLink(Protocol):
-    """What `ReverseTunnels` needs of a connection's protocol, whatever its stream layer."""
+    """What `ReverseTunnels` needs of a connection's protocol, whatever its stream layer (an
+    aioquic `QuicConnectionProtocol`, built by a `LinkFactory`)."""
+
+    def transmit(self) -> None: ...
+
+    async def wait_handshake(self) -> None:
+        """Until the QUIC (TLS) handshake completed; `TunnelError` when the connection ended
+        first (the reason: a TLS alert, an idle timeout). Not aioquic's `wait_connected`,
+        whose shielded waiter is left unretrieved when the wait is abandoned."""
+        ...
 
     def send_handshake(self, handshake: wire.Handshake) -> None: ...
 
@@ -327,6 +337,7 @@ class TunnelHttp3Protocol(Http3Protocol):
     ) -> None:
         super().__init__(quic, owner, follow_lifecycle=False, serve_on_alpn=False, **kwargs)
         self._handshake = HandshakeStream(quic)
+        self._quic_ready: asyncio.Future[None] = self._loop.create_future()
         self._ack: asyncio.Future[wire.HandshakeAck] = self._loop.create_future()
         self._keepalive = options.keepalive
         self._ping: asyncio.TimerHandle | None = None
@@ -334,6 +345,9 @@ class TunnelHttp3Protocol(Http3Protocol):
         self._serving = False
 
     # TunnelLink
+    async def wait_handshake(self) -> None:
+        await asyncio.shield(self._quic_ready)
+
     def send_handshake(self, handshake: wire.Handshake) -> None:
         self._handshake.send(handshake)
         self.transmit()
@@ -366,10 +380,15 @@ class TunnelHttp3Protocol(Http3Protocol):
                     self.serve()
                 self._ack.set_result(ack)
             return
-        if isinstance(event, ConnectionTerminated):
+        if isinstance(event, HandshakeCompleted) and not self._quic_ready.done():
+            self._quic_ready.set_result(None)
+        elif isinstance(event, ConnectionTerminated):
             detail = event.reason_phrase or f"code 0x{event.error_code:x}"
             self._end_reason = f"connection closed: {detail}"
-            self._fail_ack(TunnelError(self._end_reason))
+            for waiter in (self._quic_ready, self._ack):
+                if not waiter.done():
+                    waiter.set_exception(TunnelError(self._end_reason))
+                    waiter.exception()  # retrieved: nobody may be waiting any more
             if self._ping is not None:
                 self._ping.cancel()
         super().quic_event_received(event)
@@ -413,7 +432,8 @@ class ReverseTunnels:
     """Every gateway's reverse-tunnel connections (see the module docstring).
 
     `start()` follows the board's targets until `drain()` or `close()`. `links` maps a tunnel
-    protocol to its `LinkFactory` (default: `LINKS`, http3 only).
+    protocol to its `LinkFactory` (default: `LINKS`, http3 only); `clock` (the loop's) times how
+    long a connection lived; `resolver` gives a dial host's addresses in the order tried.
     """
 
     def __init__(
@@ -425,6 +445,7 @@ class ReverseTunnels:
         *,
         links: Mapping[str, LinkFactory] | None = None,
         clock: Callable[[], float] | None = None,
+        resolver: Callable[[str, int], Awaitable[list[str]]] = resolve,
     ) -> None:
         factories = LINKS if links is None else links
         if options.protocol not in factories:
@@ -435,6 +456,7 @@ class ReverseTunnels:
         self._ingress = ingress
         self._observer = observer
         self._clock = clock
+        self._resolve = resolver  # host, port -> the addresses to try, in order
         self._trust = GatewayTrust(options.ca, observer)
         self.max_header_block = ingress.limits.max_header_bytes + 1024
         self._slots: dict[str, list[_Slot]] = {}
@@ -604,16 +626,13 @@ class ReverseTunnels:
             raise TunnelError(f"dial address {slot.target.dial_addr!r} has no port")
         handshake = wire.Handshake(options.inference_server_id, self._token())
         configuration = self._configuration(derive_sni(slot.target.target))
-        candidates = await resolve(host, port)
+        candidates = await self._resolve(host, port)
         errors: list[str] = []
-        created: list[TunnelLink] = []
 
         def create(quic: QuicConnection, **kwargs: Any) -> TunnelLink:
-            created.append(self._factory(quic, self, options, kwargs))
-            return created[-1]
+            return self._factory(quic, self, options, kwargs)
 
         for address in candidates:
-            tried = len(created)
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     async with asyncio.timeout(options.connect_timeout):
@@ -623,16 +642,15 @@ class ReverseTunnels:
                                 port,
                                 configuration=configuration,
                                 create_protocol=create,
-                                wait_connected=True,
+                                wait_connected=False,
                             )
                         )
-                except (OSError, ConnectionError, TimeoutError) as exc:
-                    # aioquic's ConnectionError says nothing: the link kept the close's reason
-                    # (a TLS alert: an untrusted certificate, a name mismatch).
-                    why = created[tried].end_reason if len(created) > tried else ""
-                    errors.append(f"{address}: {why if why != 'closed' else _describe(exc)}")
+                        link = cast(TunnelLink, protocol)
+                        link.transmit()  # the Initial (connect() sends nothing without waiting)
+                        await link.wait_handshake()
+                except (OSError, TunnelError, TimeoutError) as exc:
+                    errors.append(f"{address}: {_describe(exc)}")
                     continue
-                link = cast(TunnelLink, protocol)
                 return await self._handshake_and_serve(slot, link, handshake, address, port)
         raise TunnelError("; ".join(errors) or f"no address for {host}")
 
@@ -714,5 +732,7 @@ class ReverseTunnels:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
+    if isinstance(exc, TunnelError):
+        return exc.reason
     text = str(exc) or type(exc).__name__
     return text

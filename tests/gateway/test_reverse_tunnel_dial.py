@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from pylon.gateway import wire
-from pylon.gateway.tunnel import TunnelOptions
+from pylon.gateway.board import GatewayBoard, TunnelTarget
+from pylon.gateway.tunnel import ReverseTunnels, TunnelOptions
 from tests.certs import make_ca
 from tests.gateway.stand_in_quic import StandInGateway
 from tests.gateway.tunnel_fixtures import GATEWAY, NODE, TunnelFactory, headers
-from tests.stack import MODEL
+from tests.observers import EventObserver
+from tests.stack import MODEL, StackFactory
 
 CHAT = "/v1/chat/completions"
 H3_REQUEST_REJECTED = 0x10B
@@ -213,6 +215,65 @@ async def test_a_gateway_certificate_from_another_ca_is_refused(
     assert "certificate" in failed["reason"].lower(), failed
     assert tunnel.gateway.accepted == 0 and not tunnel.gateway.handshakes
     assert tunnel.board.tunnels(GATEWAY) == 0
+
+
+async def test_the_sni_is_the_target_host_when_the_dial_address_differs(
+    make_tunnel: TunnelFactory,
+) -> None:
+    tunnel = await make_tunnel(start=False)
+    # The stand-in's certificate names `stargate`: a target host of its own does not match.
+    tunnel.board.set_target(GATEWAY, TunnelTarget("gw-7.example:443", tunnel.gateway.address))
+    tunnel.tunnels.start()
+    failed = await tunnel.events.wait_for("tunnel_dial_failed")
+    assert "gw-7.example" in failed["reason"], failed
+    # An IP (or localhost) target: SNI `stargate`, which the certificate names.
+    tunnel.board.set_target(GATEWAY, TunnelTarget("localhost:443", tunnel.gateway.address))
+    await tunnel.up()
+
+
+async def test_the_next_address_is_tried_when_one_does_not_answer(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    stack = await make_stack(quic_listen=None)
+    gateway = await StandInGateway(tmp_path).start()
+    tried: list[tuple[str, int]] = []
+
+    async def resolver(host: str, port: int) -> list[str]:
+        tried.append((host, port))
+        return ["127.0.0.3", "127.0.0.1"]  # nothing listens on the first
+
+    board = GatewayBoard(reverse=True)
+    events = EventObserver()
+    options = TunnelOptions(
+        inference_server_id=NODE, ca=gateway.ca_path, connections=1, connect_timeout=0.5
+    )
+    tunnels = ReverseTunnels(options, board, stack.running.core.ingress, events, resolver=resolver)
+    try:
+        board.set_target(
+            GATEWAY,
+            TunnelTarget(gateway.address, f"gw.example:{gateway.port}"),  # SNI stargate
+        )
+        tunnels.start()
+        connected = await events.wait_for("tunnel_connected")
+        assert connected["dial"] == f"127.0.0.1:{gateway.port}"
+        assert tried == [("gw.example", gateway.port)]
+    finally:
+        await tunnels.close()
+        gateway.close()
+
+
+async def test_a_gateway_that_does_not_answer_times_out(
+    make_tunnel: TunnelFactory,
+) -> None:
+    tunnel = await make_tunnel(start=False, connect_timeout=0.3)
+    port = tunnel.gateway.port
+    tunnel.gateway.close()  # nothing listens there any more
+    tunnel.board.set_target(GATEWAY, TunnelTarget(f"127.0.0.1:{port}", f"127.0.0.1:{port}"))
+    tunnel.tunnels.start()
+    failed = await tunnel.events.wait_for("tunnel_dial_failed")
+    # Timed out, or (loopback) the port's ICMP error ended the attempt first.
+    assert failed["reason"].startswith("127.0.0.1: "), failed
+    assert tunnel.gateway.accepted == 0
 
 
 async def test_insecure_dials_without_verifying(make_tunnel: TunnelFactory) -> None:
