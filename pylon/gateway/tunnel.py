@@ -492,9 +492,9 @@ class ReverseTunnels:
         """Requests started on every tunnel connection and not answered yet."""
         return sum(slot.link.in_progress for slot in self._all_slots() if slot.link is not None)
 
-    async def drain(self, grace: float) -> bool:
+    def begin_drain(self) -> None:
         """Stop dialling; every connection sends GOAWAY (no new streams), lets its in-flight
-        requests finish and closes. True when all closed within `grace` s (then `close()`)."""
+        requests finish and closes. Synchronous, so it can be a `Lifecycle.on_drain` listener."""
         self._stop_following()
         for slot in self._all_slots():
             slot.retired = True
@@ -502,6 +502,11 @@ class ReverseTunnels:
                 slot.link.drain()
             elif slot.task is not None:
                 slot.task.cancel()  # still dialling or backing off
+
+    async def drain(self, grace: float) -> bool:
+        """`begin_drain`, then wait: True when every connection closed within `grace` s (call
+        `close()` after either way)."""
+        self.begin_drain()
         tasks = [slot.task for slot in self._all_slots() if slot.task is not None]
         if not tasks:
             return True

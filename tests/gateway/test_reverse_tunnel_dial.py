@@ -306,6 +306,22 @@ async def test_drain_stops_new_streams_and_lets_in_flight_finish(
     assert len(await tunnel.stack.records()) == 1
 
 
+async def test_the_process_drain_can_drain_the_tunnels(make_tunnel: TunnelFactory) -> None:
+    tunnel = await make_tunnel(connections=2)
+    await tunnel.up(2)
+    connections = list(tunnel.gateway.live)
+    dialled = tunnel.gateway.dialled
+    tunnel.stack.running.core.lifecycle.on_drain(tunnel.tunnels.begin_drain)
+    tunnel.stack.drain()  # what SIGTERM starts
+    await tunnel.gateway.wait_until(
+        lambda: all(c.terminated is not None for c in connections), what="closed"
+    )
+    assert [c.goaways for c in connections] == [[1], [1]]  # nothing was in flight
+    await tunnel.down()
+    assert await tunnel.tunnels.drain(1.0) is True
+    assert tunnel.gateway.dialled == dialled
+
+
 async def test_a_new_target_retires_the_old_connections(
     make_tunnel: TunnelFactory, tmp_path: Path
 ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from aioquic.quic.configuration import QuicConfiguration
@@ -139,3 +141,24 @@ def test_a_handshake_stream_without_an_ack_fails() -> None:
     stream, _ = handshake_stream()
     with pytest.raises(TunnelError, match="bad handshake ack"):
         stream.feed(StreamDataReceived(data=b"\xff" * 16, end_stream=False, stream_id=0))
+
+
+async def test_the_stream_layer_is_chosen_by_the_protocol(tmp_path: Path) -> None:
+    """The raw-QUIC seam: a protocol without a `LinkFactory` is refused at construction, and
+    one given in `links` is what dials use."""
+    from pylon.gateway.board import GatewayBoard
+    from pylon.gateway.tunnel import LINKS, ReverseTunnels, TunnelOptions
+
+    options = TunnelOptions(inference_server_id="n", insecure=True, protocol="raw-quic")
+    ingress: Any = SimpleNamespace(limits=SimpleNamespace(max_header_bytes=1000))
+    with pytest.raises(ValueError, match="raw-quic"):
+        ReverseTunnels(options, GatewayBoard(reverse=True), ingress, EventObserver())
+    tunnels = ReverseTunnels(
+        options,
+        GatewayBoard(reverse=True),
+        ingress,
+        EventObserver(),
+        links={"raw-quic": LINKS["http3"]},
+    )
+    assert tunnels.max_header_block == 2024
+    assert tunnels._configuration("stargate").alpn_protocols is None  # raw QUIC: no ALPN
