@@ -26,8 +26,8 @@ while one is up: those wait as standbys (`standby=True`, retried at `backoff_max
 count per gateway goes to `board.set_tunnels`.
 
 The stream layer is chosen by `TunnelOptions.protocol` through a `LinkFactory`: `http3` is built
-in (`TunnelHttp3Protocol`); `raw-quic` plugs in by passing `links={"raw-quic": factory}`, a
-connection protocol that implements `TunnelLink` (and can reuse `HandshakeStream`).
+in (`TunnelHttp3Protocol`); `raw-quic` plugs in by passing `links={"raw-quic": factory}`: a
+connection protocol `TunnelLinkBase` + the raw-QUIC layer's protocol (`TunnelLink`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
 from aioquic.asyncio.client import connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import (
@@ -328,14 +329,18 @@ class TunnelOwner(Protocol):
 LinkFactory = Callable[[QuicConnection, TunnelOwner, TunnelOptions, dict[str, Any]], TunnelLink]
 
 
-class TunnelHttp3Protocol(Http3Protocol):
-    """A reverse tunnel's connection with role-reversed HTTP/3: the QUIC client serves the
-    requests the gateway opens (`Http3Protocol`), after the handshake on stream 0."""
+class TunnelLinkBase(QuicConnectionProtocol):
+    """What every tunnel link does whatever its stream layer: the QUIC-handshake wait, the
+    handshake stream (its events never reach the stream layer), the keepalive and the end's
+    reason. A link is this first, then its stream layer's connection protocol, e.g.
+    `class TunnelHttp3Protocol(TunnelLinkBase, Http3Protocol)`; a raw-QUIC link the same way
+    over its own protocol, overriding `start_streams`. The stream layer provides `drain`,
+    `close_now` and `in_progress` (`TunnelLink`)."""
 
     def __init__(
-        self, quic: QuicConnection, owner: TunnelOwner, options: TunnelOptions, **kwargs: Any
+        self, quic: QuicConnection, *args: Any, options: TunnelOptions, **kwargs: Any
     ) -> None:
-        super().__init__(quic, owner, follow_lifecycle=False, serve_on_alpn=False, **kwargs)
+        super().__init__(quic, *args, **kwargs)
         self._handshake = HandshakeStream(quic)
         self._quic_ready: asyncio.Future[None] = self._loop.create_future()
         self._ack: asyncio.Future[wire.HandshakeAck] = self._loop.create_future()
@@ -343,6 +348,10 @@ class TunnelHttp3Protocol(Http3Protocol):
         self._ping: asyncio.TimerHandle | None = None
         self._end_reason = "closed"
         self._serving = False
+
+    def start_streams(self) -> None:
+        """Start the stream layer (the handshake was accepted)."""
+        raise NotImplementedError
 
     # TunnelLink
     async def wait_handshake(self) -> None:
@@ -359,7 +368,7 @@ class TunnelHttp3Protocol(Http3Protocol):
         if self._serving:
             return
         self._serving = True
-        self.start_http()
+        self.start_streams()
         self._ping = self._loop.call_later(self._keepalive, self._send_ping)
         self.transmit()
 
@@ -372,7 +381,7 @@ class TunnelHttp3Protocol(Http3Protocol):
             try:
                 ack = self._handshake.feed(event)
             except TunnelError as exc:
-                self._fail_ack(exc)
+                self._fail(self._ack, exc)
                 return
             if ack is not None and not self._ack.done():
                 if ack.accepted:
@@ -385,18 +394,17 @@ class TunnelHttp3Protocol(Http3Protocol):
         elif isinstance(event, ConnectionTerminated):
             detail = event.reason_phrase or f"code 0x{event.error_code:x}"
             self._end_reason = f"connection closed: {detail}"
-            for waiter in (self._quic_ready, self._ack):
-                if not waiter.done():
-                    waiter.set_exception(TunnelError(self._end_reason))
-                    waiter.exception()  # retrieved: nobody may be waiting any more
+            self._fail(self._quic_ready, TunnelError(self._end_reason))
+            self._fail(self._ack, TunnelError(self._end_reason))
             if self._ping is not None:
                 self._ping.cancel()
         super().quic_event_received(event)
 
-    def _fail_ack(self, error: TunnelError) -> None:
-        if not self._ack.done():
-            self._ack.set_exception(error)
-            self._ack.exception()  # retrieved: nobody may be waiting any more
+    @staticmethod
+    def _fail(waiter: asyncio.Future[Any], error: TunnelError) -> None:
+        if not waiter.done():
+            waiter.set_exception(error)
+            waiter.exception()  # retrieved: nobody may be waiting any more
 
     def _send_ping(self) -> None:
         if self._closed.is_set():
@@ -404,6 +412,21 @@ class TunnelHttp3Protocol(Http3Protocol):
         self._quic.send_ping(0)
         self.transmit()
         self._ping = self._loop.call_later(self._keepalive, self._send_ping)
+
+
+class TunnelHttp3Protocol(TunnelLinkBase, Http3Protocol):
+    """A reverse tunnel's connection with role-reversed HTTP/3: the QUIC client serves the
+    requests the gateway opens (`Http3Protocol`), after the handshake on stream 0."""
+
+    def __init__(
+        self, quic: QuicConnection, owner: TunnelOwner, options: TunnelOptions, **kwargs: Any
+    ) -> None:
+        super().__init__(
+            quic, owner, options=options, follow_lifecycle=False, serve_on_alpn=False, **kwargs
+        )
+
+    def start_streams(self) -> None:
+        self.start_http()
 
 
 def http3_link(
