@@ -1,4 +1,10 @@
-"""HTTP/3 framing (direct tunnel mode): aioquic's QUIC, pylon's own HTTP/3 request layer.
+"""HTTP/3 framing: aioquic's QUIC, pylon's own HTTP/3 request layer, in either QUIC role.
+
+`Http3Server` listens (direct mode: pylon is the QUIC server); a reverse tunnel
+(`pylon.gateway.tunnel`) dials the gateway and serves the same `Http3Protocol` on its client
+connection (role-reversed HTTP/3: the gateway's server-initiated streams are the requests). The
+protocol takes an `Http3Owner` (the intake and its table of connections); what only a QUIC server
+does (derived stateless reset tokens, client certificates) comes from the server's keywords.
 
 QUIC + TLS 1.3 come from aioquic (`QuicConnectionProtocol`, ALPN h3, no 0-RTT). Above it,
 `pylon.server.h3layer.H3Layer` turns QUIC stream data into request events on aioquic's public
@@ -26,9 +32,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
@@ -99,15 +105,53 @@ class QuicOptions:
             raise ValueError("a stateless reset key is at least 16 bytes (128 bits)")
 
 
-class Http3Protocol(QuicConnectionProtocol):
-    """One QUIC connection: HTTP/3 request streams to the shared stream table."""
+class Http3Owner(Protocol):
+    """What an `Http3Protocol` needs of whoever made it: the `Http3Server` (QUIC server role)
+    or a reverse tunnel (`pylon.gateway.tunnel`, QUIC client role)."""
 
-    def __init__(self, quic: QuicConnection, server: Http3Server, **kwargs: Any) -> None:
+    @property
+    def ingress(self) -> Ingress: ...
+
+    @property
+    def max_header_block(self) -> int: ...
+
+    def forget(self, protocol: Http3Protocol) -> None:
+        """The connection ended: drop it from the owner's tables."""
+        ...
+
+
+class Http3Protocol(QuicConnectionProtocol):
+    """One QUIC connection: HTTP/3 request streams to the shared stream table.
+
+    Either QUIC role: the request streams are the peer's bidirectional streams (`H3Layer`).
+    What only a QUIC server does comes from the server's keywords: `reset_token` (derived
+    stateless reset tokens) and `identity` (client certificates when it has a client CA).
+    `follow_lifecycle`: GOAWAY when the process drains (the listener's connections); a reverse
+    tunnel drains its own. `serve_on_alpn`: start HTTP/3 when ALPN h3 is negotiated; a reverse
+    tunnel calls `start_http` itself once its handshake stream is accepted.
+    """
+
+    def __init__(
+        self,
+        quic: QuicConnection,
+        owner: Http3Owner,
+        *,
+        reset_token: Callable[[bytes], bytes] | None = None,
+        identity: TlsIdentity | None = None,
+        follow_lifecycle: bool = True,
+        serve_on_alpn: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(quic, **kwargs)
-        self._server = server
-        self._limits = server.limits
-        self._observer = server.proxy.observer
-        self._table = StreamTable("h3", self, server.ingress, self._loop)
+        ingress = owner.ingress
+        self._owner = owner
+        self._lifecycle = ingress.lifecycle
+        self._identity = identity
+        self._follow_lifecycle = follow_lifecycle
+        self._serve_on_alpn = serve_on_alpn
+        self._limits = ingress.limits
+        self._observer = ingress.proxy.observer
+        self._table = StreamTable("h3", self, ingress, self._loop)
         self._http: H3Layer | None = None
         self._receiving: set[int] = set()  # request streams whose client is still sending
         self._responders: dict[int, H3Responder] = {}
@@ -119,11 +163,15 @@ class Http3Protocol(QuicConnectionProtocol):
         self._goaway_sent = False
         self._gone = False  # the connection is closing: its streams are cancelled
         self._abandoned = False  # `Http3Server.abandon`: nothing is sent any more
-        self._highest_stream = -4  # last accepted request stream id (for GOAWAY)
+        self._drain_grace: asyncio.TimerHandle | None = None
+        # The last accepted request stream id (for GOAWAY), one below the first the peer may
+        # open: request streams are 0 mod 4 from a QUIC client, 1 mod 4 from a QUIC server.
+        self._highest_stream = (1 if quic.configuration.is_client else 0) - 4
         limit_peer_bidi_streams(quic, self._limits.max_quic_streams)
-        derive_reset_tokens(quic, server.reset_token)
-        if server.identity.client_ca is not None:
-            request_client_certificate(quic)
+        if reset_token is not None:  # server only (`derive_reset_tokens` refuses a client)
+            derive_reset_tokens(quic, reset_token)
+        if identity is not None and identity.client_ca is not None:
+            request_client_certificate(quic)  # server only (refuses a client)
 
     # --- aioquic ---
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
@@ -163,14 +211,9 @@ class Http3Protocol(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if self._refused and not isinstance(event, ConnectionTerminated):
             return
-        if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._http = H3Layer(
-                self._quic,
-                max_field_section_size=self._limits.max_header_bytes
-                + 32 * self._limits.max_headers,
-                max_header_block=self._server.max_header_block,
-            )
-            self._server.lifecycle.on_drain(self.drain)
+        if isinstance(event, ProtocolNegotiated):
+            if self._serve_on_alpn and event.alpn_protocol in H3_ALPN:
+                self.start_http()
         elif isinstance(event, HandshakeCompleted):
             self._handshake_done = True
             self._check_client_certificate()
@@ -180,6 +223,18 @@ class Http3Protocol(QuicConnectionProtocol):
         if self._http is not None:
             for h3_event in self._http.handle_event(event):
                 self._h3_event(h3_event)
+
+    def start_http(self) -> None:
+        """Start serving HTTP/3 on this connection (opens our control stream, once)."""
+        if self._http is not None:
+            return
+        self._http = H3Layer(
+            self._quic,
+            max_field_section_size=self._limits.max_header_bytes + 32 * self._limits.max_headers,
+            max_header_block=self._owner.max_header_block,
+        )
+        if self._follow_lifecycle:
+            self._lifecycle.on_drain(self.drain)
 
     # --- HTTP/3 events ---
     def _h3_event(self, event: H3Event) -> None:
@@ -282,8 +337,6 @@ class Http3Protocol(QuicConnectionProtocol):
             "h3_goaway_sent", "h3", stream_id=goaway_id, in_flight=len(self._table)
         )
         self.transmit()
-        # Bound the wait for the client to acknowledge the last bytes.
-        self._loop.call_later(DRAIN_ACK_GRACE, self._close_drained)
         self._maybe_close_drained()
 
     @property
@@ -307,8 +360,13 @@ class Http3Protocol(QuicConnectionProtocol):
     def _maybe_close_drained(self) -> None:
         # Close only once every byte sent (responses, GOAWAY) is acknowledged: CONNECTION_CLOSE
         # ends retransmission, so closing earlier could lose the end of a response.
-        if self._goaway_sent and not self._table.busy and not self._unacked_anything():
+        if not self._goaway_sent or self._table.busy:
+            return
+        if not self._unacked_anything():
             self._loop.call_soon(self._close_drained)
+        elif self._drain_grace is None:
+            # Every admitted stream is done: bound the wait for the peer's last ACKs.
+            self._drain_grace = self._loop.call_later(DRAIN_ACK_GRACE, self._close_drained)
 
     def _close_drained(self) -> None:
         if not self._closed.is_set():
@@ -319,8 +377,10 @@ class Http3Protocol(QuicConnectionProtocol):
 
     def _terminated(self) -> None:
         self._streams_gone()
-        self._server.lifecycle.forget(self.drain)
-        self._server.forget(self)
+        if self._drain_grace is not None:
+            self._drain_grace.cancel()
+        self._lifecycle.forget(self.drain)
+        self._owner.forget(self)
 
     def _streams_gone(self) -> None:
         """The connection is closing: no stream on it can make progress, so stop their work
@@ -336,8 +396,8 @@ class Http3Protocol(QuicConnectionProtocol):
 
     # --- client certificates (mTLS) ---
     def _check_client_certificate(self) -> None:
-        identity = self._server.identity
-        if identity.client_ca is None:
+        identity = self._identity
+        if identity is None or identity.client_ca is None:
             return
         certificate, chain = peer_certificate(self._quic)
         refusal = identity.verify_client(certificate, chain)
@@ -592,7 +652,9 @@ class Http3Server:
         self.proxy.observer.transport_event("quic_stateless_reset", "h3", size=len(datagram))
 
     def _create_protocol(self, quic: QuicConnection, **kwargs: Any) -> Http3Protocol:
-        protocol = Http3Protocol(quic, self, **kwargs)
+        protocol = Http3Protocol(
+            quic, self, reset_token=self.reset_token, identity=self.identity, **kwargs
+        )
         self._connections.add(protocol)
         return protocol
 
