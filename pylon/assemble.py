@@ -3,7 +3,7 @@
 Nothing below this layer reads Settings: every component takes its own options, and the
 functions here are the one place they are built from it (`ingress_limits`, `pool_options`,
 `relay_limits`, `retry_policy`, `quic_options`, `routing_options`, `bring_up_options`,
-`tracing_options`).
+`tracing_options`, `gateway_options`).
 `build_core` then assembles the transport-neutral parts every listener shares (lifecycle,
 observers, metrics, admission, pool, router, tracer, queue gate, proxy) into a `Core`;
 `pylon.run.start` hands it to the listeners (`pylon.listeners`).
@@ -42,6 +42,8 @@ from pylon.upstream.pool import PoolOptions, UpstreamPool
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
+    from pylon.gateway.canary import CanaryOptions
+    from pylon.gateway.side import GatewayOptions
     from pylon.otel import TracingOptions
     from pylon.server.http3 import QuicOptions
     from pylon.tokenize import Tokenizer
@@ -190,6 +192,62 @@ def bring_up_options(settings: Settings) -> BringUpOptions:
         models=settings.model,
         discovery_interval=settings.model_discovery_interval,
         discovery_timeout=settings.model_discovery_timeout,
+    )
+
+
+def gateway_options(settings: Settings) -> GatewayOptions | None:
+    """The gateway side's parts: None without `--gateway` and without an explicit
+    `--canary-interval` (which alone runs the canaries, heard only by `/ready`)."""
+    from pylon.gateway.registration import RegistrationOptions
+    from pylon.gateway.side import GatewayOptions
+    from pylon.gateway.tunnel import TunnelOptions
+
+    canary = canary_options(settings)
+    if not settings.gateway:
+        return GatewayOptions(registration=None, canary=canary, tunnel=None) if canary else None
+    assert settings.inference_server_id is not None  # Settings refuses --gateway without it
+    reverse = settings.connectivity == "reverse"
+    registration = RegistrationOptions(
+        seeds=settings.gateway,
+        inference_server_id=settings.inference_server_id,
+        cluster_id=settings.cluster_id,
+        token_file=settings.gateway_token_file,
+        inference_server_url=settings.inference_server_url or "",
+        reverse_tunnel=reverse,
+        interval=settings.registration_interval,
+        connect_timeout=settings.gateway_connect_timeout,
+    )
+    tunnel = None
+    if reverse:
+        tunnel = TunnelOptions(
+            inference_server_id=settings.inference_server_id,
+            token_file=settings.gateway_token_file,
+            protocol=settings.tunnel_protocol,
+            connections=settings.tunnel_connections,
+            connect_timeout=settings.gateway_connect_timeout,
+            keepalive=settings.tunnel_keepalive,
+            idle_timeout=settings.tunnel_idle_timeout,
+            ca=settings.gateway_ca,
+            insecure=settings.gateway_insecure,
+            max_data=settings.quic_max_data,
+            max_stream_data=settings.quic_max_stream_data,
+        )
+    return GatewayOptions(registration=registration, canary=canary, tunnel=tunnel)
+
+
+def canary_options(settings: Settings) -> CanaryOptions | None:
+    """The active canaries' options: with `--gateway` (unless `--canary-interval 0`), or
+    without it when `--canary-interval` is given explicitly; None otherwise."""
+    from pylon.gateway.canary import CanaryOptions
+
+    wanted = bool(settings.gateway) or "canary_interval" in settings.model_fields_set
+    if not wanted or settings.canary_interval == 0:
+        return None
+    return CanaryOptions(
+        interval=settings.canary_interval,
+        timeout=settings.canary_timeout,
+        max_tokens=settings.canary_max_tokens,
+        recovery_interval=settings.canary_recovery_interval,
     )
 
 

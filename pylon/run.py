@@ -16,13 +16,13 @@ from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pylon.assemble import Core, bring_up_options, build_core, routing_options
+from pylon.assemble import Core, bring_up_options, build_core, gateway_options, routing_options
 from pylon.auth import TokenFileError
 from pylon.bringup import BringUp, BringUpOptions, EngineNotReady, EngineWatch, bring_up
 from pylon.core.upstream import Upstream
 from pylon.lifecycle import NOT_READY_NO_WORKER
 from pylon.listeners import Inherited, Listeners, start_listeners
-from pylon.observe import LogObserver, Observer
+from pylon.observe import LogObserver, Observer, Observers
 from pylon.preflight import (
     check_files,
     check_routing,
@@ -30,6 +30,7 @@ from pylon.preflight import (
     config_warnings,
     insecure_listeners,
     load_tokenizer,
+    registered_url,
     tokenizer_warnings,
 )
 from pylon.routing import Router
@@ -43,6 +44,7 @@ from pylon.tracing import ExchangeTracer
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
+    from pylon.gateway.side import GatewayOptions, GatewaySide
     from pylon.tokenize import Tokenizer
 
 # Which mock_dynamo flavour stands in for each backend when no --upstream is given.
@@ -72,6 +74,8 @@ class Running:
     engine: asyncio.Task[None]
     # `--routing` other than off: the workers, their health checks and the router.
     routing: Routing | None = None
+    # `--gateway` (or an explicit `--canary-interval`): registration, canaries, reverse tunnels.
+    gateway: GatewaySide | None = None
 
     @property
     def address(self) -> str:
@@ -92,9 +96,15 @@ class Running:
         return f"http://{address}" if address is not None else None
 
     async def shutdown(self, grace: float) -> None:
-        """Graceful stop: no new connections or requests, in-flight ones get `grace` s."""
+        """Graceful stop: the gateways told first (every model INACTIVE, acked), then no new
+        connections or requests, and in-flight ones (the reverse tunnels' too) get `grace` s."""
+        if self.gateway is not None:
+            await self.gateway.advertise_drain()
         self.listeners.tcp_server.close()
-        await drain_and_wait(self.core, self.listeners, grace)
+        draining = [drain_and_wait(self.core, self.listeners, grace)]
+        if self.gateway is not None:
+            draining.append(self.gateway.drain_tunnels(grace))
+        await asyncio.gather(*draining)
         self.close_all()
 
     def close_all(self) -> None:
@@ -196,6 +206,13 @@ async def start(
     tokenizer = _preflight(
         settings, observer, tokenizer, prebuilt=routing is not None, warn=inherited is None
     )
+    gateway = gateway_options(settings)
+    meter = None
+    if gateway is not None:
+        from pylon.gateway.model_stats import OutputMeter
+
+        meter = OutputMeter()  # the registration's output tokens/s: it hears every exchange
+        observer = Observers(observer, meter)
     async with AsyncExitStack() as stack:
         if routing is None and settings.routing != "off" and router is None:
             # A supervised process of a node with a booking authority books there.
@@ -223,13 +240,62 @@ async def start(
             listeners.admin.routes.workers = routing.workers_report
         _announce(settings, listeners, upstream, observer, routing, warn=inherited is None)
         ready, engine = _start_bring_up(bring_up_options(settings), core, upstream, routing, stack)
-        running = Running(core, upstream, listeners, ready, engine, routing)
+        side = None
+        if gateway is not None and meter is not None:
+            side = await _start_gateway(
+                gateway,
+                core,
+                meter,
+                upstream,
+                routing,
+                ready,
+                stack,
+                registered_url(settings, listeners.quic_address),
+            )
+        running = Running(core, upstream, listeners, ready, engine, routing, side)
         if wait_ready:
             await asyncio.shield(ready)
         try:
             yield running
         finally:
             running.close_all()
+
+
+async def _start_gateway(
+    options: GatewayOptions,
+    core: Core,
+    meter: Any,
+    upstream: str,
+    routing: Routing | None,
+    ready: asyncio.Future[BringUp],
+    stack: AsyncExitStack,
+    url: str,
+) -> GatewaySide:
+    """The gateway side, started once bring-up passed (no gateway hears of this node before
+    its first models are ready, as the reference); closed at exit before the listeners."""
+    from pylon.gateway.side import GatewaySide
+
+    side = GatewaySide(
+        options,
+        core,
+        meter,
+        upstream=Upstream.from_url(upstream) if routing is None else None,
+        routing=routing,
+        observer=core.observer,
+    )
+
+    async def start_when_ready() -> None:
+        try:
+            await asyncio.shield(ready)
+        except Exception:  # EngineNotReady: `serve` exits; nothing to register
+            return
+        if not core.lifecycle.draining:
+            await side.start(url)
+
+    starting = asyncio.create_task(start_when_ready())
+    stack.push_async_callback(side.close)
+    stack.push_async_callback(_cancel, starting)
+    return side
 
 
 def _preflight(

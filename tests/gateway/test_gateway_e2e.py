@@ -1,0 +1,170 @@
+"""The gateway side of a whole pylon (`pylon.run.start` from Settings, as `pylon serve` runs it)
+against the stand-in gateway: registration in direct and reverse mode, requests through the
+reverse tunnel the registration's ack names, the canary's verdict in the snapshot, and the drain
+order (INACTIVE advertised before anything closes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pylon.gateway import stargate_pb2 as pb
+from tests.gateway.stand_in_grpc import StandInGrpc, gateway_info
+from tests.gateway.stand_in_quic import StandInGateway
+from tests.observers import EventObserver
+from tests.stack import MODEL, StackFactory
+
+NODE = "node-1"
+ACTIVE = pb.INFERENCE_SERVER_STATUS_ACTIVE
+INACTIVE = pb.INFERENCE_SERVER_STATUS_INACTIVE
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def control_plane(**kwargs: Any) -> StandInGrpc:
+    grpc = StandInGrpc(**kwargs)
+    await grpc.start()
+    grpc.set_watch(gateways=[gateway_info(grpc.address)])
+    return grpc
+
+
+def gateway_settings(grpc: StandInGrpc, **extra: Any) -> dict[str, Any]:
+    return {
+        "gateway": (grpc.address,),
+        "inference_server_id": NODE,
+        "registration_interval": 0.2,
+        "canary_interval": 0.3,
+        "canary_recovery_interval": 0.1,
+        **extra,
+    }
+
+
+def statuses(grpc: StandInGrpc) -> dict[str, int]:
+    received = grpc.registrations()
+    if not received:
+        return {}
+    last = received[-1].message
+    return {name: entry.status for name, entry in last.models.items()}
+
+
+async def test_direct_mode_registers_the_quic_listener_and_its_models(
+    make_stack: StackFactory,
+) -> None:
+    grpc = await control_plane()
+    try:
+        stack = await make_stack(**gateway_settings(grpc))
+        await grpc.wait_for(lambda: len(grpc.registrations()) >= 2, what="two snapshots")
+        first = grpc.registrations()[0]
+        message = first.message
+        assert message.inference_server_id == NODE and message.cluster_id == NODE
+        assert message.inference_server_url == f"quic://{stack.running.quic_address}"
+        assert not message.reverse_tunnel
+        assert set(message.models) == {MODEL} and statuses(grpc) == {MODEL: ACTIVE}
+        assert first.metadata["x-stargate-registration-heartbeat-ms"] == "200"
+        assert "authorization" not in first.metadata
+    finally:
+        await grpc.stop()
+
+
+async def test_a_failing_canary_advertises_the_model_inactive_and_back(
+    make_stack: StackFactory,
+) -> None:
+    grpc = await control_plane()
+    try:
+        stack = await make_stack(**gateway_settings(grpc))
+        await grpc.wait_for(lambda: statuses(grpc) == {MODEL: ACTIVE}, what="ACTIVE")
+        await stack.faults([{"model": MODEL, "status": 500}])
+        await grpc.wait_for(lambda: statuses(grpc) == {MODEL: INACTIVE}, what="INACTIVE")
+        admin = await stack.client.get(f"{stack.running.admin_url}/ready")
+        assert admin.status_code == 503 and "canary_failed" in admin.text
+        await stack.faults([])
+        await grpc.wait_for(lambda: statuses(grpc) == {MODEL: ACTIVE}, what="ACTIVE again")
+    finally:
+        await grpc.stop()
+
+
+@pytest.mark.parametrize("protocol", ["http3"])
+async def test_reverse_mode_serves_requests_on_the_tunnel_the_ack_names(
+    make_stack: StackFactory, tmp_path: Path, protocol: str
+) -> None:
+    tunnel = StandInGateway(tmp_path, {NODE: "s3cret"})
+    await tunnel.start()
+    grpc = await control_plane(token="s3cret", ack_target=tunnel.address)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    events = EventObserver()
+    try:
+        stack = await make_stack(
+            observer=events,
+            **gateway_settings(
+                grpc,
+                connectivity="reverse",
+                tunnel_protocol=protocol,
+                gateway_ca=str(tunnel.ca_path),
+                gateway_token_file=str(token),
+                tunnel_connections=1,
+            ),
+        )
+        await tunnel.wait_live(1)
+        # The tunnel being up flips the advertised status to ACTIVE (INACTIVE before it).
+        await grpc.wait_for(lambda: statuses(grpc) == {MODEL: ACTIVE}, what="ACTIVE")
+        assert grpc.registrations()[0].message.reverse_tunnel
+        assert grpc.registrations()[0].metadata["authorization"] == "Bearer s3cret"
+        headers = [
+            ("x-request-id", "rt-1"),
+            ("x-model", MODEL),
+            ("x-priority", "2"),
+            ("x-dynamo-worker-instance-id", "client-pin"),
+        ]
+        response = await tunnel.request(
+            "POST", "/v1/chat/completions", headers, json.dumps(CHAT).encode()
+        )
+        assert response.status == 200, response.body
+        assert response.json()["object"] == "chat.completion"
+        seen = (await stack.client.get(f"{stack.mock.base_url}/test-control")).json()
+        last = [r for r in seen["requests"] if r["path"] == "/v1/chat/completions"][-1]
+        names = {name.lower() for name, _ in last["headers"]}
+        assert "x-dynamo-worker-instance-id" not in names  # the client's pin was stripped
+        unknown = await tunnel.request(
+            "POST",
+            "/v1/chat/completions",
+            [("x-request-id", "rt-2"), ("x-model", "nope")],
+            json.dumps({**CHAT, "model": "nope"}).encode(),
+        )
+        assert unknown.status in (404, 503) and unknown.json()["request_id"] == "rt-2"
+    finally:
+        await grpc.stop()
+        tunnel.close()
+
+
+async def test_drain_advertises_inactive_before_the_tunnel_closes(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    tunnel = StandInGateway(tmp_path, {NODE: None})
+    await tunnel.start()
+    grpc = await control_plane(ack_target=tunnel.address)
+    try:
+        stack = await make_stack(
+            **gateway_settings(
+                grpc,
+                connectivity="reverse",
+                gateway_ca=str(tunnel.ca_path),
+                tunnel_connections=1,
+            )
+        )
+        await tunnel.wait_live(1)
+        await grpc.wait_for(lambda: statuses(grpc) == {MODEL: ACTIVE}, what="ACTIVE")
+        # No ack from here on: pylon then waits (bounded) for the INACTIVE snapshot's ack
+        # before its tunnels stop, which leaves the window to see that they have not.
+        grpc.ack = False
+        shutdown = asyncio.create_task(stack.running.shutdown(grace=2.0))
+        await grpc.wait_for(lambda: statuses(grpc) == {MODEL: INACTIVE}, what="INACTIVE on drain")
+        assert len(tunnel.live) == 1 and tunnel.live[0].goaways == []
+        await asyncio.wait_for(shutdown, 10)
+        await tunnel.wait_until(lambda: not tunnel.live, 5.0, "the tunnel closed")
+    finally:
+        await grpc.stop()
+        tunnel.close()
