@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from pylon.gateway.canary import CanaryOptions
-    from pylon.gateway.side import GatewayOptions
+    from pylon.gateway.options import GatewayOptions
     from pylon.otel import TracingOptions
     from pylon.server.http3 import QuicOptions
     from pylon.tokenize import Tokenizer
@@ -198,8 +198,8 @@ def bring_up_options(settings: Settings) -> BringUpOptions:
 def gateway_options(settings: Settings) -> GatewayOptions | None:
     """The gateway side's parts: None without `--gateway` and without an explicit
     `--canary-interval` (which alone runs the canaries, heard only by `/ready`)."""
+    from pylon.gateway.options import GatewayOptions
     from pylon.gateway.registration import RegistrationOptions
-    from pylon.gateway.side import GatewayOptions
     from pylon.gateway.tunnel import TunnelOptions
 
     canary = canary_options(settings)

@@ -44,7 +44,8 @@ from pylon.tracing import ExchangeTracer
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from pylon.gateway.side import GatewayOptions, GatewaySide
+    from pylon.gateway.options import GatewayOptions
+    from pylon.gateway.side import GatewaySide
     from pylon.tokenize import Tokenizer
 
 # Which mock_dynamo flavour stands in for each backend when no --upstream is given.

@@ -16,31 +16,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pylon.gateway.board import GatewayBoard
-from pylon.gateway.canary import Canaries, CanaryOptions, fleet_target, single_target
+from pylon.gateway.canary import Canaries, fleet_target, single_target
 from pylon.gateway.model_stats import ModelStatsCollector, OutputMeter, build_collector
+from pylon.gateway.options import GatewayOptions
 from pylon.gateway.raw_link import LINKS
-from pylon.gateway.registration import Registration, RegistrationOptions
+from pylon.gateway.registration import Registration
 from pylon.gateway.stats import ModelStatsValue
-from pylon.gateway.tunnel import ReverseTunnels, TunnelOptions
+from pylon.gateway.tunnel import ReverseTunnels
 
 if TYPE_CHECKING:
     from pylon.assemble import Core
     from pylon.core.upstream import Upstream
     from pylon.observe import Observer
     from pylon.routing.build import Routing
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayOptions:
-    """What `pylon.assemble.gateway_options` makes of the `Gateway` settings."""
-
-    registration: RegistrationOptions | None  # None: no --gateway (the canaries alone)
-    canary: CanaryOptions | None  # None: no canary (interval 0, or no --gateway)
-    tunnel: TunnelOptions | None  # None: direct mode
 
 
 class GatewaySide:
