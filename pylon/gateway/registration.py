@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from grpc.aio import EOF  # type: ignore[attr-defined]  # not in grpc-stubs
 
 from pylon.gateway import stargate_pb2 as pb
 from pylon.gateway import stargate_pb2_grpc as pb_grpc
@@ -198,7 +199,9 @@ class _Stream:
             except TimeoutError:
                 return False, "connect timeout"
             stub = pb_grpc.StargateControlPlaneStub(channel)
-            call = stub.RegisterInferenceServer(metadata=metadata)
+            # grpc.aio's bidi call (write/read; grpc-stubs types only the sync API).
+            register: Any = stub.RegisterInferenceServer
+            call = register(metadata=metadata)
             self.sent = self.acked = 0
             self.drain_seq = None
             self.open = True
@@ -214,9 +217,7 @@ class _Stream:
                     async with asyncio.timeout(options.interval):
                         waker = asyncio.create_task(self._wake.wait())
                         try:
-                            done, _ = await asyncio.wait(
-                                {waker, reader}, return_when=asyncio.FIRST_COMPLETED
-                            )
+                            await asyncio.wait({waker, reader}, return_when=asyncio.FIRST_COMPLETED)
                         finally:
                             waker.cancel()
                 if reader.done():
@@ -261,7 +262,7 @@ class _Stream:
         try:
             while True:
                 ack = await call.read()
-                if ack is grpc.aio.EOF:
+                if ack is EOF:
                     return "ended by gateway"
                 self.acked += 1
                 self.acks_total += 1
