@@ -75,6 +75,42 @@ class RegistrationOptions:
     close_timeout: float = 2.0
 
 
+@dataclass(frozen=True, slots=True)
+class GatewayReport:
+    """One gateway's registration state, read at a metrics scrape (`Registration.report`)."""
+
+    connected: bool  # the stream is open and acked at least once
+    acks_total: int
+    reconnects_total: Mapping[str, int]  # reason class (`REASONS`) -> stream ends
+    model_status: Mapping[str, ModelStatus]  # as last sent on the open stream
+
+
+# The bounded reasons a stream ended, a label of pylon_gateway_reconnects_total.
+REASONS = (
+    "unauthenticated",
+    "unavailable",
+    "connect_timeout",
+    "token_unreadable",
+    "ended",
+    "error",
+)
+
+
+def reason_class(reason: str) -> str:
+    """The bounded class (`REASONS`) of a stream's end reason."""
+    if reason.startswith("UNAUTHENTICATED") or reason.startswith("PERMISSION_DENIED"):
+        return "unauthenticated"
+    if reason.startswith("UNAVAILABLE") or reason.startswith("CANCELLED"):
+        return "unavailable"
+    if reason == "connect timeout":
+        return "connect_timeout"
+    if reason == "token unreadable":
+        return "token_unreadable"
+    if reason == "ended by gateway":
+        return "ended"
+    return "error"
+
+
 class TokenUnreadable(Exception):
     pass
 
@@ -162,7 +198,8 @@ class _Stream:
                 else:
                     delay = min(options.reconnect_base * 2**failures, options.reconnect_max)
                 failures = min(failures + 1, 32)
-                self.reconnects[reason] = self.reconnects.get(reason, 0) + 1
+                label = reason_class(reason)
+                self.reconnects[label] = self.reconnects.get(label, 0) + 1
                 self._event("gateway_stream_lost", reason=reason, retry_in=delay)
                 await asyncio.sleep(delay)
         finally:
@@ -374,16 +411,16 @@ class Registration:
         stream = self._streams.get(key)
         return stream is not None and stream.connected
 
-    def report(self) -> dict[str, dict[str, Any]]:
-        """Per gateway: connected, acks, reconnects by reason, each model's advertised status
-        (what a metrics scrape or /admin shows)."""
+    def report(self) -> dict[str, GatewayReport]:
+        """Per registered gateway: connected, acks, reconnects by reason class, each model's
+        status as last sent (the metrics scrape reads it: `MetricsObserver.gateway_report`)."""
         return {
-            key: {
-                "connected": stream.connected,
-                "acks_total": stream.acks_total,
-                "reconnects_total": dict(stream.reconnects),
-                "model_status": {m: s.value for m, s in stream.statuses.items()},
-            }
+            key: GatewayReport(
+                connected=stream.connected,
+                acks_total=stream.acks_total,
+                reconnects_total=dict(stream.reconnects),
+                model_status=dict(stream.statuses),
+            )
             for key, stream in self._streams.items()
         }
 

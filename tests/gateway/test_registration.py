@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pylon.gateway import stargate_pb2 as pb
-from pylon.gateway.board import GatewayBoard, ModelHealth, TunnelTarget
+from pylon.gateway.board import GatewayBoard, ModelHealth, ModelStatus, TunnelTarget
 from pylon.gateway.registration import Registration, RegistrationOptions
 from pylon.gateway.stats import ModelStatsValue
 from tests.gateway.stand_in_grpc import StandInGrpc, gateway_info
@@ -119,7 +119,7 @@ async def test_registers_with_snapshot_and_metadata(rig: Rig) -> None:
     await rig.observer.wait_for("gateway_registered", gateway=gw.address)
     assert reg.gateways() == [gw.address]
     assert reg.connected(gw.address)
-    assert reg.report()[gw.address]["acks_total"] >= 1
+    assert reg.report()[gw.address].acks_total >= 1
 
 
 async def test_heartbeat_cadence_and_idle_timeout_never_fires(rig: Rig) -> None:
@@ -151,7 +151,7 @@ async def test_board_change_resends_at_once(rig: Rig) -> None:
     # Well inside the 5 s interval: the change itself sent the snapshot.
     await gw.wait_for(lambda: len(gw.received) > before, timeout=2.0, what="the resend")
     assert gw.received[-1].message.models["m1"].status == INACTIVE
-    assert reg.report()[gw.address]["model_status"] == {"m1": "inactive"}
+    assert reg.report()[gw.address].model_status == {"m1": ModelStatus.INACTIVE}
 
 
 async def test_reverse_status_follows_tunnel_and_acks_set_target(rig: Rig) -> None:
@@ -207,6 +207,7 @@ async def test_wrong_token_retried_with_backoff(rig: Rig, tmp_path: Path) -> Non
     assert delays == sorted(delays) and delays[-1] > delays[0], delays
     assert not gw.received
     assert not reg.connected(gw.address)
+    assert reg.report()[gw.address].reconnects_total["unauthenticated"] >= 4
     token.write_text("right")
     await gw.wait_for(lambda: gw.received, timeout=5, what="registration after the fix")
 
