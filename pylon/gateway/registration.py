@@ -333,7 +333,8 @@ class _Stream:
             if left <= 0:
                 return False
             self._progress.clear()
-            self.wake()
+            if self.drain_seq is None:
+                self.wake()  # the draining snapshot is not sent yet on this stream
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(left, 0.05)):
                     await self._progress.wait()
