@@ -246,7 +246,11 @@ class _Stream:
             while True:
                 self._wake.clear()
                 try:
-                    await self._send(call)
+                    # Bounded: a gateway that stops reading (flow control) fails the stream.
+                    async with asyncio.timeout(options.connect_timeout):
+                        await self._send(call)
+                except TimeoutError:
+                    return self.sent == 0, "send timeout"
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                     return self.sent == 0, await self._why(reader, exc)
                 self.sent += 1
