@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from grpc.aio import EOF  # type: ignore[attr-defined]  # not in grpc-stubs
 
 from pylon.gateway import stargate_pb2 as pb
 from pylon.gateway import stargate_pb2_grpc as pb_grpc
@@ -72,6 +73,42 @@ class RegistrationOptions:
     max_gateways: int = 64
     drain_timeout: float = 2.0
     close_timeout: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayReport:
+    """One gateway's registration state, read at a metrics scrape (`Registration.report`)."""
+
+    connected: bool  # the stream is open and acked at least once
+    acks_total: int
+    reconnects_total: Mapping[str, int]  # reason class (`REASONS`) -> stream ends
+    model_status: Mapping[str, ModelStatus]  # as last sent on the open stream
+
+
+# The bounded reasons a stream ended, a label of pylon_gateway_reconnects_total.
+REASONS = (
+    "unauthenticated",
+    "unavailable",
+    "connect_timeout",
+    "token_unreadable",
+    "ended",
+    "error",
+)
+
+
+def reason_class(reason: str) -> str:
+    """The bounded class (`REASONS`) of a stream's end reason."""
+    if reason.startswith("UNAUTHENTICATED") or reason.startswith("PERMISSION_DENIED"):
+        return "unauthenticated"
+    if reason.startswith("UNAVAILABLE") or reason.startswith("CANCELLED"):
+        return "unavailable"
+    if reason == "connect timeout":
+        return "connect_timeout"
+    if reason == "token unreadable":
+        return "token_unreadable"
+    if reason == "ended by gateway":
+        return "ended"
+    return "error"
 
 
 class TokenUnreadable(Exception):
@@ -161,7 +198,8 @@ class _Stream:
                 else:
                     delay = min(options.reconnect_base * 2**failures, options.reconnect_max)
                 failures = min(failures + 1, 32)
-                self.reconnects[reason] = self.reconnects.get(reason, 0) + 1
+                label = reason_class(reason)
+                self.reconnects[label] = self.reconnects.get(label, 0) + 1
                 self._event("gateway_stream_lost", reason=reason, retry_in=delay)
                 await asyncio.sleep(delay)
         finally:
@@ -198,7 +236,9 @@ class _Stream:
             except TimeoutError:
                 return False, "connect timeout"
             stub = pb_grpc.StargateControlPlaneStub(channel)
-            call = stub.RegisterInferenceServer(metadata=metadata)
+            # grpc.aio's bidi call (write/read; grpc-stubs types only the sync API).
+            register: Any = stub.RegisterInferenceServer
+            call = register(metadata=metadata)
             self.sent = self.acked = 0
             self.drain_seq = None
             self.open = True
@@ -206,7 +246,11 @@ class _Stream:
             while True:
                 self._wake.clear()
                 try:
-                    await self._send(call)
+                    # Bounded: a gateway that stops reading (flow control) fails the stream.
+                    async with asyncio.timeout(options.connect_timeout):
+                        await self._send(call)
+                except TimeoutError:
+                    return self.sent == 0, "send timeout"
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                     return self.sent == 0, await self._why(reader, exc)
                 self.sent += 1
@@ -214,9 +258,7 @@ class _Stream:
                     async with asyncio.timeout(options.interval):
                         waker = asyncio.create_task(self._wake.wait())
                         try:
-                            done, _ = await asyncio.wait(
-                                {waker, reader}, return_when=asyncio.FIRST_COMPLETED
-                            )
+                            await asyncio.wait({waker, reader}, return_when=asyncio.FIRST_COMPLETED)
                         finally:
                             waker.cancel()
                 if reader.done():
@@ -261,7 +303,7 @@ class _Stream:
         try:
             while True:
                 ack = await call.read()
-                if ack is grpc.aio.EOF:
+                if ack is EOF:
                     return "ended by gateway"
                 self.acked += 1
                 self.acks_total += 1
@@ -295,7 +337,8 @@ class _Stream:
             if left <= 0:
                 return False
             self._progress.clear()
-            self.wake()
+            if self.drain_seq is None:
+                self.wake()  # the draining snapshot is not sent yet on this stream
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(left, 0.05)):
                     await self._progress.wait()
@@ -373,16 +416,16 @@ class Registration:
         stream = self._streams.get(key)
         return stream is not None and stream.connected
 
-    def report(self) -> dict[str, dict[str, Any]]:
-        """Per gateway: connected, acks, reconnects by reason, each model's advertised status
-        (what a metrics scrape or /admin shows)."""
+    def report(self) -> dict[str, GatewayReport]:
+        """Per registered gateway: connected, acks, reconnects by reason class, each model's
+        status as last sent (the metrics scrape reads it: `MetricsObserver.gateway_report`)."""
         return {
-            key: {
-                "connected": stream.connected,
-                "acks_total": stream.acks_total,
-                "reconnects_total": dict(stream.reconnects),
-                "model_status": {m: s.value for m, s in stream.statuses.items()},
-            }
+            key: GatewayReport(
+                connected=stream.connected,
+                acks_total=stream.acks_total,
+                reconnects_total=dict(stream.reconnects),
+                model_status=dict(stream.statuses),
+            )
             for key, stream in self._streams.items()
         }
 

@@ -26,9 +26,8 @@ class ModelStatsValue:
     num_running_queries: int = 0
     max_engine_concurrency: int = 0
     total_query_input_size: int = 0
-    queue_time_estimate_ms_by_priority: Mapping[int, int] = field(
-        default_factory=dict
-    )  # priority -> ms
+    # priority -> estimated queue time (ms)
+    queue_time_estimate_ms_by_priority: Mapping[int, int] = field(default_factory=dict)
     input_processing_queries: int = 0
     output_generation_queries: int = 0
     stats_observed_at_unix_ms: int = 0

@@ -285,5 +285,33 @@ METRICS: tuple[MetricSpec, ...] = (
         "connection lost), `timeouts` (a booking unanswered in time), `local_bookings` (booked "
         "alone while the authority was away or stalled)",
     ),
+    MetricSpec(
+        "pylon_gateway_registration_connected",
+        "gauge",
+        ("gateway",),
+        "1 while the registration stream to the gateway (its authority, --gateway's watch) is "
+        "open and acked, else 0; one series per gateway registered with",
+    ),
+    MetricSpec(
+        "pylon_gateway_acks_total",
+        "counter",
+        ("gateway",),
+        "registration snapshots the gateway acknowledged",
+    ),
+    MetricSpec(
+        "pylon_gateway_reconnects_total",
+        "counter",
+        ("gateway", "reason"),
+        "registration streams to the gateway that ended and are reopened, by reason: "
+        "`unauthenticated`, `unavailable`, `connect_timeout`, `token_unreadable`, `ended` (by "
+        "the gateway), `error`",
+    ),
+    MetricSpec(
+        "pylon_gateway_model_status",
+        "gauge",
+        ("gateway", "model"),
+        "1 when the model was last advertised ACTIVE to the gateway, 0 INACTIVE (canary "
+        "failing, reverse tunnel down, draining); absent while the stream is down",
+    ),
 )
 SPECS = {spec.name: spec for spec in METRICS}  # name -> its spec

@@ -15,6 +15,7 @@ from pylon.metrics.catalogue import DURATION_BUCKETS, SECONDS_BUCKETS, STATUS_CL
 
 if TYPE_CHECKING:
     from pylon.core.queue import QueueSnapshot
+    from pylon.gateway.registration import GatewayReport
     from pylon.routing.build import RoutingSnapshot
 
 # A histogram is a plain list, observed inline on the hot path (no call):
@@ -100,3 +101,6 @@ class Counts:
     """Each model's queue table, read for this scrape (empty before the table exists)."""
     routing: RoutingSnapshot | None
     """The workers and the kv selects, read for this scrape; None with --routing off."""
+    gateways: Mapping[str, GatewayReport] | None = None
+    """Each registered gateway's registration state, read for this scrape; None without
+    --gateway."""

@@ -113,6 +113,7 @@ def families(counts: Counts, build: dict[str, str]) -> Iterator[Metric]:
     reloads = {(result,): count for result, count in counts.tls_reloads.items()}
     yield _counter("pylon_tls_reloads_total", reloads)
     yield from routing_families(counts.routing)
+    yield from gateway_families(counts)
 
 
 def queue_families(counts: Counts) -> Iterator[Metric]:
@@ -192,6 +193,26 @@ def routing_families(snapshot: RoutingSnapshot | None) -> Iterator[Metric]:
     yield _counter("pylon_router_replica_sync_events_total", sync_events)
     yield connected
     yield _counter("pylon_router_authority_events_total", events)
+
+
+def gateway_families(counts: Counts) -> Iterator[Metric]:
+    """Each registered gateway's stream state, acks, reconnects and advertised statuses (empty
+    families without --gateway)."""
+    connected = _gauge("pylon_gateway_registration_connected")
+    status = _gauge("pylon_gateway_model_status")
+    acks: dict[tuple[str], int] = {}
+    reconnects: dict[tuple[str, str], int] = {}
+    for gateway, report in (counts.gateways or {}).items():
+        connected.add_metric([gateway], 1 if report.connected else 0)
+        acks[(gateway,)] = report.acks_total
+        for reason, count in report.reconnects_total.items():
+            reconnects[(gateway, reason)] = count
+        for model, value in report.model_status.items():
+            status.add_metric([gateway, model], 1 if value.value == "active" else 0)
+    yield connected
+    yield _counter("pylon_gateway_acks_total", acks)
+    yield _counter("pylon_gateway_reconnects_total", reconnects)
+    yield status
 
 
 def histogram_buckets(bounds: Sequence[float], histogram: Histogram) -> list[tuple[str, float]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pylon.core.errors import ErrorCode
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from pylon.core.queue import QueueDecision, QueueSnapshot
     from pylon.core.record import RequestRecord
     from pylon.core.retry import RetryMark
+    from pylon.gateway.registration import GatewayReport
     from pylon.routing.build import RoutingSnapshot
 
 _STRIPPED_CACHE_LIMIT = 1024  # stripped names whose label is remembered
@@ -101,6 +102,8 @@ class MetricsObserver(QuietMoments):
         self.queue_snapshot: Callable[[], Iterable[QueueSnapshot]] | None = None
         # Set by `pylon.run.start` with --routing other than off: read at scrape time only.
         self.routing_snapshot: Callable[[], RoutingSnapshot] | None = None
+        # Set by `pylon.run.start` with --gateway (`Registration.report`): read at scrape time.
+        self.gateway_report: Callable[[], Mapping[str, GatewayReport]] | None = None
         self._tls_not_after: float | None = None
         self._tls_reloads = dict.fromkeys(TLS_RELOAD_RESULTS, 0)
         # Last: registering reads the counts once (prometheus-client's auto_describe).
@@ -292,6 +295,7 @@ class MetricsObserver(QuietMoments):
             tls_reloads=self._tls_reloads,
             queue=self.queue_snapshot() if self.queue_snapshot is not None else (),
             routing=self.routing_snapshot() if self.routing_snapshot is not None else None,
+            gateways=self.gateway_report() if self.gateway_report is not None else None,
         )
 
 

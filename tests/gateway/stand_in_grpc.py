@@ -159,7 +159,9 @@ class StandInGrpc(pb_grpc.StargateControlPlaneServicer):
     # -- the service -------------------------------------------------------------------------
 
     def _answer(self) -> pb.WatchStargatesResponse:
-        return pb.WatchStargatesResponse(stargates=self.gateways, watch_stargate_urls=self.watch_urls)
+        return pb.WatchStargatesResponse(
+            stargates=self.gateways, watch_stargate_urls=self.watch_urls
+        )
 
     async def WatchStargates(  # type: ignore[override]
         self, request: pb.WatchStargatesRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -24,6 +24,8 @@ from pylon.core.sanitize import (
     stripped_control_label,
     stripped_control_labels,
 )
+from pylon.gateway.board import ModelStatus
+from pylon.gateway.registration import GatewayReport
 from pylon.metrics import MetricsObserver
 from pylon.routing.build import RoutingSnapshot
 from pylon.routing.fleet import WorkerView
@@ -310,6 +312,17 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
         catalogue_reloads=(3, 1),
         authority=(True, {"connects": 2, "losses": 1, "timeouts": 0, "local_bookings": 3}),
     )
+    metrics.gateway_report = lambda: {
+        "gw-a.example:50071": GatewayReport(
+            connected=True,
+            acks_total=42,
+            reconnects_total={"unavailable": 2, "unauthenticated": 1},
+            model_status={"m": ModelStatus.ACTIVE, "n": ModelStatus.INACTIVE},
+        ),
+        "10.0.0.9:50071": GatewayReport(
+            connected=False, acks_total=0, reconnects_total={"connect_timeout": 3}, model_status={}
+        ),
+    }
 
 
 PEER = "10.0.0.2:7000"
