@@ -15,3 +15,10 @@ the requests the gateway opens on that connection through the same intake as dir
 
 Nothing here reads `Settings`: each part takes its frozen options from `pylon.assemble`.
 """
+
+import os as _os
+
+# gRPC's C core writes INFO lines (e.g. "Got goaway") to stderr, outside pylon's structured log;
+# only its errors are worth that. Set before grpc is first imported (by `registration`); an
+# operator's own GRPC_VERBOSITY wins.
+_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -116,6 +116,8 @@ class GatewaySide:
             stats=self._stats,
             observer=self._observer,
         )
+        if self._core.metrics is not None:  # per-gateway figures, read at scrape time
+            self._core.metrics.gateway_report = self.registration.report
         await self.registration.start()
 
     @property
