@@ -81,7 +81,7 @@ QUIC = [
         "QUIC stateless reset",
         "aioquic's random tokens kept (no other process can reset a connection)",
         ReplaceExpr(
-            HTTP3, "Http3Protocol.__init__", "derive_reset_tokens(quic, server.reset_token)", "None"
+            HTTP3, "Http3Protocol.__init__", "derive_reset_tokens(quic, reset_token)", "None"
         ),
         {"h3": (f"{RESET_T}::test_a_connection_of_a_dead_process_is_reset_at_once",)},
     ),

@@ -102,7 +102,7 @@ GOLDEN_H_T = "tests/unit/test_golden_headers.py"
 _TABLES = {
     "http1": (HTTP1, "Http1Connection.__init__", "ingress"),
     "h2": (HTTP2, "Http2Connection.__init__", "ingress"),
-    "h3": (HTTP3, "Http3Protocol.__init__", "server.ingress"),
+    "h3": (HTTP3, "Http3Protocol.__init__", "ingress"),
 }
 _REPLACE = '__import__("dataclasses").replace'
 

@@ -58,7 +58,11 @@ MUTATIONS = [
     Mutation(
         "mTLS (QUIC)",
         "Http3Protocol._check_client_certificate skipped",
-        Always(HTTP3, "Http3Protocol._check_client_certificate", "identity.client_ca is None"),
+        Always(
+            HTTP3,
+            "Http3Protocol._check_client_certificate",
+            "identity is None or identity.client_ca is None",
+        ),
         {"h3": (_QUIC_MTLS,)},
     ),
     Mutation(
