@@ -7,6 +7,7 @@ from mutations import (
     claims,
     endpoints,
     floods,
+    gateway,
     head,
     http3,
     intake,
@@ -58,4 +59,5 @@ SECURITY: list[Mutation] = [
     *routing.CONNECT_MOVE,
     *endpoints.MUTATIONS,
     *node.MUTATIONS,
+    *gateway.MUTATIONS,
 ]
