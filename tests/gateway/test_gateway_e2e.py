@@ -168,3 +168,33 @@ async def test_drain_advertises_inactive_before_the_tunnel_closes(
     finally:
         await grpc.stop()
         tunnel.close()
+
+
+async def test_the_snapshot_follows_real_traffic(make_stack: StackFactory) -> None:
+    """Requests held in the engine show in the next snapshots (running, queued or in prefill,
+    their input tokens), and leave them once answered."""
+    grpc = await control_plane()
+    try:
+        stack = await make_stack(**gateway_settings(grpc, canary_interval=0))
+        await grpc.wait_for(lambda: statuses(grpc) == {MODEL: ACTIVE}, what="ACTIVE")
+        await stack.knobs(ttft_ms=1500)
+        body = {**CHAT, "messages": [{"role": "user", "content": "x" * 400}]}
+        held = [
+            asyncio.create_task(stack.post("/v1/chat/completions", body, {"x-request-id": f"r{i}"}))
+            for i in range(3)
+        ]
+
+        def stats() -> pb.ModelStats:
+            return grpc.registrations()[-1].message.models[MODEL].stats
+
+        await grpc.wait_for(lambda: stats().num_running_queries == 3, what="3 running")
+        busy = stats()
+        assert busy.queue_size == 3  # no first output yet: pending or in prefill
+        assert busy.queued_input_size >= 3 * 100 and busy.total_query_input_size >= 300
+        assert "pylon" in busy.stats_sources and busy.stats_observed_at_unix_ms > 0
+        answers = await asyncio.gather(*held)
+        assert all(a.status_code == 200 for a in answers)
+        await grpc.wait_for(lambda: stats().num_running_queries == 0, what="none running")
+        assert stats().queue_size == 0
+    finally:
+        await grpc.stop()
