@@ -12,8 +12,9 @@ streams (id 1 mod 4), as Stargate's `build_h3_client_connection` does.
 With `protocol="raw-quic"` the same connection carries raw-QUIC request streams instead. The
 Stargate contract facts this side relies on (docs/gateway-raw-quic.md, reference/stargate-
 contract.md B2):
-- the reverse tunnel negotiates no ALPN for raw-quic (pylon offers none; the stand-in offers
-  none either, so a dial that offered `h3` would still complete, and one that insisted would not);
+- the reverse tunnel negotiates no ALPN for raw-quic (the reference's protocol crate lists no
+  ALPN for its raw-QUIC transport, `h3` for HTTP/3 and WebTransport; its `stargate-quic/1`
+  constant is not what the reverse dial offers): the stand-in's listener offers none;
 - the handshake on pylon's first bidirectional stream is the same as with HTTP/3;
 - one gateway-opened (server-initiated, id 1 mod 4) bidirectional stream per request; each
   direction is a sequence of Cap'n Proto standard-framed `Message`s: one headers map first
@@ -22,8 +23,10 @@ contract.md B2):
   most one trailers map; the FIN ends the message;
 - names are compared lower-cased; each value of a multi-valued header is its own entry;
 - stream abort codes are `StreamStopCode`: 0 ok, 1 cancelled, 2 unknown, 3 go-away.
-The Cap'n Proto layer itself is pylon's (`pylon.gateway.wire`, pycapnp doing the encoding from
-the schema): a bug there would be shared, which the schema-level checks in tests/unit cover.
+The Cap'n Proto layer itself is pylon's (`pylon.gateway.wire`: pycapnp encoding and decoding
+from pylon's `tunnel.capnp`), so a mistake in that schema file would be shared by both sides and
+not caught here; what is independent of it is the stand-in's own framing and sequencing (and
+tests/unit/test_rawquic.py checks pylon's hand-built Body frames against pycapnp's).
 
 The HTTP/3 client is a small one of its own on pylsqpack (static table only, as pylon's layer
 advertises), not aioquic's `H3Connection`, whose role follows `configuration.is_client` and whose

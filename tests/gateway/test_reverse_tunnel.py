@@ -181,3 +181,23 @@ async def test_a_stream_reset_by_the_gateway_cancels_the_engine_request(
     # The connection itself serves on.
     after = await tunnel.gateway.request("POST", CHAT, headers("c-2"), chat())
     assert after.status == 200
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_request_body_in_pieces_reaches_the_engine_whole(
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
+) -> None:
+    """A body larger than one raw-QUIC Body message of the stand-in (16 KiB), sent in pieces
+    after the head: it arrives whole, in order."""
+    tunnel = await make_tunnel(protocol=protocol)
+    await tunnel.gateway.wait_live(1)
+    body = chat(padding="".join(f"{i:05d}" for i in range(8000)))  # ~40 KB
+    cut = len(body) // 3
+    response = tunnel.gateway.send("POST", CHAT, headers("p-1"), body[:cut], end=False)
+    response.connection.send_body(response, body[cut : 2 * cut], end=False)
+    response.connection.send_body(response, body[2 * cut :], end=False)
+    response.connection.send_body(response, b"", end=True)
+    await response.wait()
+    assert response.status == 200, response.body
+    record = await tunnel.stack.last_request()
+    assert record["body"]["padding"] == json.loads(body)["padding"]
