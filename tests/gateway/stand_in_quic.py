@@ -9,6 +9,25 @@ connection of the same id with `duplicate connection`), and once it accepted, ac
 HTTP/3 *client* on its server side of QUIC: requests go out on server-initiated bidirectional
 streams (id 1 mod 4), as Stargate's `build_h3_client_connection` does.
 
+With `protocol="raw-quic"` the same connection carries raw-QUIC request streams instead. The
+Stargate contract facts this side relies on (docs/gateway-raw-quic.md, reference/stargate-
+contract.md B2):
+- the reverse tunnel negotiates no ALPN for raw-quic (the reference's protocol crate lists no
+  ALPN for its raw-QUIC transport, `h3` for HTTP/3 and WebTransport; its `stargate-quic/1`
+  constant is not what the reverse dial offers): the stand-in's listener offers none;
+- the handshake on pylon's first bidirectional stream is the same as with HTTP/3;
+- one gateway-opened (server-initiated, id 1 mod 4) bidirectional stream per request; each
+  direction is a sequence of Cap'n Proto standard-framed `Message`s: one headers map first
+  (a request's carrying `x-method` and `x-path`, path with query, by name; a response's carrying
+  `x-status`, the decimal status, at any position), then body chunks as `Body` messages, then at
+  most one trailers map; the FIN ends the message;
+- names are compared lower-cased; each value of a multi-valued header is its own entry;
+- stream abort codes are `StreamStopCode`: 0 ok, 1 cancelled, 2 unknown, 3 go-away.
+The Cap'n Proto layer itself is pylon's (`pylon.gateway.wire`: pycapnp encoding and decoding
+from pylon's `tunnel.capnp`), so a mistake in that schema file would be shared by both sides and
+not caught here; what is independent of it is the stand-in's own framing and sequencing (and
+tests/unit/test_rawquic.py checks pylon's hand-built Body frames against pycapnp's).
+
 The HTTP/3 client is a small one of its own on pylsqpack (static table only, as pylon's layer
 advertises), not aioquic's `H3Connection`, whose role follows `configuration.is_client` and whose
 request-stream test hard-codes client-initiated ids.
@@ -43,11 +62,17 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from pylon.gateway import wire
+from pylon.gateway.tunnel import TunnelProtocol
 from tests.certs import make_ca, make_leaf, write_pair
 
 H3_REQUEST_CANCELLED = 0x10C
 _DATA, _HEADERS, _SETTINGS, _GOAWAY = 0x0, 0x1, 0x4, 0x7
 MAX_FRAME = 1 << 20  # a frame larger than this is a broken test, not a response
+# Raw QUIC: Stargate's `StreamStopCode` values the stand-in sends or expects.
+RAW_STOP_CANCELLED = 1
+RAW_STOP_GOAWAY = 3
+RAW_BODY_CHUNK = 16 * 1024  # the request body goes out in Body messages of at most this
+RAW_MAX_MESSAGE = 8 << 20  # a response message larger than this is a broken test
 
 
 def varint(value: int) -> bytes:
@@ -108,6 +133,8 @@ class GatewayResponse:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     buffer: bytearray = field(default_factory=bytearray)
+    # raw-quic: the response's message reader (None on HTTP/3)
+    reader: wire.FrameReader | None = None
 
     @property
     def body(self) -> bytes:
@@ -160,6 +187,7 @@ class GatewayConnection(QuicConnectionProtocol):
         self._encoder = pylsqpack.Encoder()
         self._decoder = pylsqpack.Decoder(0, 0)
         self.progress = asyncio.Event()
+        self.protocol: TunnelProtocol = gateway.protocol
 
     # --- aioquic ---
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
@@ -214,7 +242,8 @@ class GatewayConnection(QuicConnectionProtocol):
         self._quic.send_stream_data(0, wire.encode_handshake_ack(ack), end_stream=True)
         if reason is None:
             self.accepted = True
-            self._start_h3()
+            if self.protocol == "http3":
+                self._start_h3()
         self.transmit()
         if reason is not None:
             # Stargate waits for the NACK to be read; then the connection is closed.
@@ -239,6 +268,8 @@ class GatewayConnection(QuicConnectionProtocol):
         body: bytes = b"",
         end: bool = True,
     ) -> GatewayResponse:
+        if self.protocol == "raw-quic":
+            return self._send_raw_request(method, path, headers, body, end)
         sid = self._quic.get_next_available_stream_id()
         response = self._responses[sid] = GatewayResponse(sid, self)
         fields = [
@@ -256,10 +287,18 @@ class GatewayConnection(QuicConnectionProtocol):
         return response
 
     def send_body(self, response: GatewayResponse, data: bytes, end: bool) -> None:
-        self._quic.send_stream_data(response.stream_id, frame(_DATA, data) if data else b"", end)
+        if self.protocol == "raw-quic":
+            payload = _raw_body(data)
+        else:
+            payload = frame(_DATA, data) if data else b""
+        self._quic.send_stream_data(response.stream_id, payload, end)
         self.transmit()
 
-    def reset(self, response: GatewayResponse, code: int = H3_REQUEST_CANCELLED) -> None:
+    def reset(self, response: GatewayResponse, code: int | None = None) -> None:
+        """RESET_STREAM and STOP_SENDING: the caller went away (`code`: the protocol's own
+        "cancelled" by default)."""
+        if code is None:
+            code = RAW_STOP_CANCELLED if self.protocol == "raw-quic" else H3_REQUEST_CANCELLED
         sid = response.stream_id
         with contextlib.suppress(ValueError, RuntimeError):
             self._quic.reset_stream(sid, code)
@@ -270,6 +309,13 @@ class GatewayConnection(QuicConnectionProtocol):
     def _response_data(self, sid: int, data: bytes, ended: bool) -> None:
         response = self._responses.get(sid)
         if response is None:
+            return
+        if self.protocol == "raw-quic":
+            self._raw_response_data(response, data)
+            if ended:
+                response.ended = True
+                response.done.set()
+            response._changed()
             return
         response.buffer += data
         for kind, payload in frames(response.buffer):
@@ -287,6 +333,39 @@ class GatewayConnection(QuicConnectionProtocol):
             response.ended = True
             response.done.set()
         response._changed()
+
+    # --- raw QUIC, the gateway's side ---
+    def _send_raw_request(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, end: bool
+    ) -> GatewayResponse:
+        sid = self._quic.get_next_available_stream_id()  # server-initiated bidi: 1 mod 4
+        response = self._responses[sid] = GatewayResponse(
+            sid, self, reader=wire.FrameReader(RAW_MAX_MESSAGE)
+        )
+        # The request head: x-method and x-path (read by name), then the forwarded headers.
+        head = wire.RawHeaders((("x-method", method), ("x-path", path), *headers))
+        payload = wire.encode_raw(head) + _raw_body(body)
+        self._quic.send_stream_data(sid, payload, end_stream=end)
+        self.transmit()
+        return response
+
+    def _raw_response_data(self, response: GatewayResponse, data: bytes) -> None:
+        assert response.reader is not None
+        for message in response.reader.feed(data):
+            decoded = wire.decode_raw(message)
+            if isinstance(decoded, wire.RawBody):
+                if decoded.content:
+                    response.chunks.append(decoded.content)
+                continue
+            pairs = [(name.lower(), value) for name, value in decoded.fields]
+            if decoded.trailers:
+                response.trailers = pairs
+            elif response.status is None:
+                # x-status by name: the reference puts it last, pylon first.
+                response.status = int(dict(pairs)["x-status"])
+                response.headers = [(n, v) for n, v in pairs if n != "x-status"]
+            else:
+                raise AssertionError("a second headers message on a raw-QUIC response")
 
     def _uni_data(self, sid: int, data: bytes) -> None:
         buffer = self._uni.setdefault(sid, bytearray())
@@ -316,8 +395,18 @@ class GatewayConnection(QuicConnectionProtocol):
         self.silent = True
 
 
+def _raw_body(body: bytes) -> bytes:
+    """`body` as raw-QUIC Body messages of at most RAW_BODY_CHUNK content bytes each."""
+    return b"".join(
+        wire.encode_raw(wire.RawBody(body[at : at + RAW_BODY_CHUNK]))
+        for at in range(0, len(body), RAW_BODY_CHUNK)
+    )
+
+
 class StandInGateway:
-    """The reverse-tunnel listener (see the module docstring)."""
+    """The reverse-tunnel listener (see the module docstring). `protocol` is the stream layer
+    its accepted connections carry: "http3" (role-reversed HTTP/3, ALPN h3) or "raw-quic" (Cap'n
+    Proto messages per stream, no ALPN)."""
 
     def __init__(
         self,
@@ -327,8 +416,12 @@ class StandInGateway:
         refuse_duplicates: bool = False,
         authority: str = "stargate",
         ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None = None,
+        protocol: TunnelProtocol = "http3",
     ) -> None:
+        if protocol not in ("http3", "raw-quic"):
+            raise ValueError(f"unknown tunnel protocol {protocol!r}")
         self.folder = folder
+        self.protocol: TunnelProtocol = protocol
         # inference server id -> the token it must present (None: none)
         self.tokens: dict[str, str | None] = dict(tokens or {"node-1": None})
         self.refuse_duplicates = refuse_duplicates
@@ -357,7 +450,9 @@ class StandInGateway:
         return f"127.0.0.1:{self.port}"
 
     async def start(self) -> StandInGateway:
-        configuration = QuicConfiguration(is_client=False, alpn_protocols=["h3"])
+        # As pylon's dialer (`TunnelOptions.protocol`): h3 for HTTP/3, no ALPN for raw QUIC.
+        alpn = ["h3"] if self.protocol == "http3" else None
+        configuration = QuicConfiguration(is_client=False, alpn_protocols=alpn)
         configuration.load_cert_chain(self.cert_path, self.key_path)
         loop = asyncio.get_running_loop()
         transport, protocol = await loop.create_datagram_endpoint(
@@ -466,7 +561,8 @@ class StandInGateway:
     ) -> GatewayResponse:
         return await self.send(method, path, headers, body, connection=connection).wait(timeout)
 
-    def reset(self, response: GatewayResponse, code: int = H3_REQUEST_CANCELLED) -> None:
+    def reset(self, response: GatewayResponse, code: int | None = None) -> None:
+        """Abort the request's stream (`code`: the protocol's "cancelled" by default)."""
         response.connection.reset(response, code)
 
     def drop(self, connection: GatewayConnection | None = None) -> None:

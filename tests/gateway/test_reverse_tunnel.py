@@ -1,6 +1,7 @@
 """The reverse tunnel serves the gateway's requests with the same contract as a direct request:
-pylon dials the stand-in gateway, passes its handshake, and answers role-reversed HTTP/3 through
-the real intake and mock_dynamo."""
+pylon dials the stand-in gateway, passes its handshake, and answers role-reversed HTTP/3 (or,
+where parametrized over `protocol`, raw-QUIC Cap'n Proto streams) through the real intake and
+mock_dynamo."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 import pytest
 
 from pylon.core.sanitize import DENIED_REQUEST_HEADERS
-from tests.gateway.tunnel_fixtures import GATEWAY, NODE, TunnelFactory, headers
+from pylon.gateway.tunnel import TunnelProtocol
+from tests.gateway.tunnel_fixtures import GATEWAY, NODE, PROTOCOLS, TunnelFactory, headers
 from tests.integration.test_forwarding import spoofed_body, spoofed_headers
 from tests.stack import MODEL
 
@@ -39,8 +41,11 @@ def sse_payloads(body: bytes) -> list[bytes]:
     ]
 
 
-async def test_chat_through_the_tunnel(make_tunnel: TunnelFactory) -> None:
-    tunnel = await make_tunnel()
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_chat_through_the_tunnel(
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
+) -> None:
+    tunnel = await make_tunnel(protocol=protocol)
     await tunnel.gateway.wait_live(1)
     connected = await tunnel.events.wait_for("tunnel_connected")
     assert connected["gateway"] == GATEWAY and connected["index"] == 0
@@ -53,6 +58,9 @@ async def test_chat_through_the_tunnel(make_tunnel: TunnelFactory) -> None:
     assert response.status == 200, response.body
     assert response.json()["object"] == "chat.completion"
     assert response.stream_id % 4 == 1  # a server-initiated stream: the roles are reversed
+    # The stream layer the dial asked for: h3 negotiated for HTTP/3, no ALPN for raw QUIC.
+    negotiated = response.connection._quic.tls.alpn_negotiated
+    assert negotiated == ("h3" if protocol == "http3" else None)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -102,8 +110,13 @@ async def test_a_tunnelled_request_is_treated_like_a_direct_one(
         assert tunnelled.json().keys() == json.loads(direct.body).keys()
 
 
-async def test_streaming_arrives_as_it_is_generated(make_tunnel: TunnelFactory) -> None:
-    tunnel = await make_tunnel(stack_settings={"mock": {"token_delay_ms": 30, "num_tokens": 6}})
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_streaming_arrives_as_it_is_generated(
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
+) -> None:
+    tunnel = await make_tunnel(
+        stack_settings={"mock": {"token_delay_ms": 30, "num_tokens": 6}}, protocol=protocol
+    )
     await tunnel.gateway.wait_live(1)
     response = tunnel.gateway.send("POST", CHAT, headers("s-1"), chat(stream=True, max_tokens=6))
     chunks = [chunk async for chunk in response.stream()]
@@ -118,8 +131,13 @@ async def test_streaming_arrives_as_it_is_generated(make_tunnel: TunnelFactory) 
     assert b"[DONE]" in chunks[-1]
 
 
-async def test_model_gating_limits_and_engine_errors(make_tunnel: TunnelFactory) -> None:
-    tunnel = await make_tunnel(stack_settings={"model": [MODEL, "extra"], "max_body_bytes": 1000})
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_model_gating_limits_and_engine_errors(
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
+) -> None:
+    tunnel = await make_tunnel(
+        stack_settings={"model": [MODEL, "extra"], "max_body_bytes": 1000}, protocol=protocol
+    )
     await tunnel.gateway.wait_live(1)
     gateway = tunnel.gateway
     # Not published: pylon's own retryable 503 problem.
@@ -147,10 +165,13 @@ async def test_model_gating_limits_and_engine_errors(make_tunnel: TunnelFactory)
     assert failed.header("x-stargate-retry-reason") == "upstream_nonretryable_status"
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_stream_reset_by_the_gateway_cancels_the_engine_request(
-    make_tunnel: TunnelFactory,
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
 ) -> None:
-    tunnel = await make_tunnel(stack_settings={"mock": {"token_delay_ms": 200, "num_tokens": 50}})
+    tunnel = await make_tunnel(
+        stack_settings={"mock": {"token_delay_ms": 200, "num_tokens": 50}}, protocol=protocol
+    )
     await tunnel.gateway.wait_live(1)
     response = tunnel.gateway.send("POST", CHAT, headers("c-1"), chat(stream=True, max_tokens=50))
     await tunnel.stack.wait_record("c-1", "received")
@@ -160,3 +181,23 @@ async def test_a_stream_reset_by_the_gateway_cancels_the_engine_request(
     # The connection itself serves on.
     after = await tunnel.gateway.request("POST", CHAT, headers("c-2"), chat())
     assert after.status == 200
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_request_body_in_pieces_reaches_the_engine_whole(
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
+) -> None:
+    """A body larger than one raw-QUIC Body message of the stand-in (16 KiB), sent in pieces
+    after the head: it arrives whole, in order."""
+    tunnel = await make_tunnel(protocol=protocol)
+    await tunnel.gateway.wait_live(1)
+    body = chat(padding="".join(f"{i:05d}" for i in range(8000)))  # ~40 KB
+    cut = len(body) // 3
+    response = tunnel.gateway.send("POST", CHAT, headers("p-1"), body[:cut], end=False)
+    response.connection.send_body(response, body[cut : 2 * cut], end=False)
+    response.connection.send_body(response, body[2 * cut :], end=False)
+    response.connection.send_body(response, b"", end=True)
+    await response.wait()
+    assert response.status == 200, response.body
+    record = await tunnel.stack.last_request()
+    assert record["body"]["padding"] == json.loads(body)["padding"]

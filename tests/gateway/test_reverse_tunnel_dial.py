@@ -1,5 +1,6 @@
 """The reverse tunnel's connections: refusals and their retries, tokens, several connections,
-lost paths, trust, drain and target changes, against the stand-in gateway."""
+lost paths, trust, drain and target changes, against the stand-in gateway (a refusal's retry, a
+redial and the drain over both stream layers, the rest over HTTP/3)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import pytest
 
 from pylon.gateway import wire
 from pylon.gateway.board import GatewayBoard, TunnelTarget
-from pylon.gateway.tunnel import ReverseTunnels, TunnelOptions
+from pylon.gateway.tunnel import ReverseTunnels, TunnelOptions, TunnelProtocol
 from tests.certs import make_ca
-from tests.gateway.stand_in_quic import StandInGateway
-from tests.gateway.tunnel_fixtures import GATEWAY, NODE, TunnelFactory, headers
+from tests.gateway.stand_in_quic import RAW_STOP_GOAWAY, StandInGateway
+from tests.gateway.tunnel_fixtures import GATEWAY, NODE, PROTOCOLS, TunnelFactory, headers
 from tests.observers import EventObserver
 from tests.stack import MODEL, StackFactory
 
@@ -32,11 +33,15 @@ async def served(tunnel_gateway: StandInGateway, request_id: str = "ok-1") -> No
     assert response.status == 200, response.body
 
 
-@pytest.mark.parametrize("reason", wire.NACK_REASONS)
+# Every reason over HTTP/3; raw QUIC shares the handshake code, so one reason is enough there.
+@pytest.mark.parametrize(
+    ("protocol", "reason"),
+    [*(("http3", reason) for reason in wire.NACK_REASONS), ("raw-quic", wire.NACK_DUPLICATE)],
+)
 async def test_each_refusal_is_one_event_and_is_retried(
-    make_tunnel: TunnelFactory, reason: str
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol, reason: str
 ) -> None:
-    tunnel = await make_tunnel(start=False)
+    tunnel = await make_tunnel(start=False, protocol=protocol)
     tunnel.gateway.nack_next = [reason]
     tunnel.tunnels.start()
     refused = await tunnel.events.wait_for("tunnel_refused")
@@ -159,10 +164,11 @@ async def test_two_connections_both_serve(make_tunnel: TunnelFactory) -> None:
     assert "tunnel" not in flips  # never down to zero: the registration saw no flip
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_dropped_connection_is_redialled_and_serves_again(
-    make_tunnel: TunnelFactory,
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
 ) -> None:
-    tunnel = await make_tunnel()
+    tunnel = await make_tunnel(protocol=protocol)
     await tunnel.events.wait_for("tunnel_connected")
     await served(tunnel.gateway)
     flips: list[str] = []
@@ -282,21 +288,31 @@ async def test_insecure_dials_without_verifying(make_tunnel: TunnelFactory) -> N
     await served(tunnel.gateway)
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_drain_stops_new_streams_and_lets_in_flight_finish(
-    make_tunnel: TunnelFactory,
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
 ) -> None:
-    tunnel = await make_tunnel(stack_settings={"mock": {"token_delay_ms": 40, "num_tokens": 10}})
+    tunnel = await make_tunnel(
+        stack_settings={"mock": {"token_delay_ms": 40, "num_tokens": 10}}, protocol=protocol
+    )
     await tunnel.up()
     connection = tunnel.gateway.live[0]
     dialled = tunnel.gateway.dialled
     slow = tunnel.gateway.send("POST", CHAT, headers("slow"), chat(stream=True, max_tokens=10))
     await tunnel.stack.wait_record("slow", "received")
-    drained = asyncio.get_running_loop().create_task(tunnel.tunnels.drain(10.0))
-    await tunnel.gateway.wait_until(lambda: connection.goaways != [], what="GOAWAY")
-    assert connection.goaways == [slow.stream_id + 4]
+    if protocol == "http3":
+        drained = asyncio.get_running_loop().create_task(tunnel.tunnels.drain(10.0))
+        await tunnel.gateway.wait_until(lambda: connection.goaways != [], what="GOAWAY")
+        assert connection.goaways == [slow.stream_id + 4]
+    else:
+        # Raw QUIC has no GOAWAY: the gateway learns of the drain from the refused stream.
+        # `begin_drain` is synchronous, so the next stream is certainly refused.
+        tunnel.tunnels.begin_drain()
+        drained = asyncio.get_running_loop().create_task(tunnel.tunnels.drain(10.0))
     late = tunnel.gateway.send("POST", CHAT, headers("late"), chat(), connection=connection)
     await late.wait()
-    assert late.reset_code == H3_REQUEST_REJECTED and late.status is None
+    refused = H3_REQUEST_REJECTED if protocol == "http3" else RAW_STOP_GOAWAY
+    assert late.reset_code == refused and late.status is None
     await slow.wait()
     assert slow.status == 200 and slow.body.rstrip().endswith(b"[DONE]")
     assert await drained is True
@@ -306,8 +322,11 @@ async def test_drain_stops_new_streams_and_lets_in_flight_finish(
     assert len(await tunnel.stack.records()) == 1
 
 
-async def test_the_process_drain_can_drain_the_tunnels(make_tunnel: TunnelFactory) -> None:
-    tunnel = await make_tunnel(connections=2)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_the_process_drain_can_drain_the_tunnels(
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol
+) -> None:
+    tunnel = await make_tunnel(connections=2, protocol=protocol)
     await tunnel.up(2)
     connections = list(tunnel.gateway.live)
     dialled = tunnel.gateway.dialled
@@ -316,7 +335,9 @@ async def test_the_process_drain_can_drain_the_tunnels(make_tunnel: TunnelFactor
     await tunnel.gateway.wait_until(
         lambda: all(c.terminated is not None for c in connections), what="closed"
     )
-    assert [c.goaways for c in connections] == [[1], [1]]  # nothing was in flight
+    # Nothing was in flight: HTTP/3's GOAWAY names the first stream; raw QUIC has none.
+    expected = [[1], [1]] if protocol == "http3" else [[], []]
+    assert [c.goaways for c in connections] == expected
     await tunnel.down()
     assert await tunnel.tunnels.drain(1.0) is True
     assert tunnel.gateway.dialled == dialled

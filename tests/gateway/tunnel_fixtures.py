@@ -11,13 +11,16 @@ from typing import Any
 import pytest
 
 from pylon.gateway.board import GatewayBoard, TunnelTarget
-from pylon.gateway.tunnel import ReverseTunnels, TunnelOptions
+from pylon.gateway.raw_link import LINKS
+from pylon.gateway.tunnel import ReverseTunnels, TunnelOptions, TunnelProtocol
 from tests.gateway.stand_in_quic import StandInGateway
 from tests.observers import EventObserver
 from tests.stack import MODEL, Stack, StackFactory
 
 GATEWAY = "gw-1:50051"  # the gateway's name on the board (its advertise address)
 NODE = "node-1"
+# The tunnel's stream layers, for `@pytest.mark.parametrize("protocol", PROTOCOLS)`.
+PROTOCOLS: tuple[TunnelProtocol, ...] = ("http3", "raw-quic")
 
 
 @dataclass
@@ -55,21 +58,27 @@ def headers(request_id: str = "req-1", model: str = MODEL, **extra: str) -> list
 
 @pytest.fixture
 async def make_tunnel(make_stack: StackFactory, tmp_path: Path) -> AsyncIterator[TunnelFactory]:
-    """`await make_tunnel(stack_settings=..., gateway=..., **tunnel_options)`: a started pylon,
-    a started stand-in, and `ReverseTunnels` following a board that names the stand-in."""
+    """`await make_tunnel(stack_settings=..., gateway=..., protocol=..., **tunnel_options)`: a
+    started pylon, a started stand-in, and `ReverseTunnels` (with both stream layers' links)
+    following a board that names the stand-in. `protocol` is the tunnel's stream layer, for
+    both sides: a stand-in made here speaks it, a given one must already (default: the given
+    stand-in's, else http3)."""
     async with contextlib.AsyncExitStack() as exits:
 
         async def factory(
             stack_settings: dict[str, Any] | None = None,
             gateway: StandInGateway | None = None,
             start: bool = True,
+            protocol: TunnelProtocol | None = None,
             **options: Any,
         ) -> Tunnel:
             stack = await make_stack(**{"quic_listen": None, **(stack_settings or {})})
             if gateway is None:
                 folder = tmp_path / f"gw{len(list(tmp_path.iterdir()))}"
                 folder.mkdir()
-                gateway = StandInGateway(folder)
+                gateway = StandInGateway(folder, protocol=protocol or "http3")
+            elif protocol is not None and protocol != gateway.protocol:
+                raise ValueError(f"the stand-in speaks {gateway.protocol}, not {protocol}")
             if gateway.port == 0:
                 await gateway.start()
                 exits.callback(gateway.close)
@@ -82,6 +91,7 @@ async def make_tunnel(make_stack: StackFactory, tmp_path: Path) -> AsyncIterator
                 "keepalive": 0.5,
                 "idle_timeout": 5.0,
                 "retire_grace": 2.0,
+                "protocol": gateway.protocol,
             }
             if options.get("insecure"):
                 defaults.pop("ca")
@@ -92,6 +102,7 @@ async def make_tunnel(make_stack: StackFactory, tmp_path: Path) -> AsyncIterator
                 board,
                 stack.running.core.ingress,
                 events,
+                links=LINKS,
             )
             exits.push_async_callback(tunnels.close)
             tunnel = Tunnel(stack, gateway, board, tunnels, events)
