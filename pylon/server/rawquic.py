@@ -512,19 +512,25 @@ def request_fields(fields: Sequence[tuple[bytes, bytes]], authority: bytes) -> l
     """A raw-QUIC request's map as an HTTP/3 header block, for `pseudo_head`: `x-method` and
     `x-path` become `:method` and `:path` (first, in that order; a missing one is left out, so
     the normaliser refuses the block), `:scheme` is https, `authority` stands in for a Host the
-    gateway did not forward. Raises `ContractError` (400) for a repeated pseudo entry, an
-    `x-status` in a request, or a name with a colon (the raw protocol has no pseudo-headers)."""
+    gateway did not forward. Raises `ContractError` (400) for a name with a colon (the raw
+    protocol has no pseudo-headers).
+
+    The gateway writes its own `x-method` and `x-path` first and then appends the client's
+    headers unfiltered, so a client's own `X-Method` or `X-Path` arrives as a later entry of the
+    same name: the first is the gateway's and wins (as the reference reads them); later ones are
+    the client's, which pylon's sanitizer strips on every transport alike (tunnel framing), so
+    they are left out here. An `x-status` in a request is the client's too (the gateway sets it
+    on answers only): an ordinary header, as it is on HTTP/1.1, HTTP/2 and HTTP/3."""
     pseudo: dict[bytes, bytes] = {}
     regular: list[Header] = []
     has_host = False
     for name, value in fields:
         mapped = _RAW_PSEUDO.get(name)
-        if mapped is not None:
-            if mapped == b":status":
-                raise malformed("x-status in a request")
-            if mapped in pseudo:
-                raise malformed(f"repeated {name.decode('ascii')}")
-            pseudo[mapped] = value
+        if mapped == b":status":
+            regular.append((name, value))
+        elif mapped is not None:
+            if mapped not in pseudo:
+                pseudo[mapped] = value
         elif name[:1] == b":" or b":" in name:
             raise malformed("a raw-QUIC field name with a colon")
         else:

@@ -63,14 +63,16 @@ async def test_chat_through_the_tunnel(
     assert negotiated == ("h3" if protocol == "http3" else None)
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("path", sorted(BODIES))
 async def test_a_tunnelled_request_is_treated_like_a_direct_one(
-    make_tunnel: TunnelFactory, path: str, stream: bool
+    make_tunnel: TunnelFactory, path: str, stream: bool, protocol: str
 ) -> None:
-    """The same spoofed request over direct HTTP/3 and over the tunnel: the engine sees the
-    same stripped headers and body (priority derived alike), the client the same answer."""
-    tunnel = await make_tunnel(stack_settings={"quic_listen": "127.0.0.1:0"})
+    """The same spoofed request over direct HTTP/3 and over the tunnel (either stream
+    protocol): the engine sees the same stripped headers and body (priority derived alike),
+    the client the same answer."""
+    tunnel = await make_tunnel(stack_settings={"quic_listen": "127.0.0.1:0"}, protocol=protocol)
     stack = tunnel.stack
     wire_headers = [(name.lower(), value) for name, value in spoofed_headers()]
     body = {**spoofed_body("dynamo"), **BODIES[path], "stream": stream}
