@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,10 @@ class GatewayReport:
     acks_total: int
     reconnects_total: Mapping[str, int]  # reason class (`REASONS`) -> stream ends
     model_status: Mapping[str, ModelStatus]  # as last sent on the open stream
+    # Reverse mode (filled by `pylon.gateway.side`): tunnel connections up, and the
+    # handshake refusals by reason.
+    tunnels: int = 0
+    tunnel_refusals: Mapping[str, int] = field(default_factory=dict)
 
 
 # The bounded reasons a stream ended, a label of pylon_gateway_reconnects_total.

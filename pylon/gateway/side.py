@@ -24,7 +24,7 @@ from pylon.gateway.canary import Canaries, fleet_target, single_target
 from pylon.gateway.model_stats import ModelStatsCollector, OutputMeter, build_collector
 from pylon.gateway.options import GatewayOptions
 from pylon.gateway.raw_link import LINKS
-from pylon.gateway.registration import Registration
+from pylon.gateway.registration import GatewayReport, Registration
 from pylon.gateway.stats import ModelStatsValue
 from pylon.gateway.tunnel import ReverseTunnels
 
@@ -117,8 +117,25 @@ class GatewaySide:
             observer=self._observer,
         )
         if self._core.metrics is not None:  # per-gateway figures, read at scrape time
-            self._core.metrics.gateway_report = self.registration.report
+            self._core.metrics.gateway_report = self.report
         await self.registration.start()
+
+    def report(self) -> dict[str, GatewayReport]:
+        """Per registered gateway: the registration's figures, and in reverse mode the
+        tunnel's (connections up, refusals by reason)."""
+        if self.registration is None:
+            return {}
+        reports = self.registration.report()
+        if self.tunnels is None:
+            return reports
+        return {
+            key: replace(
+                report,
+                tunnels=self.board.tunnels(key),
+                tunnel_refusals=self.tunnels.refusals_of(key),
+            )
+            for key, report in reports.items()
+        }
 
     @property
     def in_progress(self) -> int:

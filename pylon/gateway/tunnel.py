@@ -486,6 +486,9 @@ class ReverseTunnels:
         self._retiring: set[_Slot] = set()
         self._connected: collections.Counter[str] = collections.Counter()
         self.refusals: collections.Counter[str] = collections.Counter()  # by NACK reason
+        # (gateway, reason) -> refusals, the reason one of the gateway's NACK reasons or
+        # "other" (a label of pylon_gateway_tunnel_refusals_total: bounded).
+        self.refusals_by_gateway: collections.Counter[tuple[str, str]] = collections.Counter()
         self.dial_failures = 0
         self.dials = 0  # connections accepted
         self._unsubscribe: Callable[[], None] | None = None
@@ -509,6 +512,10 @@ class ReverseTunnels:
 
     def connected(self, gateway: str) -> int:
         return self._connected[gateway]
+
+    def refusals_of(self, gateway: str) -> dict[str, int]:
+        """That gateway's handshake refusals by reason (NACK reason, or "other")."""
+        return {r: n for (g, r), n in self.refusals_by_gateway.items() if g == gateway}
 
     @property
     def in_progress(self) -> int:
@@ -611,6 +618,8 @@ class ReverseTunnels:
                     lived = await self._connect_and_serve(slot)
                 except TunnelRefused as refused:
                     self.refusals[refused.reason] += 1
+                    known = refused.reason if refused.reason in wire.NACK_REASONS else "other"
+                    self.refusals_by_gateway[(slot.gateway, known)] += 1
                     standby = (
                         refused.reason == wire.NACK_DUPLICATE and self._connected[slot.gateway] > 0
                     )

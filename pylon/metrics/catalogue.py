@@ -313,5 +313,20 @@ METRICS: tuple[MetricSpec, ...] = (
         "1 when the model was last advertised ACTIVE to the gateway, 0 INACTIVE (canary "
         "failing, reverse tunnel down, draining); absent while the stream is down",
     ),
+    MetricSpec(
+        "pylon_gateway_tunnel_connections",
+        "gauge",
+        ("gateway",),
+        "reverse-tunnel connections to the gateway that are up (handshake accepted), of "
+        "--tunnel-connections; 0 in direct mode",
+    ),
+    MetricSpec(
+        "pylon_gateway_tunnel_refusals_total",
+        "counter",
+        ("gateway", "reason"),
+        "reverse-tunnel handshakes the gateway refused, by its reason: `empty "
+        "inference_server_id`, `authentication failed`, `unauthorized inference_server_id`, "
+        "`routing key mismatch`, `duplicate connection`, or `other`",
+    ),
 )
 SPECS = {spec.name: spec for spec in METRICS}  # name -> its spec

@@ -200,10 +200,15 @@ def gateway_families(counts: Counts) -> Iterator[Metric]:
     families without --gateway)."""
     connected = _gauge("pylon_gateway_registration_connected")
     status = _gauge("pylon_gateway_model_status")
+    tunnels = _gauge("pylon_gateway_tunnel_connections")
     acks: dict[tuple[str], int] = {}
     reconnects: dict[tuple[str, str], int] = {}
+    refusals: dict[tuple[str, str], int] = {}
     for gateway, report in (counts.gateways or {}).items():
         connected.add_metric([gateway], 1 if report.connected else 0)
+        tunnels.add_metric([gateway], report.tunnels)
+        for reason, count in report.tunnel_refusals.items():
+            refusals[(gateway, reason)] = count
         acks[(gateway,)] = report.acks_total
         for reason, count in report.reconnects_total.items():
             reconnects[(gateway, reason)] = count
@@ -213,6 +218,8 @@ def gateway_families(counts: Counts) -> Iterator[Metric]:
     yield _counter("pylon_gateway_acks_total", acks)
     yield _counter("pylon_gateway_reconnects_total", reconnects)
     yield status
+    yield tunnels
+    yield _counter("pylon_gateway_tunnel_refusals_total", refusals)
 
 
 def histogram_buckets(bounds: Sequence[float], histogram: Histogram) -> list[tuple[str, float]]:

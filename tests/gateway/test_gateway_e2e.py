@@ -135,6 +135,11 @@ async def test_reverse_mode_serves_requests_on_the_tunnel_the_ack_names(
             json.dumps({**CHAT, "model": "nope"}).encode(),
         )
         assert unknown.status in (404, 503) and unknown.json()["request_id"] == "rt-2"
+        scrape = (await stack.client.get(f"{stack.running.admin_url}/metrics")).text
+        key = f'gateway="{grpc.address}"'
+        assert f"pylon_gateway_registration_connected{{{key}}} 1.0" in scrape
+        assert f"pylon_gateway_tunnel_connections{{{key}}} 1.0" in scrape
+        assert f'pylon_gateway_model_status{{{key},model="{MODEL}"}} 1.0' in scrape
     finally:
         await grpc.stop()
         tunnel.close()

@@ -58,6 +58,13 @@ GOLDEN: dict[str, tuple[str, frozenset[str]]] = {
     # A process booked at the node's booking authority (empty families otherwise)
     "pylon_router_authority_connected": ("gauge", frozenset()),
     "pylon_router_authority_events": ("counter", frozenset({"event"})),
+    # The gateway side's families are there without --gateway too, with no series.
+    "pylon_gateway_registration_connected": ("gauge", frozenset({"gateway"})),
+    "pylon_gateway_acks": ("counter", frozenset({"gateway"})),
+    "pylon_gateway_reconnects": ("counter", frozenset({"gateway", "reason"})),
+    "pylon_gateway_model_status": ("gauge", frozenset({"gateway", "model"})),
+    "pylon_gateway_tunnel_connections": ("gauge", frozenset({"gateway"})),
+    "pylon_gateway_tunnel_refusals": ("counter", frozenset({"gateway", "reason"})),
 }
 # prometheus-client's process collector, namespaced: present, not pinned label by label.
 PROCESS = ("pylon_process_cpu_seconds", "pylon_process_resident_memory_bytes")

@@ -318,6 +318,8 @@ def feed_fixed_events(metrics: MetricsObserver) -> None:
             acks_total=42,
             reconnects_total={"unavailable": 2, "unauthenticated": 1},
             model_status={"m": ModelStatus.ACTIVE, "n": ModelStatus.INACTIVE},
+            tunnels=2,
+            tunnel_refusals={"duplicate connection": 1},
         ),
         "10.0.0.9:50071": GatewayReport(
             connected=False, acks_total=0, reconnects_total={"connect_timeout": 3}, model_status={}
