@@ -57,6 +57,19 @@ class Settings(
     )
 
     @model_validator(mode="after")
+    def _gateway_fits_processes(self) -> Self:
+        """Spans Gateway (`gateway`) and Listeners (`processes`). The gateway knows a node by
+        one registration whose figures cover the whole node; several processes would each
+        register the same id with their own share of the load (and each hold the acks of its
+        own stream), so the gateway would see conflicting, partial snapshots."""
+        if self.gateway and self.processes > 1:
+            raise ValueError(
+                "--gateway needs --processes 1: one registration must speak for the whole "
+                "node, and a node-wide snapshot across processes is not built yet"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _routing_takes_effect(self) -> Self:
         """Workers and routing modes that could not do what they say refuse the start.
 

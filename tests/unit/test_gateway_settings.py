@@ -63,6 +63,7 @@ GW = {"gateway": ("127.0.0.1:50071",), "inference_server_id": "node-1"}
         ({"gateway": ("h:1",), "inference_server_id": ""}, "visible ASCII"),
         ({**GW, "tunnel_connections": 0}, "tunnel_connections"),
         ({**GW, "registration_interval": 0.01}, "registration_interval"),
+        ({**GW, "processes": 2}, "--gateway needs --processes 1"),
     ],
 )
 def test_gateway_settings_that_cannot_take_effect_refuse_the_start(
