@@ -198,6 +198,7 @@ def bring_up_options(settings: Settings) -> BringUpOptions:
 def gateway_options(settings: Settings) -> GatewayOptions | None:
     """The gateway side's parts: None without `--gateway` and without an explicit
     `--canary-interval` (which alone runs the canaries, heard only by `/ready`)."""
+    from pylon.gateway.discovery import ControlPlaneTls
     from pylon.gateway.options import GatewayOptions
     from pylon.gateway.registration import RegistrationOptions
     from pylon.gateway.tunnel import TunnelOptions
@@ -207,8 +208,10 @@ def gateway_options(settings: Settings) -> GatewayOptions | None:
         return GatewayOptions(registration=None, canary=canary, tunnel=None) if canary else None
     assert settings.inference_server_id is not None  # Settings refuses --gateway without it
     reverse = settings.connectivity == "reverse"
+    tls = ControlPlaneTls(settings.gateway_ca) if settings.gateway_tls else None
     registration = RegistrationOptions(
         seeds=settings.gateway,
+        tls=tls,
         inference_server_id=settings.inference_server_id,
         cluster_id=settings.cluster_id,
         token_file=settings.gateway_token_file,

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,6 +38,7 @@ class GatewayAddress:
 @dataclass(frozen=True, slots=True)
 class DiscoveryOptions:
     seeds: tuple[str, ...]
+    tls: ControlPlaneTls | None = None  # None: plaintext gRPC
     connect_timeout: float = 5.0
     retry: float = 1.0  # seconds before a failed watch stream reopens
     publish_after: float = 5.0
@@ -53,6 +55,31 @@ def normalise_address(url: str) -> str:
     return url.rstrip("/")
 
 
+@dataclass(frozen=True, slots=True)
+class ControlPlaneTls:
+    """gRPC over TLS to the gateway: its certificate verified against `ca` (a PEM bundle,
+    re-read at every channel open, so a rotated bundle is used at the next), or against the
+    system's roots when `ca` is None."""
+
+    ca: Path | None = None
+
+
+def open_channel(
+    target: str, tls: ControlPlaneTls | None, authority: str | None
+) -> grpc.aio.Channel:
+    """A channel to `target` (plaintext, or TLS verifying the gateway); `authority` is the
+    HTTP/2 authority and, with TLS, the name the certificate must carry (the gateway's advertise
+    address when dialled through a load balancer). `OSError` when the CA cannot be read."""
+    options = channel_options(authority)
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    roots = tls.ca.read_bytes() if tls.ca is not None else None
+    if authority is not None:
+        options.append(("grpc.ssl_target_name_override", authority.rpartition(":")[0]))
+    credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
 def channel_options(authority: str | None) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -65,6 +92,10 @@ def channel_options(authority: str | None) -> list[tuple[str, Any]]:
 
 
 Publish = Callable[[Mapping[str, GatewayAddress]], None]
+
+
+class _NoChannel(Exception):
+    """No channel could be opened (its reason is already set)."""
 
 
 class Discovery:
@@ -160,8 +191,15 @@ class Discovery:
     async def _watch(self, url: str) -> None:
         while True:
             reason = "ended"
-            channel = grpc.aio.insecure_channel(url, options=channel_options(None))
             try:
+                channel = open_channel(url, self._options.tls, None)
+            except OSError as exc:  # the CA bundle went unreadable: said, and retried
+                channel = None
+                reason = f"ca unreadable: {exc}"
+            try:
+                if channel is None:
+                    raise _NoChannel
+
                 async with asyncio.timeout(self._options.connect_timeout):
                     await channel.channel_ready()
                 stub = pb_grpc.StargateControlPlaneStub(channel)
@@ -175,13 +213,16 @@ class Discovery:
                         watch_urls=len(answer.watch_stargate_urls),
                     )
                     self._update()
+            except _NoChannel:
+                pass
             except TimeoutError:
                 reason = "connect timeout"
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
             finally:
-                with contextlib.suppress(Exception):
-                    await channel.close(grace=None)
+                if channel is not None:
+                    with contextlib.suppress(Exception):
+                        await channel.close(grace=None)
             self._observer.process_event(
                 "gateway_watch_lost", url=url, reason=reason, retry_in=self._options.retry
             )

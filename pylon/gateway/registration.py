@@ -33,10 +33,11 @@ from pylon.gateway import stargate_pb2 as pb
 from pylon.gateway import stargate_pb2_grpc as pb_grpc
 from pylon.gateway.board import GatewayBoard, ModelStatus, TunnelTarget
 from pylon.gateway.discovery import (
+    ControlPlaneTls,
     Discovery,
     DiscoveryOptions,
     GatewayAddress,
-    channel_options,
+    open_channel,
 )
 from pylon.gateway.stats import ModelStatsValue
 from pylon.observe import Observer
@@ -59,6 +60,7 @@ class RegistrationOptions:
     inference_server_id: str
     cluster_id: str | None = None  # None: the inference server id
     token_file: Path | None = None
+    tls: ControlPlaneTls | None = None  # None: plaintext gRPC to the gateway
     # Direct mode: quic://HOST:PORT of the listener; reverse mode: what the caller registers.
     inference_server_url: str = ""
     reverse_tunnel: bool = False
@@ -231,7 +233,11 @@ class _Stream:
         if token is not None:
             metadata.append(("authorization", f"Bearer {token}"))
         authority = self.key if self.address.dial != self.key else None
-        channel = grpc.aio.insecure_channel(self.address.dial, options=channel_options(authority))
+        try:
+            channel = open_channel(self.address.dial, options.tls, authority)
+        except OSError as exc:
+            self._event("gateway_ca_unreadable", reason=str(exc))
+            return False, "ca unreadable"
         reader: asyncio.Task[str] | None = None
         try:
             try:
@@ -371,6 +377,7 @@ class Registration:
         self._discovery = Discovery(
             DiscoveryOptions(
                 seeds=options.seeds,
+                tls=options.tls,
                 connect_timeout=options.connect_timeout,
                 retry=options.watch_retry,
                 publish_after=options.discovery_publish_after,

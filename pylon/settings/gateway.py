@@ -113,6 +113,13 @@ class GatewaySettings(BaseModel):
         "as a warning at start); otherwise --gateway-ca is needed",
         json_schema_extra=group(GATEWAY),
     )
+    gateway_tls: bool = Field(
+        False,
+        description="speak gRPC to the gateway over TLS, its certificate verified against "
+        "--gateway-ca (re-read at every stream open) or, without it, the system's roots; "
+        "unset = plaintext gRPC (the bearer token then crosses the network in the clear)",
+        json_schema_extra=group(GATEWAY),
+    )
     canary_interval: float = Field(
         5.0,
         ge=0,
@@ -188,6 +195,8 @@ class GatewaySettings(BaseModel):
                 )
             if self.gateway_insecure:
                 raise ValueError("--gateway-insecure needs --gateway --connectivity reverse")
+            if self.gateway_tls:
+                raise ValueError("--gateway-tls needs --gateway")
             return self
         if self.inference_server_id is None:
             raise ValueError(
@@ -208,10 +217,15 @@ class GatewaySettings(BaseModel):
                     "reverse: the gateway reaches pylon over the tunnel"
                 )
         else:
-            if self.gateway_ca is not None or self.gateway_insecure:
-                flag = "--gateway-ca" if self.gateway_ca is not None else "--gateway-insecure"
+            if self.gateway_insecure:
                 raise ValueError(
-                    f"{flag} needs --connectivity reverse: in direct mode pylon dials no tunnel"
+                    "--gateway-insecure needs --connectivity reverse: in direct mode pylon "
+                    "dials no tunnel"
+                )
+            if self.gateway_ca is not None and not self.gateway_tls:
+                raise ValueError(
+                    "--gateway-ca needs --connectivity reverse or --gateway-tls: in direct "
+                    "mode without TLS to the gateway nothing would be verified against it"
                 )
         if self.tunnel_idle_timeout <= self.tunnel_keepalive:
             raise ValueError(

@@ -76,7 +76,9 @@ class StandInGrpc(pb_grpc.StargateControlPlaneServicer):
         idle_min: float = 60.0,
         idle_max: float = 300.0,
         ack: bool = True,
+        tls: tuple[bytes, bytes] | None = None,
     ) -> None:
+        self.tls = tls  # (cert chain PEM, key PEM): serve gRPC over TLS
         self.token = token
         self.gateways: list[pb.StargateInfo] = list(gateways)
         self.watch_urls: list[str] = list(watch_urls)
@@ -104,7 +106,11 @@ class StandInGrpc(pb_grpc.StargateControlPlaneServicer):
     async def start(self) -> str:
         self._server = grpc.aio.server()
         pb_grpc.add_StargateControlPlaneServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        if self.tls is None:
+            self.port = self._server.add_insecure_port("127.0.0.1:0")
+        else:
+            credentials = grpc.ssl_server_credentials([(self.tls[1], self.tls[0])])
+            self.port = self._server.add_secure_port("127.0.0.1:0", credentials)
         await self._server.start()
         return self.address
 

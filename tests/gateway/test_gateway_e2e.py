@@ -203,3 +203,75 @@ async def test_the_snapshot_follows_real_traffic(make_stack: StackFactory) -> No
         assert stats().queue_size == 0
     finally:
         await grpc.stop()
+
+
+def ip_leaf(ca: Any) -> tuple[bytes, bytes]:
+    """A server certificate for 127.0.0.1 (an IP SAN, as gRPC checks a dialled IP), from `ca`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gateway")]))
+        .issuer_name(ca[0].subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca[1], hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+async def test_the_control_plane_over_tls_verifies_the_gateway(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    """--gateway-tls: the token crosses TLS, and a gateway whose certificate is not from
+    --gateway-ca is never registered with (the stream fails, is said, and retried)."""
+    from cryptography.hazmat.primitives import serialization
+
+    from tests.certs import make_ca
+
+    ca = make_ca("control-plane CA")
+    ca_path = tmp_path / "ca.pem"
+    ca_path.write_bytes(ca[0].public_bytes(serialization.Encoding.PEM))
+    token = tmp_path / "token"
+    token.write_text("tls-token")
+    grpc = await control_plane(token="tls-token", tls=ip_leaf(ca))
+    events = EventObserver()
+    try:
+        settings = gateway_settings(
+            grpc, gateway_tls=True, gateway_ca=str(ca_path), gateway_token_file=str(token)
+        )
+        await make_stack(observer=events, **settings)
+        await grpc.wait_for(lambda: statuses(grpc) == {MODEL: ACTIVE}, what="over TLS")
+        assert grpc.registrations()[0].metadata["authorization"] == "Bearer tls-token"
+    finally:
+        await grpc.stop()
+    stranger = await control_plane(tls=ip_leaf(make_ca("another CA")))
+    events = EventObserver()
+    try:
+        settings = gateway_settings(
+            stranger, gateway_tls=True, gateway_ca=str(ca_path), gateway_connect_timeout=1
+        )
+        await make_stack(observer=events, **settings)
+        await events.wait_for("gateway_watch_lost")
+        assert stranger.registrations() == [] and stranger.watch_calls == 0
+    finally:
+        await stranger.stop()

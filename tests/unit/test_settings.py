@@ -339,6 +339,7 @@ TOPIC_FIELDS = {
         "tunnel_idle_timeout",
         "gateway_ca",
         "gateway_insecure",
+        "gateway_tls",
         "canary_interval",
         "canary_timeout",
         "canary_max_tokens",
