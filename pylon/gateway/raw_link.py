@@ -5,10 +5,12 @@ link. `LINKS` is the table `ReverseTunnels(links=...)` takes: both protocols."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import QuicEvent, StreamDataReceived
 
 from pylon.gateway.tunnel import (
     LINKS as HTTP3_LINKS,
@@ -20,7 +22,7 @@ from pylon.gateway.tunnel import (
     TunnelOptions,
     TunnelOwner,
 )
-from pylon.server.rawquic import RawQuicTunnelProtocol
+from pylon.server.rawquic import STOP_CANCELLED, RawQuicTunnelProtocol
 
 
 class TunnelRawQuicProtocol(TunnelLinkBase, RawQuicTunnelProtocol):
@@ -35,8 +37,25 @@ class TunnelRawQuicProtocol(TunnelLinkBase, RawQuicTunnelProtocol):
         super().__init__(quic, options=options, ingress=owner.ingress, **kwargs)
 
     def start_streams(self) -> None:
-        """Nothing to start: the raw layer serves a stream from its first packet, and the
-        gateway opens none before its accepting ack."""
+        """Nothing to start: from the accepting ack on, the raw layer serves a stream from its
+        first packet."""
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        # Before the accepting ack (or after a refusal) no request of the gateway's is taken:
+        # it is reset and stopped at once, as the HTTP/3 link takes none before `start_http`.
+        stream_id = getattr(event, "stream_id", None)
+        if (
+            not self._serving
+            and stream_id is not None
+            and stream_id & 0x1  # opened by the gateway (the QUIC server)
+            and isinstance(event, StreamDataReceived)
+        ):
+            with contextlib.suppress(RuntimeError, ValueError):
+                self._quic.reset_stream(stream_id, STOP_CANCELLED)
+                self._quic.stop_stream(stream_id, STOP_CANCELLED)
+            self.transmit()
+            return
+        super().quic_event_received(event)
 
 
 def raw_quic_link(
