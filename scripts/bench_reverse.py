@@ -40,9 +40,8 @@ from typing import Any
 
 import uvloop
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.procs import ProcessGroup, cpu_seconds, start_listening
 from bench_h3 import REQUEST, STREAM_REQUEST, free_udp_port, load
@@ -50,6 +49,7 @@ from bench_h3 import REQUEST, STREAM_REQUEST, free_udp_port, load
 from tests.gateway.stand_in_grpc import StandInGrpc, gateway_info
 from tests.gateway.stand_in_quic import GatewayConnection, StandInGateway
 
+HERE = Path(__file__).resolve().parent
 NODE = "bench"
 PATH = "/v1/chat/completions"
 
@@ -134,7 +134,8 @@ class Bench:
         _, up_port = start_listening(self.group, upstream_argv)
         # direct
         self.quic_port = free_udp_port()
-        direct_argv = pylon_argv(up_port, args.log_level) + [
+        direct_argv = [
+            *pylon_argv(up_port, args.log_level),
             "--quic-listen", f"127.0.0.1:{self.quic_port}",
             "--no-quic-retry",
         ]  # fmt: skip
@@ -148,7 +149,8 @@ class Bench:
         self.grpc = StandInGrpc(ack_target=self.tunnel.address)
         await self.grpc.start()
         self.grpc.set_watch(gateways=[gateway_info(self.grpc.address)])
-        reverse_argv = pylon_argv(up_port, args.log_level) + [
+        reverse_argv = [
+            *pylon_argv(up_port, args.log_level),
             "--gateway", self.grpc.address,
             "--inference-server-id", NODE,
             "--connectivity", "reverse",
