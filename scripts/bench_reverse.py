@@ -94,6 +94,17 @@ async def load_reverse(
     }
 
 
+def udp_drops() -> int:
+    """The host's UDP receive-buffer drops so far (/proc/net/snmp `RcvbufErrors`; host-wide):
+    a drop on loopback is a QUIC loss, with its retransmission, for whichever side it hit."""
+    names, values = (
+        line.split()[1:]
+        for line in Path("/proc/net/snmp").read_text().splitlines()
+        if line.startswith("Udp:")
+    )
+    return int(dict(zip(names, values, strict=True))["RcvbufErrors"])
+
+
 # --- the two pylons --------------------------------------------------------------------------
 def pylon_argv(up_port: int, log_level: str) -> list[str]:
     return [
@@ -182,12 +193,14 @@ class Bench:
         await self.drive(mode, max(requests // 10, 50), stream)
         pid = self.pids[mode]
         before, own_before, wall_before = cpu_seconds(pid), time.process_time(), time.monotonic()
+        drops = udp_drops()
         result = await self.drive(mode, requests, stream)
         wall = time.monotonic() - wall_before
         own = time.process_time() - own_before
         result["cpu_us_per_req"] = (cpu_seconds(pid) - before) * 1e6 / requests
         result["load_cpu_us_per_req"] = own * 1e6 / requests
         result["load_busy"] = own / wall
+        result["udp_drops"] = udp_drops() - drops
         return result
 
     async def idle_cpu(self, seconds: float) -> dict[str, float]:
@@ -213,13 +226,14 @@ def report(results: dict[Row, dict[str, Any]], idle: dict[str, float], bench: Be
     print(f"idle pylon CPU: direct {idle['direct']:.0f} us/s, reverse {idle['reverse']:.0f} us/s")
     print(
         f"{'round':>5} {'kind':6} {'mode':8} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-        f"{'pylon CPU us/req':>16} {'load CPU us/req':>15} {'load busy':>9} {'errors':>6}"
+        f"{'pylon CPU us/req':>16} {'load CPU us/req':>15} {'load busy':>9} {'UDP drops':>9} "
+        f"{'errors':>6}"
     )
     for (round_, kind, mode), r in results.items():
         print(
             f"{round_:5d} {kind:6} {mode:8} {r['rps']:7.0f} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} "
             f"{r['cpu_us_per_req']:16.0f} {r['load_cpu_us_per_req']:15.0f} "
-            f"{r['load_busy']:9.0%} {r['errors']:6d}"
+            f"{r['load_busy']:9.0%} {r['udp_drops']:9d} {r['errors']:6d}"
         )
     for kind in args.kinds:
         ratios = []
