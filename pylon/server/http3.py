@@ -73,14 +73,12 @@ from pylon.server.quic_private import (
     send_backlog,
     server_knows,
 )
+from pylon.server.quic_sink import SEND_LOW_WATER, QuicResponder
 from pylon.server.stateless_reset import ResetBudget, build_reset, reset_token, short_header_cid
 from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
 from pylon.tls import TlsIdentity
 
 H3_ALPN = ("h3",)
-# A stream whose unacknowledged send buffer is above HIGH pauses the relay until it is below LOW.
-SEND_HIGH_WATER = 1024 * 1024
-SEND_LOW_WATER = 256 * 1024
 DRAIN_ACK_GRACE = 2.0  # seconds a drained connection waits for its last ACKs before closing
 ACK_COALESCE_DELAY = 0.001  # seconds an ACK may wait to share a send with a response
 # QUIC CRYPTO_ERROR (0x100) + TLS alert certificate_required (116), RFC 9001 4.8.
@@ -440,42 +438,11 @@ class Http3Protocol(QuicConnectionProtocol):
                 responder.wake(None)
 
 
-class H3Responder:
-    """`ResponseSink` for one HTTP/3 response stream."""
+class H3Responder(QuicResponder[list[Header]]):
+    """`ResponseSink` for one HTTP/3 response stream: a HEADERS frame, DATA frames."""
 
-    __slots__ = (
-        "_conn",
-        "_ended",
-        "_head",
-        "_parts",
-        "_queued",
-        "_unsure",
-        "closed",
-        "is_head",
-        "sid",
-        "waiter",
-    )
-
-    def __init__(self, conn: Http3Protocol, sid: int, is_head: bool = False) -> None:
-        self._conn = conn
-        self.sid = sid
-        self.is_head = is_head  # the answer to a HEAD request: a head without content
-        self._head: list[Header] | None = None
-        self._parts: list[bytes] = []
-        self._ended = False
-        self._queued = False
-        # An upper bound of the stream's unacknowledged bytes: the last reading plus what was
-        # written since. Only when it passes the high-water mark is the real backlog read.
-        self._unsure = 0
-        self.closed = False
-        self.waiter: asyncio.Future[None] | None = None
-
-    @property
-    def paused(self) -> bool:
-        if self._unsure <= SEND_HIGH_WATER:
-            return False
-        self._unsure = self._conn.backlog(self.sid)
-        return self._unsure > SEND_HIGH_WATER
+    __slots__ = ()
+    ABORT_CODE = H3ErrorCode.H3_INTERNAL_ERROR
 
     def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
         head: list[Header] = [(b":status", str(status).encode("ascii"))]
@@ -485,53 +452,11 @@ class H3Responder:
         self._head = head
         self._queue()
 
-    def write(self, data: bytes) -> None:
-        if data and not self.closed and not self.is_head:
-            self._parts.append(data)
-            self._unsure += len(data)
-            self._queue()
-
-    async def drain(self) -> None:
-        if self.closed or self._conn.backlog(self.sid) <= SEND_LOW_WATER:
-            return
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
-            self._unsure = self._conn.backlog(self.sid)
-
-    def wake(self, error: BaseException | None) -> None:
-        waiter = self.waiter
-        if waiter is None or waiter.done():
-            return
-        if error is None:
-            waiter.set_result(None)
-        else:
-            waiter.set_exception(error)
-            waiter.exception()  # retrieved: the drain may already be cancelled
-
-    def end(self) -> None:
-        self._ended = True
-        self._queue()
-
-    def abort(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._parts.clear()
-            self._conn._reset(self.sid, H3ErrorCode.H3_INTERNAL_ERROR)
-
-    def _queue(self) -> None:
-        if not self._queued and not self.closed:
-            self._queued = True
-            self._conn.schedule(self)
-
     def flush(self, http: H3Layer) -> None:
-        self._queued = False
         if self.closed:
+            self._queued = False
             return
-        ended, head, parts = self._ended, self._head, self._parts
-        self._head, self._parts = None, []
+        ended, head, parts = self._take()
         try:
             if head is not None:
                 http.send_headers(self.sid, head, end_stream=ended and not parts)

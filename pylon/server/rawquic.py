@@ -49,6 +49,7 @@ from pylon.core.intake import AdmittedRequest
 from pylon.gateway.wire import RawBody, RawHeaders, WireError, decode_raw, encode_raw, framed_size
 from pylon.proxy import ResponseSink
 from pylon.server.quic_private import any_unacked, closing, limit_peer_bidi_streams, send_backlog
+from pylon.server.quic_sink import SEND_LOW_WATER, QuicResponder
 from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
 
 PROTOCOL = "raw-quic"  # the `protocol` of pylon's transport events and exchanges
@@ -71,10 +72,6 @@ STOP_CANCELLED = 1
 STOP_UNKNOWN = 2
 STOP_GOAWAY = 3
 
-# A stream whose unacknowledged send buffer is above HIGH pauses the relay until it is below LOW
-# (the same marks as pylon's HTTP/3).
-SEND_HIGH_WATER = 1024 * 1024
-SEND_LOW_WATER = 256 * 1024
 ACK_COALESCE_DELAY = 0.001  # seconds an ACK may wait to share a send with a response
 
 
@@ -868,41 +865,12 @@ class RawQuicTunnelProtocol(QuicConnectionProtocol):
                 responder.wake(None)
 
 
-class RawResponder:
-    """`ResponseSink` for one raw-QUIC response stream."""
+class RawResponder(QuicResponder[tuple[int, list[Header]]]):
+    """`ResponseSink` for one raw-QUIC response stream: a headers message (`x-status` first),
+    body messages."""
 
-    __slots__ = (
-        "_conn",
-        "_ended",
-        "_head",
-        "_parts",
-        "_queued",
-        "_unsure",
-        "closed",
-        "is_head",
-        "sid",
-        "waiter",
-    )
-
-    def __init__(self, conn: RawQuicTunnelProtocol, sid: int, is_head: bool = False) -> None:
-        self._conn = conn
-        self.sid = sid
-        self.is_head = is_head  # the answer to a HEAD request: a head without content
-        self._head: tuple[int, list[Header]] | None = None
-        self._parts: list[bytes] = []
-        self._ended = False
-        self._queued = False
-        # An upper bound of the stream's unacknowledged bytes (see `pylon.server.http3`).
-        self._unsure = 0
-        self.closed = False
-        self.waiter: asyncio.Future[None] | None = None
-
-    @property
-    def paused(self) -> bool:
-        if self._unsure <= SEND_HIGH_WATER:
-            return False
-        self._unsure = self._conn.backlog(self.sid)
-        return self._unsure > SEND_HIGH_WATER
+    __slots__ = ()
+    ABORT_CODE = STOP_UNKNOWN
 
     def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
         head = list(headers)  # normalised by the sender (`pylon.proxy.sink.ResponseSink.start`)
@@ -911,53 +879,12 @@ class RawResponder:
         self._head = (status, head)
         self._queue()
 
-    def write(self, data: bytes) -> None:
-        if data and not self.closed and not self.is_head:
-            self._parts.append(data)
-            self._unsure += len(data)
-            self._queue()
-
-    async def drain(self) -> None:
-        if self.closed or self._conn.backlog(self.sid) <= SEND_LOW_WATER:
-            return
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
-            self._unsure = self._conn.backlog(self.sid)
-
-    def wake(self, error: BaseException | None) -> None:
-        waiter = self.waiter
-        if waiter is None or waiter.done():
-            return
-        if error is None:
-            waiter.set_result(None)
-        else:
-            waiter.set_exception(error)
-            waiter.exception()  # retrieved: the drain may already be cancelled
-
-    def end(self) -> None:
-        self._ended = True
-        self._queue()
-
-    def abort(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._parts.clear()
-            self._conn._reset(self.sid, STOP_UNKNOWN)
-
-    def _queue(self) -> None:
-        if not self._queued and not self.closed:
-            self._queued = True
-            self._conn.schedule(self)
-
     def flush(self, layer: RawQuicLayer) -> None:
-        self._queued = False
         if self.closed:
+            self._queued = False
             return
-        ended, head, parts = self._ended, self._head, self._parts
-        self._head, self._parts = None, []
+        ended, head, parts = self._take()
+        conn = cast("RawQuicTunnelProtocol", self._conn)
         try:
             if head is not None:
                 layer.send_head(self.sid, head[0], head[1])
@@ -967,11 +894,11 @@ class RawResponder:
                 layer.end(self.sid)
         except StreamGone:
             self.closed = True  # the gateway reset the stream between the write and this flush
-            self._conn.forget_stream(self.sid)
+            conn.forget_stream(self.sid)
             return
         if ended:
             self.closed = True
-            self._conn.forget_stream(self.sid)
+            conn.forget_stream(self.sid)
 
 
 def raw_quic_protocol(

@@ -18,10 +18,9 @@ from pylon.core.errors import ClientError, ContractError, ErrorCode
 from pylon.core.head import pseudo_head
 from pylon.gateway.wire import FrameReader, RawBody, RawHeaders, decode_raw, encode_raw
 from pylon.proxy.sink import send_problem
+from pylon.server.quic_sink import SEND_HIGH_WATER, SEND_LOW_WATER
 from pylon.server.rawquic import (
     MAX_MAP_ENTRIES,
-    SEND_HIGH_WATER,
-    SEND_LOW_WATER,
     STOP_CANCELLED,
     DataReceived,
     HeadReceived,
