@@ -32,6 +32,8 @@ import pylsqpack
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import QuicEvent, StopSendingReceived, StreamDataReceived, StreamReset
 
+from pylon.server.quic_sink import StreamGone as StreamGone  # re-exported: raised here
+
 # A decoded field section, as QPACK gives it (`pylon.core.http` names one field `Header`).
 Fields = list[tuple[bytes, bytes]]
 
@@ -204,16 +206,6 @@ class SettingsReceived(H3Event):
     """The peer's SETTINGS (RFC 9114 7.2.4), unknown identifiers included."""
 
     settings: dict[int, int]
-
-
-class StreamGone(Exception):
-    """The stream can no longer carry what was sent: reset by us, STOP_SENDING from the peer, or
-    already ended. Raised by `H3Layer.send_headers` and `H3Layer.send_data`."""
-
-    def __init__(self, stream_id: int, reason: str) -> None:
-        super().__init__(f"stream {stream_id}: {reason}")
-        self.stream_id = stream_id
-        self.reason = reason
 
 
 class _ConnectionError(Exception):

@@ -20,6 +20,17 @@ SEND_LOW_WATER = 256 * 1024
 Head = TypeVar("Head")
 
 
+class StreamGone(Exception):
+    """The stream can no longer carry what was sent: reset by us, STOP_SENDING from the peer, or
+    already ended. Raised by either stream layer's send methods (`H3Layer.send_headers` /
+    `send_data`, `RawQuicLayer.send_head` / `send_data` / `end`)."""
+
+    def __init__(self, stream_id: int, reason: str) -> None:
+        super().__init__(f"stream {stream_id}: {reason}")
+        self.stream_id = stream_id
+        self.reason = reason
+
+
 class ResponderOwner(Protocol):
     """What a responder needs of its connection's protocol."""
 

@@ -49,7 +49,7 @@ from pylon.core.intake import AdmittedRequest
 from pylon.gateway.wire import RawBody, RawHeaders, WireError, decode_raw, encode_raw, framed_size
 from pylon.proxy import ResponseSink
 from pylon.server.quic_private import any_unacked, closing, limit_peer_bidi_streams, send_backlog
-from pylon.server.quic_sink import SEND_LOW_WATER, QuicResponder
+from pylon.server.quic_sink import SEND_LOW_WATER, QuicResponder, StreamGone
 from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
 
 PROTOCOL = "raw-quic"  # the `protocol` of pylon's transport events and exchanges
@@ -130,15 +130,6 @@ class StreamAborted(RawEvent):
     stream_id: int
     error_code: int
     by_reset: bool
-
-
-class StreamGone(Exception):
-    """The stream can no longer carry what was sent (reset, stopped by the peer, or ended)."""
-
-    def __init__(self, stream_id: int, reason: str) -> None:
-        super().__init__(f"stream {stream_id}: {reason}")
-        self.stream_id = stream_id
-        self.reason = reason
 
 
 class _Refused(Exception):
