@@ -198,11 +198,13 @@ class AuthorityLink:
                         lambda: _LinkProtocol(self), str(self._path)
                     )
             except (OSError, TimeoutError):
+                # A connection made just before the deadline: never served, dropped here.
+                self._lost("the connection did not complete in time")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
             try:
-                await self._serve(transport, protocol)
+                await self._serve(protocol)
             except asyncio.CancelledError:
                 self._closing = True  # pylon is stopping: nothing lost
                 raise
@@ -216,15 +218,18 @@ class AuthorityLink:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_MAX_S)
 
-    async def _serve(self, transport: asyncio.BaseTransport, protocol: _LinkProtocol) -> None:
-        # uvloop's Unix transports are not `asyncio.Transport` subclasses: only typed so.
-        transport = cast(asyncio.Transport, transport)
+    def adopt(self, transport: asyncio.Transport) -> None:
+        """A new connection, from its protocol's `connection_made`: before any frame of it is
+        read (uvloop may read the authority's first snapshot before `run` resumes from the
+        connect), so the snapshot always finds this connection's state, never the last one's."""
         self._transport = transport
         self._up = False
         self.generation += 1
         for booking in tuple(self.live.values()):
             self._queue([wire.PIN, booking.bid, booking.worker_id])
             booking.generation = self.generation
+
+    async def _serve(self, protocol: _LinkProtocol) -> None:
         # An authority says who is in rotation at once; a socket that does not is dead (e.g. a
         # listener that died under the connect).
         try:
@@ -314,7 +319,8 @@ class AuthorityLink:
         for future in pending.values():
             if not future.done():
                 future.set_exception(AuthorityAway(detail))
-        if self._closing or not self._up:
+        came_up, self._up = self._up, False
+        if self._closing or not came_up:
             return  # stopping, or a socket that never answered (a dying listener): no news
         self.counters["losses"] += 1
         self._observer.process_event(
@@ -414,6 +420,7 @@ class _LinkProtocol(asyncio.Protocol):
         # uvloop's Unix transports are not `asyncio.Transport` subclasses: only typed so.
         transport = cast(asyncio.Transport, transport)
         self._transport = transport
+        self._link.adopt(transport)
 
     def data_received(self, data: bytes) -> None:
         try:
