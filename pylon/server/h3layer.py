@@ -245,6 +245,7 @@ class _RequestStream:
         "forgotten",
         "frame_left",
         "frame_type",
+        "head_delivered",
         "partial",
         "phase",
         "received",
@@ -266,6 +267,7 @@ class _RequestStream:
         self.trailers: Fields | None = None
         self.receiving_ended = False
         self.forgotten = False  # the application is done with it; the layer drops it at the end
+        self.head_delivered = False  # a HeadersReceived of it was handed on
 
     def drop_buffers(self) -> None:
         self.partial = b""
@@ -510,6 +512,7 @@ class H3Layer:
         if at_end and stream.declared > 0:
             raise _Malformed(400, "request body shorter than its content-length")
         stream.phase = _ENDED if at_end else _BODY
+        stream.head_delivered = True
         events.append(HeadersReceived(stream.stream_id, headers, at_end))
 
     def _trailers(
@@ -849,6 +852,13 @@ class H3Layer:
             stream.forgotten = True
             stream.phase = _DROPPING
             stream.drop_buffers()
+
+    def head_delivered(self, stream_id: int) -> bool:
+        """A head of this stream was handed on (the application has, or had, the request): a
+        rejection of it that comes later in the same batch is for a request already answered
+        when the application forgot it meanwhile."""
+        stream = self._requests.get(stream_id)
+        return stream is not None and stream.head_delivered
 
     def _drop_input(self, stream_id: int) -> None:
         stream = self._requests.get(stream_id)

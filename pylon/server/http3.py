@@ -265,6 +265,10 @@ class Http3Protocol(QuicConnectionProtocol):
         # The layer already stopped reading this stream and drops the rest of its input.
         self._receiving.discard(sid)
         if self._table.get(sid) is None:
+            if self._http is not None and self._http.head_delivered(sid):
+                # Its head was answered already (e.g. refused at once) and the stream left the
+                # table before the rest of the batch: one answer, one record per request.
+                return
             if self._goaway_sent:
                 self._refuse_stream(sid)
                 return

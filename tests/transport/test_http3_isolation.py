@@ -10,6 +10,7 @@ from aioquic.h3.connection import ErrorCode
 
 from pylon.server.http3 import Http3Protocol
 from tests.h3client import CHAT, MODEL, H3Client, H3Response, chat, request_headers, sse_payloads
+from tests.observers import SeenObserver
 from tests.stack import StackFactory
 
 BASE = request_headers(extra=[("x-request-id", "bad-1"), ("x-model", MODEL)])
@@ -202,3 +203,20 @@ async def test_settings_advertise_the_header_limit_and_no_extended_connect(
         assert received is not None
         assert received[0x6] == 8192 + 32 * 50  # SETTINGS_MAX_FIELD_SECTION_SIZE
         assert 0x8 not in received  # SETTINGS_ENABLE_CONNECT_PROTOCOL
+
+
+async def test_one_answer_when_a_refused_head_is_followed_by_a_body_over_its_length(
+    make_stack: StackFactory,
+) -> None:
+    """The head is refused at once (no x-model) and the DATA after it in the same packet breaks
+    its content-length: the stream gets the head's answer, and there is one record, not a second
+    `malformed_request` with no request id."""
+    observer = SeenObserver()
+    stack = await make_stack("dynamo", observer=observer)
+    headers = [h for h in BASE if h[0] != b"x-model"]
+    headers = [(n, b"h3-once" if n == b"x-request-id" else v) for n, v in headers]
+    async with stack.connect() as client:
+        reply = await client.send([*headers, (b"content-length", b"2")], b'{"a": 1}').wait(3)
+        assert reply.status == 400 and reply.json()["code"] == "missing_model"
+        assert (await client.request(CHAT, chat())).status == 200
+    assert [seen for seen in observer.seen if seen[0] == "rejected"] == [("rejected", "h3-once")]
