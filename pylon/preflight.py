@@ -216,15 +216,15 @@ def _check_gateway_token_file(path: Path) -> None:
 
 
 def _check_gateway_ca(path: Path) -> None:
-    """The bundle the gateway's certificate is verified against: PEM certificates OpenSSL
-    loads (the reference Pylon reads it only at the first dial, so a bad one failed late)."""
-    from cryptography import x509
+    """The bundle the gateway's certificate is verified against: the same check every dial
+    makes (PEM certificates, a CA among them), and OpenSSL loads it (the reference Pylon reads
+    it only at the first dial, so a bad one failed late)."""
+    from pylon.gateway.tunnel import load_gateway_ca
 
-    data = _read("--gateway-ca", path)
     try:
-        x509.load_pem_x509_certificates(data)
-    except ValueError:
-        raise StartupError(f"--gateway-ca {path}: no PEM certificate in it") from None
+        load_gateway_ca(path)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         context.load_verify_locations(cafile=str(path))

@@ -145,7 +145,9 @@ def write_certificate(material: TlsMaterial, path: Path) -> None:
         raise TlsMaterialError(f"cannot write it: {exc.strerror or exc}") from None
 
 
-def _file_state(path: Path) -> tuple[int, int, int] | None:
+def file_state(path: Path) -> tuple[int, int, int] | None:
+    """What tells a file's new version from the one read: (mtime, size, inode); None when it
+    cannot be read. Every watched file of pylon (TLS pair, tokens, the gateway CA) uses it."""
     try:
         st = path.stat()
     except OSError:
@@ -318,7 +320,7 @@ class TlsIdentity:
     def _stat(self) -> tuple[object, object] | None:
         if self.cert_path is None or self.key_path is None:
             return None
-        return (_file_state(self.cert_path), _file_state(self.key_path))
+        return (file_state(self.cert_path), file_state(self.key_path))
 
     def check_reload(self) -> bool | None:
         """Reload if either file changed: True = new pair in use, False = refused, None = no
@@ -369,7 +371,7 @@ def check_client_ca(data: bytes, path: Path) -> None:
         certificates = x509.load_pem_x509_certificates(data)
     except ValueError:
         raise TlsMaterialError("no PEM certificate in it") from None
-    if not any(_is_ca(certificate) for certificate in certificates):
+    if not any(is_ca(certificate) for certificate in certificates):
         raise TlsMaterialError(
             "no CA certificate in it (basic constraints CA:TRUE), so no client certificate "
             "could ever be accepted"
@@ -383,7 +385,8 @@ def check_client_ca(data: bytes, path: Path) -> None:
     _client_verifier(path)
 
 
-def _is_ca(certificate: x509.Certificate) -> bool:
+def is_ca(certificate: x509.Certificate) -> bool:
+    """Basic constraints CA:TRUE."""
     try:
         return bool(certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
     except x509.ExtensionNotFound:

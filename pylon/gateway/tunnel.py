@@ -62,6 +62,7 @@ from pylon.gateway.board import GatewayBoard, TunnelTarget
 from pylon.observe import Observer
 from pylon.server.http3 import H3_ALPN, Http3Protocol
 from pylon.server.streams import Ingress
+from pylon.tls import file_state, is_ca
 
 TunnelProtocol = Literal["http3", "raw-quic"]
 DEFAULT_SNI = "stargate"  # the reference's SNI when the target names no host (an IP, localhost)
@@ -130,24 +131,9 @@ def load_gateway_ca(path: Path) -> bytes:
         certificates = x509.load_pem_x509_certificates(data)
     except ValueError:
         raise ValueError(f"--gateway-ca {path}: no PEM certificate in it") from None
-    if not any(_is_ca(certificate) for certificate in certificates):
+    if not any(is_ca(certificate) for certificate in certificates):
         raise ValueError(f"--gateway-ca {path}: no CA certificate in it (CA:TRUE)")
     return data
-
-
-def _is_ca(certificate: x509.Certificate) -> bool:
-    try:
-        return bool(certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
-    except x509.ExtensionNotFound:
-        return False
-
-
-def _file_state(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 class GatewayTrust:
@@ -166,7 +152,7 @@ class GatewayTrust:
         bundle was ever read."""
         if self._path is None:
             return None
-        state = _file_state(self._path)
+        state = file_state(self._path)
         if self._data is None or state != self._seen:
             self._seen = state
             try:

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 
 from pylon.preflight import StartupError, check_files, config_warnings, registered_url
 from pylon.settings import SettingsError, load_settings
-from tests.certs import make_ca
+from tests.certs import make_ca, make_leaf
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +128,10 @@ def test_gateway_files_are_checked_before_the_start(tmp_path: Path) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_text("not a certificate")
     with pytest.raises(StartupError, match="no PEM certificate"):
+        check_files(settings(**reverse, gateway_ca=str(ca)))
+    leaf, _ = make_leaf(make_ca("some CA"), "stargate")
+    ca.write_bytes(leaf)  # a server certificate, no CA: no dial could ever verify against it
+    with pytest.raises(StartupError, match="no CA certificate"):
         check_files(settings(**reverse, gateway_ca=str(ca)))
     cert, _ = make_ca()
     ca.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
