@@ -19,6 +19,7 @@ _UNIT_T = "tests/unit/test_gateway_registration.py"
 _E2E_T = "tests/gateway/test_gateway_e2e.py"
 _TUNNEL_T = "tests/gateway/test_reverse_tunnel.py"
 _RAW_T = "tests/transport/test_raw_quic_tunnel.py"
+_RAW_UNIT_T = "tests/unit/test_rawquic.py"
 
 MUTATIONS = [
     Mutation(
@@ -82,5 +83,23 @@ MUTATIONS = [
             "",
         ),
         {"core": (f"{_E2E_T}::test_drain_advertises_inactive_before_the_tunnel_closes",)},
+    ),
+    Mutation(
+        "raw-QUIC limits",
+        "a headers message over the header limit is read (not refused from its segment table)",
+        Never(RAW, "RawQuicLayer._check_size", "size > self._max_header"),
+        {"core": (f"{_RAW_UNIT_T}::test_oversized_headers_refused_at_the_segment_table",)},
+    ),
+    Mutation(
+        "raw-QUIC limits",
+        "a body message over its cap is taken",
+        Never(RAW, "RawQuicLayer._message", "len(data) > self._max_body"),
+        {"core": (f"{_RAW_UNIT_T}::test_body_message_over_its_cap_refused_413",)},
+    ),
+    Mutation(
+        "raw-QUIC limits",
+        "a map of any number of entries is taken",
+        Never(RAW, "RawQuicLayer._fields", "len(message.fields) > self._max_entries"),
+        {"core": (f"{_RAW_UNIT_T}::test_too_many_entries_431",)},
     ),
 ]
