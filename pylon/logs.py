@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import datetime
 import logging
 import sys
 from typing import Any
@@ -31,20 +32,28 @@ class _CorkedLines:
 
     An access line per request is on the hot path; a write syscall per line costs more than
     rendering it. Lines logged in one loop iteration go out in one write right after it (and at
-    once outside a loop, at exit, or past 256 lines), so nothing waits longer than a loop turn.
+    once outside a loop, at exit, or past `FLUSH_AT` bytes), so nothing waits longer than a
+    loop turn. They gather in one buffer: keeping each rendered line alive until the flush
+    costs more than rendering it (orjson's output is a fresh 1 KiB allocation each time,
+    reused only when it is freed at once; measured ~5 us a line against ~0.3).
     """
 
-    __slots__ = ("_lines", "_scheduled", "_stream")
+    __slots__ = ("_buffer", "_scheduled", "_stream")
+
+    FLUSH_AT = 64 * 1024
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
-        self._lines: list[bytes] = []
+        self._buffer = bytearray()
         self._scheduled = False
         atexit.register(self.flush)
 
     def write(self, line: bytes) -> None:
-        self._lines.append(line)
-        if len(self._lines) >= 256:
+        self._buffer += line
+        self._written()
+
+    def _written(self) -> None:
+        if len(self._buffer) >= self.FLUSH_AT:
             self.flush()
         elif not self._scheduled:
             try:
@@ -57,10 +66,10 @@ class _CorkedLines:
 
     def flush(self) -> None:
         self._scheduled = False
-        if not self._lines:
+        if not self._buffer:
             return
-        data = b"".join(self._lines)
-        self._lines.clear()
+        data = bytes(self._buffer)
+        self._buffer.clear()
         try:
             self._stream.write(data)
             self._stream.flush()
@@ -77,13 +86,55 @@ class _CorkedLogger:
         self._lines = lines
 
     def msg(self, message: bytes) -> None:
-        self._lines.write(message + b"\n")
+        lines = self._lines
+        lines._buffer += message
+        lines.write(b"\n")
 
     log = debug = info = warn = warning = msg
     err = error = critical = exception = fatal = failure = msg
 
 
 _CORKED: _CorkedLines | None = None
+
+
+class AccessLines:
+    """The access log's lines written straight as JSON bytes, without structlog's processor
+    chain: the same keys, values and order as the chain writes (a test holds the two equal),
+    at about a quarter of its instructions. One line per request is on the hot path; the chain
+    (a bound logger, three processors and a renderer, a dict copy in each) costs ~75k
+    instructions (~7 us) a line, this ~18k.
+
+    The timestamp is the chain's (ISO 8601, UTC, microseconds, `Z`: `datetime.isoformat`'s,
+    which orjson writes the same way, in C).
+    """
+
+    __slots__ = ("_lines", "_process")
+
+    def __init__(self, lines: _CorkedLines, process: int | str | None) -> None:
+        self._lines = lines
+        self._process = process
+
+    def write(self, event: str, level: str, fields: dict[str, Any]) -> None:
+        fields["event"] = event
+        if self._process is not None:
+            fields["process"] = self._process
+        fields["level"] = level
+        fields["timestamp"] = _now(_UTC)
+        lines = self._lines
+        lines._buffer += orjson.dumps(fields, option=_ACCESS_OPTIONS)
+        lines._written()
+
+
+_now = datetime.datetime.now
+_UTC = datetime.UTC
+_ACCESS_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_UTC_Z
+_ACCESS: AccessLines | None = None
+
+
+def access_lines() -> AccessLines | None:
+    """The access log's direct writer as configured now; None when the log is not JSON to a
+    byte stream (the access lines then go through structlog like any other)."""
+    return _ACCESS
 
 
 def _orjson_text(obj: Any, default: Any = None) -> str:
@@ -105,7 +156,8 @@ def configure_logging(log_format: str, log_level: str, process: int | str | None
     ]
     if process is not None:
         processors.insert(0, _ProcessField(process))
-    global _CORKED
+    global _CORKED, _ACCESS
+    _ACCESS = None
     factory: Any
     stream = getattr(sys.stderr, "buffer", None)
     if log_format == "json" and stream is not None:
@@ -118,6 +170,7 @@ def configure_logging(log_format: str, log_level: str, process: int | str | None
             _CORKED = _CorkedLines(stream)
         corked = _CORKED
         factory = lambda *_: _CorkedLogger(corked)  # noqa: E731
+        _ACCESS = AccessLines(corked, process)
     elif log_format == "json":  # a stderr without bytes underneath (embedded, replaced)
         processors += [
             structlog.processors.format_exc_info,

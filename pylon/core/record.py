@@ -43,6 +43,8 @@ class RequestRecord:
 
     __slots__ = (
         "attempts",
+        "bytes_received",
+        "bytes_sent",
         "dispatched_at",
         "done_at",
         "ends_prefill",
@@ -78,6 +80,11 @@ class RequestRecord:
         # reached at all to another).
         self.attempts = 0
         self.ends_prefill = False  # the first output ended a successful prefill
+        # Body bytes: of the request as the client sent it (0 when refused at its head, before
+        # the body was taken in), and of the response as the client got it (pylon's own
+        # problem body included); headers and framing not counted.
+        self.bytes_received = 0
+        self.bytes_sent = 0
         self.request_id: str | None = None
         self.model: str | None = None
         self.method = ""

@@ -73,7 +73,7 @@ class Exchange(RequestRecord):
         self.stream_id = stream_id
         self.head_at = head_at
         self.dispatched_at = self.first_byte_at = self.first_output_at = self.done_at = None
-        self.attempts = 0
+        self.attempts = self.bytes_received = self.bytes_sent = 0
         self.ends_prefill = False
         self.request_id = self.model = self.worker = self.engine_priority = None
         self.method = self.path = self.outcome = ""
@@ -114,7 +114,7 @@ class Exchange(RequestRecord):
             self.request_id = error.request_id
         if self.model is None:
             self.model = error.model  # refused at admission after `x-model` parsed
-        send_problem(sink, error)
+        self.bytes_sent += send_problem(sink, error)
         self.status = error.status
         self.outcome = error.code.value
         self.done_at = self._loop.time()
@@ -127,10 +127,16 @@ class Exchange(RequestRecord):
 
     # --- the way out (the proxy) ---
     def planned(
-        self, plan: ForwardPlan, gateway_input_tokens: int | None, entry: QueueEntry | None = None
+        self,
+        plan: ForwardPlan,
+        body_size: int,
+        gateway_input_tokens: int | None,
+        entry: QueueEntry | None = None,
     ) -> None:
         """The planner's plan: what was stripped, the engine priority pylon writes, the
-        gateway's input-token count; and the request's queue entry, which subscribes."""
+        gateway's input-token count; the size of the body the client sent; and the request's
+        queue entry, which subscribes."""
+        self.bytes_received = body_size
         self.stripped = plan.stripped
         self.engine_priority = plan.priority.value
         if gateway_input_tokens is not None:
@@ -221,6 +227,11 @@ class Exchange(RequestRecord):
         """How the exchange ended, when it was not an engine failure (a client that left or
         stopped reading, a shutdown)."""
         self.outcome = outcome
+
+    def sent(self, size: int) -> None:
+        """`size` more bytes of response body went to the client (told once per response, by
+        whatever sent it: a relay when it ends, however it ends, or a problem answer)."""
+        self.bytes_sent += size
 
     def count_tokens(self, previous: bytes, last: bytes, events: int | None) -> None:
         """The response's token counts: the engine's usage when its end (`previous` + `last`,

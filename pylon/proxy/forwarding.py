@@ -95,12 +95,12 @@ class Proxy:
                     check_input_tokens(request, len(body))
                 plan = self._planner.plan(request, body)
                 entry = self._queue.admit(request, len(plan.body), plan.stream_requested)
-                exchange.planned(plan, request.input_tokens, entry)
+                exchange.planned(plan, len(body), request.input_tokens, entry)
                 if entry.decision is not None:
                     self._queue_gate(exchange, entry.decision, request)  # raises a refusal
             else:
                 plan = self._planner.plan_health(request)
-                exchange.planned(plan, None)
+                exchange.planned(plan, len(body), None)
             booking = await self._router.book(plan)
             exchange.booked(booking)
             # The span (when tracing) carries its own trace context to the engine.
@@ -215,7 +215,7 @@ class Proxy:
                 else ErrorCode.UPSTREAM_PROTOCOL_ERROR
             )
             error = UpstreamError(str(exc), code=code, request_id=plan.request_id)
-            send_problem(exchange.sink, error)
+            exchange.sent(send_problem(exchange.sink, error))
             exchange.failed(error, code.value, after_head=False)
         finally:
             if attempt is not None:
@@ -244,7 +244,8 @@ class Proxy:
         error = UpstreamError(str(exc), code=code, request_id=exchange.request_id)
         # Busy: the engine never saw the request, so another node may take it. A refused
         # connection is retryable only where the operator says so.
-        send_problem(exchange.sink, error, None if busy else local_connect_failure(self._retry))
+        mark = None if busy else local_connect_failure(self._retry)
+        exchange.sent(send_problem(exchange.sink, error, mark))
         exchange.failed(error, code.value, after_head=False)
 
     def _response_head(self, exchange: Exchange, attempt: Attempt) -> ResponseHead:

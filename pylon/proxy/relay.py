@@ -84,7 +84,7 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
     counting = exchange.counts_output
     seen_output = False
     failure: PylonError | None = None
-    events = 0
+    events = sent = 0
     previous = last = b""  # the last two blocks: where a usage report is
     try:
         while (chunk := await attempt.next_chunk()) is not None:
@@ -92,6 +92,7 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
             if not block:
                 continue
             sink.write(block)
+            sent += len(block)
             count = data_events(block)
             events += count
             previous, last = last, block
@@ -123,9 +124,12 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
         attempt.fail(UpstreamBroken(str(exc)))  # the connection cannot be reused
     finally:
         exchange.count_tokens(previous, last, events)
+        exchange.sent(sent)
     if failure is not None:
         failure.request_id = exchange.request_id
-        sink.write(error_event(sse_error_payload(failure)))
+        event = error_event(sse_error_payload(failure))
+        sink.write(event)
+        exchange.sent(len(event))
     sink.end()
     return failure
 
@@ -142,6 +146,7 @@ async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits)
     sink.start(head.status, head.fields, head.content_length)
     gap = limits.output_gap_timeout
     previous = last = b""  # the last two pieces of the body: where a usage report is
+    sent = 0
     try:
         while True:
             if attempt.ready:
@@ -153,6 +158,7 @@ async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits)
             if chunk is None:
                 break
             sink.write(chunk)
+            sent += len(chunk)
             previous, last = last, chunk
             if sink.paused:
                 reason = "the response body stopped arriving"
@@ -168,6 +174,8 @@ async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits)
         sink.abort()
         error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
         raise AlreadyAnswered("upstream_broken_mid_body", error) from None
+    finally:
+        exchange.sent(sent)
     sink.end()  # (the exchange's end stops its clock)
     if last:
         exchange.count_tokens(previous, last, None)

@@ -51,9 +51,9 @@ class ResponseSink(Protocol):
         ...
 
 
-def send_problem(sink: ResponseSink, error: PylonError, mark: RetryMark | None = None) -> None:
+def send_problem(sink: ResponseSink, error: PylonError, mark: RetryMark | None = None) -> int:
     """Answer with pylon's RFC 9457 problem, the request's id and its retry marking, as one
-    complete response."""
+    complete response; returns the body's size."""
     body = problem_body(error, error.request_id)
     headers = list(PROBLEM_HEADERS)
     headers += echo_request_id(error.request_id)
@@ -63,3 +63,4 @@ def send_problem(sink: ResponseSink, error: PylonError, mark: RetryMark | None =
     sink.start(error.status, headers, len(body))
     sink.write(body)
     sink.end()
+    return len(body)

@@ -39,9 +39,9 @@ UP=$!
 # shellcheck disable=SC2086  # EXTRA is a list of arguments
 (cd "$WORK" && PYTHONPATH=$TREE exec valgrind --tool=callgrind --callgrind-out-file="$WORK/cg" \
   "$PYTHON" -m pylon serve --listen "127.0.0.1:$PY_PORT" --upstream "http://127.0.0.1:$UP_PORT" \
-  --backend dynamo --log-level warning $EXTRA >"$WORK/log" 2>&1) &
+  --backend dynamo --log-level "${LOG_LEVEL:-warning}" $EXTRA >"$WORK/log" 2>&1) &
 PY=$!
-trap 'kill $PY $UP 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"' EXIT
+trap 'kill $PY $UP 2>/dev/null; wait 2>/dev/null; [ -n "${KEEP:-}" ] && cp "$WORK"/cg.* "$KEEP"/ 2>/dev/null; rm -rf "$WORK"' EXIT
 for _ in $(seq 240); do curl -s -o /dev/null "http://127.0.0.1:$PY_PORT/" && break; sleep 0.5; done
 
 STREAMED=false

@@ -189,3 +189,45 @@ async def test_a_refusal_while_starting_carries_the_model(make_stack: StackFacto
     assert stack.running.admin_url is not None
     counts = requests_by_model((await stack.client.get(f"{stack.running.admin_url}/metrics")).text)
     assert counts == {("_unpublished", "5xx"): 1}
+
+
+class Ends(Lines):
+    """Keeps every ended request's record, whether it was relayed or refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended: dict[str | None, RequestRecord] = {}
+
+    def complete(self, record: RequestRecord) -> None:
+        super().complete(record)
+        self.ended[record.request_id] = record
+
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        super().rejected(record, error)
+        self.ended[record.request_id] = record
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_the_access_line_counts_the_body_bytes_each_way(
+    make_stack: StackFactory, protocol: str
+) -> None:
+    """`bytes_received`: the request body as the client sent it (0 for a request refused at
+    its head, whose body was never taken in); `bytes_sent`: the response body the client got
+    (a whole reply, an event stream, pylon's own problem)."""
+    observer = Ends()
+    stack = await make_stack("dynamo", observer=observer)
+    streamed = json.dumps({**json.loads(BODY), "stream": True, "priority": 3}).encode()
+    cases = [
+        ("whole", [("x-model", MODEL)], BODY, 200),
+        ("events", [("x-model", MODEL)], streamed, 200),
+        ("problem", [], BODY, 400),  # no x-model: pylon's own answer, before any engine
+    ]
+    for request_id, extra, body, status in cases:
+        reply = await stack.send(protocol, CHAT, [("x-request-id", request_id), *extra], body)
+        assert reply.status == status, (request_id, reply)
+        assert reply.body  # something to count
+        if request_id == "events":
+            assert reply.body.endswith(b"data: [DONE]\n\n")
+        record = observer.ended[request_id]
+        assert record.bytes_sent == len(reply.body), request_id
+        assert record.bytes_received == (0 if status == 400 else len(body)), request_id

@@ -118,6 +118,7 @@ def observer() -> tuple[LogObserver, Recorder, Clock]:
     log = LogObserver(clock=clock)
     recorder = Recorder()
     log._log = log._lifecycle_log = recorder
+    log._access = None  # the access lines too, not straight to stderr
     return log, recorder, clock
 
 
