@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -31,13 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
 
-from loadgen import PATH, body, probe, run_wrk
+from loadgen import H2Load, h2_probe, probe, run_h2load, run_wrk
 from procs import ProcessGroup, cpu_seconds, free_port, start_listening, wait_port
 from proxies import pylon_spec
 
 TOKENS_PER_STREAM = 20
-_FINISHED = re.compile(r"finished in ([\d.]+)(m?s), ([\d.]+) req/s")
-_REQUESTS = re.compile(r"requests: (\d+) total, \d+ started, (\d+) done, (\d+) succeeded")
 
 
 @dataclass(frozen=True)
@@ -70,56 +66,6 @@ class Row:
     status: str = "ok"
 
 
-def h2load_argv(
-    port: int, load: Load, stream: bool, seconds: int, log: Path, data: Path
-) -> list[str]:
-    argv = [
-        "h2load",
-        f"-c{load.clients}",
-        f"-m{load.streams}",
-        "-t1",
-        f"-D{seconds}",
-        "-d",
-        str(data),
-        "-H",
-        "content-type: application/json",
-        "-H",
-        "x-model: mock-model",
-        "-H",
-        "x-request-id: bench-h2",
-        f"--log-file={log}",
-    ]
-    if load.h1:
-        argv.append("--h1")
-    return [*argv, f"http://127.0.0.1:{port}{PATH}"]
-
-
-def run_h2load(port: int, load: Load, stream: bool, seconds: int, workdir: Path) -> Row:
-    data = workdir / ("stream.json" if stream else "nonstream.json")
-    data.write_bytes(body(stream))
-    log = workdir / "h2load.log"
-    log.unlink(missing_ok=True)
-    argv = h2load_argv(port, load, stream, seconds, log, data)
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60, check=False)
-    row = Row(mode="", load=load.label)
-    finished, counts = _FINISHED.search(out.stdout), _REQUESTS.search(out.stdout)
-    if out.returncode != 0 or finished is None or counts is None:
-        row.status = f"FAILED: h2load rc={out.returncode}: {(out.stdout + out.stderr)[-300:]}"
-        return row
-    row.rps = float(finished.group(3))
-    row.requests = int(counts.group(2))
-    row.failed = int(counts.group(2)) - int(counts.group(3))
-    durations = sorted(
-        int(line.split("\t")[2]) for line in log.read_text().splitlines() if line.count("\t") >= 2
-    )
-    if durations:
-        row.p50_ms = durations[len(durations) // 2] / 1e3
-        row.p99_ms = durations[min(len(durations) - 1, int(len(durations) * 0.99))] / 1e3
-    if row.failed:
-        row.status = f"FAILED: {row.failed} non-2xx or errored requests"
-    return row
-
-
 def run_load(args: argparse.Namespace, port: int, pid: int, load: Load, stream: bool) -> Row:
     workdir: Path = args.workdir
 
@@ -129,7 +75,16 @@ def run_load(args: argparse.Namespace, port: int, pid: int, load: Load, stream: 
             row = Row(mode="", load=load.label, rps=res.rps, requests=res.requests)
             row.p50_ms, row.p99_ms, row.failed = res.p50_ms, res.p99_ms, res.error_count
             return row
-        return run_h2load(port, load, stream, seconds, workdir)
+        try:
+            load_of = H2Load(load.clients, load.streams, load.h1)
+            res = run_h2load(port, stream, seconds, load_of, workdir)
+        except RuntimeError as exc:
+            return Row(mode="", load=load.label, status=f"FAILED: {exc}")
+        row = Row(mode="", load=load.label, rps=res.rps, requests=res.requests)
+        row.p50_ms, row.p99_ms, row.failed = res.p50_ms, res.p99_ms, res.error_count
+        if row.failed:
+            row.status = f"FAILED: {row.failed} non-2xx or errored requests"
+        return row
 
     if args.warmup:
         once(args.warmup)
@@ -140,20 +95,6 @@ def run_load(args: argparse.Namespace, port: int, pid: int, load: Load, stream: 
     if row.requests:
         row.pylon_cpu_us_per_req = used * 1e6 / row.requests
     return row
-
-
-def h2_probe(port: int, stream: bool, workdir: Path) -> None:
-    """One request over h2c with nghttp2's client: 200, and (SSE) terminated by [DONE]."""
-    data = workdir / "probe.json"
-    data.write_bytes(body(stream))
-    argv = [
-        "nghttp", "-H", "x-model: mock-model", "-H", "x-request-id: probe",
-        "-H", "content-type: application/json", "-d", str(data),
-        f"http://127.0.0.1:{port}{PATH}",
-    ]  # fmt: skip
-    out = subprocess.run(argv, capture_output=True, timeout=30, check=False)
-    if out.returncode != 0 or (stream and b"data: [DONE]" not in out.stdout):
-        raise RuntimeError(f"h2 probe failed: {out.stdout[-200:]!r} {out.stderr[-200:]!r}")
 
 
 def markdown(rows: list[Row]) -> str:

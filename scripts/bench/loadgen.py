@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -105,3 +106,77 @@ def probe(port: int, stream: bool) -> int:
     if not events or events[-1].strip() != b"data: [DONE]":
         raise RuntimeError(f"probe stream not terminated by [DONE]: {payload[-200:]!r}")
     return len(events) - 1
+
+
+_H2LOAD_FINISHED = re.compile(r"finished in ([\d.]+)(m?s), ([\d.]+) req/s")
+_H2LOAD_REQUESTS = re.compile(r"requests: (\d+) total, \d+ started, (\d+) done, (\d+) succeeded")
+
+
+@dataclass(frozen=True)
+class H2Load:
+    """An h2load load: `clients` connections of `streams` concurrent streams each (h2c, prior
+    knowledge), or HTTP/1.1 (`h1`); `rps`: a fixed rate per connection (h2load --rps)."""
+
+    clients: int
+    streams: int = 1
+    h1: bool = False
+    rps: float | None = None
+
+
+def run_h2load(port: int, stream: bool, seconds: int, load: H2Load, workdir: Path) -> WrkResult:
+    """Run h2load (-t1) for `seconds` against 127.0.0.1:port; p50/p99 from its per-request
+    log. Failed or non-2xx requests are counted in `errors`."""
+    data = workdir / ("stream.json" if stream else "nonstream.json")
+    data.write_bytes(body(stream))
+    log = workdir / "h2load.log"
+    log.unlink(missing_ok=True)
+    argv = [
+        "h2load", f"-c{load.clients}", f"-m{load.streams}", "-t1", f"-D{seconds}",
+        "-d", str(data), "-H", "content-type: application/json",
+        "-H", "x-model: mock-model", "-H", "x-request-id: bench-h2", f"--log-file={log}",
+    ]  # fmt: skip
+    if load.h1:
+        argv.append("--h1")
+    if load.rps is not None:
+        argv.append(f"--rps={load.rps:g}")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(
+        [*argv, f"http://127.0.0.1:{port}{PATH}"],
+        capture_output=True, text=True, timeout=seconds + 60, check=False,
+    )  # fmt: skip
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    finished = _H2LOAD_FINISHED.search(out.stdout)
+    counts = _H2LOAD_REQUESTS.search(out.stdout)
+    if out.returncode != 0 or finished is None or counts is None:
+        raise RuntimeError(f"h2load rc={out.returncode}: {(out.stdout + out.stderr)[-300:]}")
+    done, succeeded = int(counts.group(2)), int(counts.group(3))
+    durations = sorted(
+        int(line.split("\t")[2]) for line in log.read_text().splitlines() if line.count("\t") >= 2
+    )
+    statuses = [line.split("\t")[1] for line in log.read_text().splitlines() if "\t" in line]
+    bad = sum(1 for status in statuses if not status.startswith("2"))
+    elapsed = float(finished.group(1)) / (1000 if finished.group(2) == "ms" else 1)
+    return WrkResult(
+        requests=done,
+        duration_s=elapsed,
+        p50_ms=durations[len(durations) // 2] / 1e3 if durations else 0.0,
+        p99_ms=durations[min(len(durations) - 1, int(len(durations) * 0.99))] / 1e3
+        if durations
+        else 0.0,
+        errors={"failed": done - succeeded, "status": bad} if done - succeeded or bad else {},
+        loadgen_cpu_s=(after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+    )
+
+
+def h2_probe(port: int, stream: bool, workdir: Path) -> None:
+    """One request over h2c with nghttp2's client: 200, and (SSE) terminated by [DONE]."""
+    data = workdir / "probe.json"
+    data.write_bytes(body(stream))
+    argv = [
+        "nghttp", "-H", "x-model: mock-model", "-H", "x-request-id: probe",
+        "-H", "content-type: application/json", "-d", str(data),
+        f"http://127.0.0.1:{port}{PATH}",
+    ]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, timeout=30, check=False)
+    if out.returncode != 0 or (stream and b"data: [DONE]" not in out.stdout):
+        raise RuntimeError(f"h2 probe failed: {out.stdout[-200:]!r} {out.stderr[-200:]!r}")
