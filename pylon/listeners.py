@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pylon.assemble import Core, quic_options
 from pylon.server.http1 import Http1Connection
-from pylon.server.http2 import Http2Connection, ProtocolSwitch
+from pylon.server.http2 import Http2Connection, ProtocolSwitch, select_codec
 from pylon.settings import Settings, split_host_port
 from pylon.startup import StartupError, cannot_listen
 
@@ -98,6 +98,8 @@ class Listeners:
     admin: AdminServer | None = None  # None when the admin listener is disabled
     admin_address: str | None = None  # the admin listener, host:port
     identity: TlsIdentity | None = None  # the TLS listeners' identity (SIGHUP re-reads it)
+    http2_codec: str = "h2"  # the HTTP/2 codec in use (--http2-codec)
+    http2_fallback: str | None = None  # --http2-codec auto: why it is not ngh2
 
     @property
     def busy(self) -> bool:
@@ -133,8 +135,12 @@ async def start_listeners(
     admin, admin_address = await start_admin(settings, core, stack, inherited)
     identity = tls_identity(settings, stack, core.observer, inherited)
     live = LiveConnections()
-    server, address, tls = await start_tcp(settings, core, live, identity, stack, inherited)
+    http2_class, http2_fallback = select_codec(settings.http2_codec)
+    server, address, tls = await start_tcp(
+        settings, core, live, identity, stack, inherited, http2_class
+    )
     listeners = Listeners(address, f"{'https' if tls else 'http'}://{address}", live, server)
+    listeners.http2_codec, listeners.http2_fallback = http2_class.codec, http2_fallback
     listeners.admin, listeners.admin_address = admin, admin_address
     listeners.identity = identity
     if settings.quic_listen is not None:
@@ -222,6 +228,7 @@ async def start_tcp(
     identity: TlsIdentity | None,
     stack: AsyncExitStack,
     inherited: Inherited | None = None,
+    http2_class: type[Http2Connection] = Http2Connection,
 ) -> tuple[asyncio.AbstractServer, str, bool]:
     """The TCP listener, TLS with `--tls-cert`: the server, its bound host:port, and whether
     it speaks TLS. With `inherited`, on the socket the supervisor bound."""
@@ -230,7 +237,7 @@ async def start_tcp(
         context = tcp_ssl_context(identity)
     host, port = settings.listen_host_port
     loop = asyncio.get_running_loop()
-    factory = tcp_protocol_factory(core, live)
+    factory = tcp_protocol_factory(core, live, http2_class)
     try:
         if inherited is not None:
             server = await loop.create_server(
@@ -247,14 +254,17 @@ async def start_tcp(
     return server, host_port(bound[0], bound[1]), context is not None
 
 
-def tcp_protocol_factory(core: Core, live: LiveConnections) -> Callable[[], asyncio.Protocol]:
-    """HTTP/1.1 and HTTP/2 share the TCP port: `ProtocolSwitch` picks one per connection."""
+def tcp_protocol_factory(
+    core: Core, live: LiveConnections, http2_class: type[Http2Connection] = Http2Connection
+) -> Callable[[], asyncio.Protocol]:
+    """HTTP/1.1 and HTTP/2 share the TCP port: `ProtocolSwitch` picks one per connection.
+    `http2_class`: the HTTP/2 codec's connection (`select_codec`, --http2-codec)."""
 
     def http1() -> asyncio.Protocol:
         return live.add(Http1Connection(core.ingress))
 
     def http2() -> asyncio.Protocol:
-        return live.add(Http2Connection(core.ingress))
+        return live.add(http2_class(core.ingress))
 
     return lambda: ProtocolSwitch(http1, http2, core.limits.stall_timeout, core.lifecycle)
 

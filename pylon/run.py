@@ -429,6 +429,8 @@ def _announce(
         backend=settings.backend,
         derive_priority=settings.derive_priority,
         routing=settings.routing,
+        http2_codec=listeners.http2_codec,
+        **({"http2_codec_fallback": listeners.http2_fallback} if listeners.http2_fallback else {}),
         workers=[w.label for w in routing.fleet.workers] if routing is not None else None,
         **(
             {"catalogue_digest": routing.fleet.digest, "catalogue": routing.catalogue_source}

@@ -51,6 +51,7 @@ from pylon.core.intake import AdmittedRequest
 from pylon.lifecycle import Lifecycle
 from pylon.proxy import ResponseSink
 from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
+from pylon.startup import StartupError
 from pylon.timers import Deadline
 
 KiB = 1024
@@ -178,19 +179,7 @@ class Http2Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self._observer = ingress.proxy.observer
         self._table = StreamTable("h2", self, ingress, self.loop)
-        self._h2 = _H2Connection(
-            H2Configuration(
-                client_side=False,
-                header_encoding=None,
-                validate_inbound_headers=False,
-                normalize_inbound_headers=False,
-                # What we send is pylon's own head or the engine's, already sanitized (no
-                # connection-specific fields) and lowercased here; httptools has already
-                # refused CR/LF/NUL in the engine's values. h2's re-check costs per response.
-                validate_outbound_headers=False,
-                normalize_outbound_headers=False,
-            )
-        )
+        self._init_codec()
         self._transport: asyncio.Transport | None = None
         self._streams: dict[int, H2Stream] = {}  # streams with a response still to send
         self._flush_scheduled = False
@@ -276,6 +265,50 @@ class Http2Connection(asyncio.Protocol):
     def write_paused(self) -> bool:
         return self._write_paused
 
+    # --- the codec: h2 here; `pylon.server.http2_ngh2.Ngh2Connection` overrides each hook ---
+    codec = "h2"
+    # What a send to the codec raises in a state we did not foresee (the stream fails alone).
+    _SEND_ERRORS: tuple[type[Exception], ...] = (ProtocolError,)
+
+    def _init_codec(self) -> None:
+        self._h2 = _H2Connection(
+            H2Configuration(
+                client_side=False,
+                header_encoding=None,
+                validate_inbound_headers=False,
+                normalize_inbound_headers=False,
+                # What we send is pylon's own head or the engine's, already sanitized (no
+                # connection-specific fields) and lowercased here; httptools has already
+                # refused CR/LF/NUL in the engine's values. h2's re-check costs per response.
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
+            )
+        )
+
+    def _send_room(self, stream_id: int) -> int:
+        """Bytes one DATA frame of this stream may carry now (the windows, the frame size)."""
+        h2 = self._h2
+        return min(h2.local_flow_control_window(stream_id), h2.max_outbound_frame_size)
+
+    def _send_data(self, stream_id: int, chunk: bytes, end: bool) -> None:
+        self._h2.send_data(stream_id, chunk, end_stream=end)
+
+    def _send_end(self, stream_id: int) -> None:
+        self._h2.end_stream(stream_id)
+
+    def _submit_head(self, stream_id: int, fields: list[Header]) -> None:
+        self._h2.send_headers(stream_id, fields)
+
+    def _terminate(self, error_code: int = 0, last_stream_id: int | None = None) -> None:
+        """The final GOAWAY (the codec sends nothing after it)."""
+        self._h2.close_connection(error_code=error_code, last_stream_id=last_stream_id)
+
+    def _highest_inbound(self) -> int:
+        return self._h2.highest_inbound_stream_id
+
+    def _output(self) -> bytes:
+        return self._h2.data_to_send()
+
     # --- setup ---
     def _start_h2(self) -> None:
         limits = self._limits
@@ -308,7 +341,7 @@ class Http2Connection(asyncio.Protocol):
         if isinstance(event, DataReceived):
             self._on_data(event)
         elif isinstance(event, RequestReceived):
-            self._on_request(event)
+            self._on_request(event.stream_id, event.headers, event.stream_ended is not None)
         elif isinstance(event, StreamEnded):
             self._on_end(event.stream_id)
         elif isinstance(event, WindowUpdated):
@@ -318,7 +351,7 @@ class Http2Connection(asyncio.Protocol):
                 return
             self._on_window(event.stream_id)
         elif isinstance(event, StreamReset):
-            self._on_reset(event)
+            self._on_reset(event.stream_id)
         elif isinstance(event, MalformedStream):
             self._on_malformed(event)
         elif isinstance(event, PingReceived):
@@ -339,24 +372,22 @@ class Http2Connection(asyncio.Protocol):
         elif isinstance(event, ConnectionTerminated):
             self._shutdown()
 
-    def _on_request(self, event: RequestReceived) -> None:
-        sid = event.stream_id
+    def _on_request(self, sid: int, headers: Sequence[Header], ended: bool) -> None:
         if self._goaway_sent is not None and sid > self._goaway_sent:
             # Opened after our GOAWAY: refused, so the client retries it elsewhere (RFC 9113 6.8).
-            self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            self._reset_quietly(sid, ErrorCodes.REFUSED_STREAM)
             return
         if len(self._streams) >= self._limits.max_streams:
             # Over the advertised limit: refuse this stream, keep the connection and the
             # streams already running on it. A client that keeps doing it is flooding.
-            self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            self._reset_quietly(sid, ErrorCodes.REFUSED_STREAM)
             if self._refused.hit(self.loop.time()):
                 self._enhance_your_calm("refused_stream_flood")
             return
         self._timer.disarm()
         response = self._streams[sid] = H2Stream(self, sid)
-        ended = event.stream_ended is not None
         response.remote_ended = ended
-        self._table.header_block(sid, event.headers, ended)
+        self._table.header_block(sid, headers, ended)
 
     def _on_data(self, event: DataReceived) -> None:
         sid = event.stream_id
@@ -396,8 +427,7 @@ class Http2Connection(asyncio.Protocol):
         )
         self._table.malformed(sid, malformed(event.reason))
 
-    def _on_reset(self, event: StreamReset) -> None:
-        sid = event.stream_id
+    def _on_reset(self, sid: int) -> None:
         request_id = self._table.request_id(sid)
         stream = self._streams.pop(sid, None)
         if stream is not None:
@@ -450,8 +480,8 @@ class Http2Connection(asyncio.Protocol):
         if length is not None:
             fields.append((b"content-length", str(length).encode("ascii")))
         try:
-            self._h2.send_headers(stream.id, fields)
-        except ProtocolError as exc:
+            self._submit_head(stream.id, fields)
+        except self._SEND_ERRORS as exc:
             # A state we did not foresee: fail this stream only.
             self._observer.transport_event(
                 "h2_response_head_refused",
@@ -474,11 +504,10 @@ class Http2Connection(asyncio.Protocol):
         """Send what the peer's windows allow, in frames no larger than it accepts."""
         if stream.closed or self._closed:
             return
-        h2 = self._h2
         pending = stream.pending
         ended = False
         while pending:
-            room = min(h2.local_flow_control_window(stream.id), h2.max_outbound_frame_size)
+            room = self._send_room(stream.id)
             if room <= 0:
                 break
             chunk = pending[0]
@@ -489,16 +518,16 @@ class Http2Connection(asyncio.Protocol):
                 chunk = chunk[:room]
             stream.pending_bytes -= len(chunk)
             ended = stream.ending and not pending
-            h2.send_data(stream.id, chunk, end_stream=ended)
+            self._send_data(stream.id, chunk, ended)
             self._data_frames_sent += 1
         if not pending and stream.ending:
             if not ended:
-                h2.end_stream(stream.id)
+                self._send_end(stream.id)
             self._finish(stream)
         else:
             stream.wake()
 
-    def reset(self, stream: H2Stream, code: ErrorCodes) -> None:
+    def reset(self, stream: H2Stream, code: int) -> None:
         """Reset a stream pylon cannot finish (the proxy's abort, a crash)."""
         if stream.closed:
             return
@@ -522,7 +551,7 @@ class Http2Connection(asyncio.Protocol):
         self._table.forget(stream.id)
         self._maybe_idle()
 
-    def _reset_quietly(self, stream_id: int, code: ErrorCodes) -> None:
+    def _reset_quietly(self, stream_id: int, code: int) -> None:
         # Our events can lag h2's state (one read may carry HEADERS, DATA and END_STREAM), so the
         # stream may already be closed at h2's level; then there is nothing left to reset.
         if not self._closed:
@@ -548,7 +577,7 @@ class Http2Connection(asyncio.Protocol):
         """
         if self._closed or self._goaway_sent is not None:
             return
-        last = self._h2.highest_inbound_stream_id
+        last = self._highest_inbound()
         self._goaway_sent = last
         self._flush()
         if self._transport is not None and not self._transport.is_closing():
@@ -561,12 +590,12 @@ class Http2Connection(asyncio.Protocol):
     def close_now(self) -> None:
         """The grace period is over: stop what still runs (outcome `shutdown`) and close."""
         if not self._closed:
-            self._h2.close_connection()
+            self._terminate()
             self._shutdown(SHUTDOWN)
 
     def _close_if_drained(self) -> None:
         if self._goaway_sent is not None and not self._streams and not self._closed:
-            self._h2.close_connection(last_stream_id=self._goaway_sent)
+            self._terminate(last_stream_id=self._goaway_sent)
             self._shutdown(SHUTDOWN)
 
     @property
@@ -583,14 +612,14 @@ class Http2Connection(asyncio.Protocol):
         if self._closed:
             return
         self._observer.transport_event("h2_flood", "h2", kind=kind, streams=len(self._streams))
-        self._h2.close_connection(error_code=ErrorCodes.ENHANCE_YOUR_CALM)
+        self._terminate(ErrorCodes.ENHANCE_YOUR_CALM)
         self._shutdown()
 
     def _idle(self) -> None:
         if self._streams or self._closed:
             return
         self._observer.transport_event("client_timeout", "h2", timer="idle")
-        self._h2.close_connection()
+        self._terminate()
         self._shutdown()
 
     def _shutdown(self, reason: str = CLIENT_GONE) -> None:
@@ -623,7 +652,7 @@ class Http2Connection(asyncio.Protocol):
             for stream in dirty.values():
                 try:
                     self.pump(stream)
-                except ProtocolError as exc:  # a state we did not foresee: fail the stream only
+                except self._SEND_ERRORS as exc:  # a state we did not foresee: fail the stream only
                     self._observer.transport_event(
                         "h2_send_failed",
                         "h2",
@@ -632,9 +661,27 @@ class Http2Connection(asyncio.Protocol):
                         detail=str(exc),
                     )
                     self._fail(stream)
-        data = self._h2.data_to_send()
+        data = self._output()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
+
+
+def select_codec(choice: str) -> tuple[type[Http2Connection], str | None]:
+    """`--http2-codec`: the connection class, and (with `auto`) why ngh2 was not taken.
+
+    `h2` is h2; `ngh2` is ngh2 or a refusal to start (`StartupError`), never a silent h2;
+    `auto` is ngh2 where it imports and passes its start check, else h2 with the reason."""
+    if choice == "h2":
+        return Http2Connection, None
+    try:
+        from pylon.server.http2_ngh2 import Ngh2Connection, check_codec
+
+        check_codec()
+    except (ImportError, RuntimeError) as exc:
+        if choice == "ngh2":
+            raise StartupError(f"--http2-codec ngh2: cannot use ngh2 ({exc})") from None
+        return Http2Connection, f"ngh2 unavailable ({exc})"
+    return Ngh2Connection, None
 
 
 def _closed_sink(conn: Http2Connection, stream_id: int) -> H2Stream:

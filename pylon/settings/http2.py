@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from pylon.settings.topics import HTTP2, MiB, group
@@ -23,4 +25,10 @@ class Http2Settings(BaseModel):
         le=2**31 - 1,
         description="HTTP/2 per-stream receive window (bytes)",
         json_schema_extra=group(HTTP2, "BYTES"),
+    )
+    http2_codec: Literal["auto", "ngh2", "h2"] = Field(
+        "h2",
+        description="HTTP/2 framing and HPACK: h2 (pure Python), ngh2 (libnghttp2; refuses to"
+        " start without it) or auto (ngh2 where it imports, else h2; the listening line says)",
+        json_schema_extra=group(HTTP2),
     )

@@ -86,17 +86,27 @@ async def test_http1_pipelined_requests_in_one_write_are_parsed_one_turn_at_a_ti
 
 @pytest.fixture
 def h2_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The size of every piece of input pylon's HTTP/2 connections hand h2 at once (h2 parses
-    a whole piece into events in one go)."""
+    """The size of every piece of input pylon's HTTP/2 connections hand their codec at once
+    (h2 and ngh2 both parse a whole piece into events in one go), whichever codec runs."""
     sizes: list[int] = []
-    receive = http2._H2Connection.receive_data
+    for codec in codec_classes():
+        receive = codec.__dict__["_receive"]
 
-    def recording(self: Any, data: bytes) -> Any:
-        sizes.append(len(data))
-        return receive(self, data)
+        def recording(self: Any, data: bytes, receive: Any = receive) -> Any:
+            sizes.append(len(data))
+            return receive(self, data)
 
-    monkeypatch.setattr(http2._H2Connection, "receive_data", recording)
+        monkeypatch.setattr(codec, "_receive", recording)
     return sizes
+
+
+def codec_classes() -> list[type[http2.Http2Connection]]:
+    classes: list[type[http2.Http2Connection]] = [http2.Http2Connection]
+    try:
+        from pylon.server.http2_ngh2 import Ngh2Connection
+    except ImportError:
+        return classes
+    return [*classes, Ngh2Connection]
 
 
 async def test_http2_a_body_in_one_byte_data_frames_is_parsed_a_piece_per_turn(

@@ -313,7 +313,7 @@ TOPIC_FIELDS = {
         "tls_self_signed_cert_file",
         "tls_reload_interval",
     ),
-    HTTP2: ("h2_max_concurrent_streams", "h2_stream_window"),
+    HTTP2: ("h2_max_concurrent_streams", "h2_stream_window", "http2_codec"),
     QUIC: (
         "quic_idle_timeout",
         "quic_max_data",
