@@ -21,7 +21,6 @@ from setuptools import setup
 COMPILED = [
     "pylon/core/body.py",
     "pylon/core/contract.py",
-    "pylon/core/errors.py",
     "pylon/core/head.py",
     "pylon/core/http.py",
     "pylon/core/intake.py",
