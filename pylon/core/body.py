@@ -22,6 +22,7 @@ Both are answered 400 `body_too_complex`; no LLM request comes near either.
 
 from __future__ import annotations
 
+import builtins
 import codecs
 from collections.abc import Mapping, Sequence
 from dataclasses import field
@@ -103,7 +104,9 @@ class BodyView:
     """What pylon read from a JSON object body."""
 
     stream: bool  # `"stream": true`; anything but true, false or null is refused (`read_stream`)
-    model: object  # the (last) top-level `model` value, decoded; None when absent
+    # `builtins.object`, not `object`: the same type, spelt so that a mypyc build (see
+    # docs/mypyc-notes.md) can load it for the class's __annotations__.
+    model: builtins.object  # the (last) top-level `model` value, decoded; None when absent
     model_count: int  # how many top-level `model` members the body has
     stripped: tuple[str, ...]  # dotted paths the strip removes, e.g. "nvext.backend_instance_id"
     repeated: tuple[str, ...]  # CONTAINER_KEYS given more than once at the top level

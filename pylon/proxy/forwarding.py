@@ -168,14 +168,14 @@ class Proxy:
                 if attempt is None:
                     try:
                         attempt = await self._pool.send(plan, fresh=fresh)
-                    except UpstreamConnectError as exc:
+                    except UpstreamConnectError as refused:  # (one name per handler: see relay_sse)
                         other = None
-                        if not moved and not isinstance(exc, UpstreamBusy):
+                        if not moved and not isinstance(refused, UpstreamBusy):
                             other = self._router.elsewhere(unrouted, booking)
                         if other is None:
-                            self._answer_connect_failure(exchange, exc)
+                            self._answer_connect_failure(exchange, refused)
                             return
-                        self._moved(exchange, booking, other, exc)
+                        self._moved(exchange, booking, other, refused)
                         booking, moved, fresh = other, True, False
                         plan = exchange.plan = unrouted.routed(
                             other.upstream, other.headers, trace, other.body

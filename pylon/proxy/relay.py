@@ -115,13 +115,15 @@ async def relay_sse(exchange: Exchange, limits: RelayLimits) -> PylonError | Non
                 "the engine ended the stream inside an event",
                 code=ErrorCode.UPSTREAM_PROTOCOL_ERROR,
             )
-    except UpstreamTimeout as exc:
-        failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_TIMEOUT)
-    except UpstreamBroken as exc:
-        failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
-    except SseEventTooLarge as exc:
-        failure = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
-        attempt.fail(UpstreamBroken(str(exc)))  # the connection cannot be reused
+    # One name per handler (not `exc` in each): a mypyc build (docs/mypyc-notes.md) gives a
+    # local of an async function one type, so a reused name would refuse the second type.
+    except UpstreamTimeout as timeout:
+        failure = UpstreamError(str(timeout), code=ErrorCode.UPSTREAM_TIMEOUT)
+    except UpstreamBroken as broken:
+        failure = UpstreamError(str(broken), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+    except SseEventTooLarge as too_large:
+        failure = UpstreamError(str(too_large), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+        attempt.fail(UpstreamBroken(str(too_large)))  # the connection cannot be reused
     finally:
         exchange.count_tokens(previous, last, events)
         exchange.sent(sent)
@@ -165,14 +167,14 @@ async def relay_raw(exchange: Exchange, head: ResponseHead, limits: RelayLimits)
                 await drain_within(sink, exchange.clock(), limits, reason)
             if attempt.complete:
                 break  # the whole body is relayed (no need to ask for its end)
-    except UpstreamTimeout as exc:
+    except UpstreamTimeout as timeout:  # (one name per handler: see relay_sse)
         # The head is out; a half body cannot be signalled in HTTP/1.1 except by closing.
         sink.abort()
-        error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_TIMEOUT)
+        error = UpstreamError(str(timeout), code=ErrorCode.UPSTREAM_TIMEOUT)
         raise AlreadyAnswered("upstream_timeout", error) from None
-    except UpstreamBroken as exc:
+    except UpstreamBroken as broken:
         sink.abort()
-        error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+        error = UpstreamError(str(broken), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
         raise AlreadyAnswered("upstream_broken_mid_body", error) from None
     finally:
         exchange.sent(sent)

@@ -15,7 +15,7 @@ import asyncio
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pylon.core.contract import check_header_block, request_id_of
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
@@ -33,13 +33,11 @@ from pylon.core.intake import (
     Reject,
     RequestIntake,
 )
+from pylon.lifecycle import Lifecycle
+from pylon.proxy import Proxy, ResponseSink
 from pylon.proxy.exchange import Exchange
 from pylon.server.budget import BodyBudget
 from pylon.timers import Deadline
-
-if TYPE_CHECKING:
-    from pylon.lifecycle import Lifecycle
-    from pylon.proxy import Proxy, ResponseSink
 
 # Why a request's task was cancelled; the proxy logs it as the request's outcome.
 CLIENT_RESET = "client_reset"
@@ -68,6 +66,9 @@ class Stream:
 @dataclass(frozen=True, slots=True)
 class Ingress:
     """What every connection of every transport shares: built once, injected."""
+
+    # Its field types are imported at run time, not for type checking only: a mypyc build
+    # (docs/mypyc-notes.md) evaluates a dataclass's annotations when the module is imported.
 
     proxy: Proxy
     admission: Admission
