@@ -50,7 +50,7 @@ from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.priority import PriorityWrite
 from pylon.core.record import RequestRecord
 from pylon.core.sanitize import normalised_fields
-from pylon.core.sse import _BOUNDARY, _last_boundary_end
+from pylon.core.sse import _BOUNDARY, _last_boundary_end, iter_events
 from pylon.core.upstream import Upstream
 from pylon.core.usage import _USAGE, USAGE_KEY, USAGE_WINDOW, _counts, usage_at_end, usage_of
 from pylon.metrics import BATCH, MetricsObserver
@@ -328,6 +328,29 @@ def test_the_lf_only_boundary_search_is_the_regex_search(pieces: list[bytes], ol
     for match in _BOUNDARY.finditer(buffer, max(0, old - 3)):
         end = match.end()
     assert _last_boundary_end(buffer, old) == end
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.sampled_from(_LF_PIECES), max_size=14)
+    | st.lists(st.sampled_from([*_LF_PIECES, b"\r", b"\r\n"]), max_size=14)
+)
+@example([b"data: y", b"\n\n\n", b"x", b"\n\n"])
+def test_events_are_cut_where_the_boundary_regex_cuts_them(pieces: list[bytes]) -> None:
+    """`iter_events` cuts a block without CR with `find`; any block as the boundary regex
+    does (events up to the last blank line: the complete ones a splitter hands on)."""
+    buffer = b"".join(pieces)
+    end = 0
+    for match in _BOUNDARY.finditer(buffer):
+        end = match.end()
+    block = buffer[:end]
+    expected, consumed = [], 0
+    while consumed < len(block):
+        match = _BOUNDARY.search(block, consumed)
+        assert match is not None
+        expected.append(block[consumed : match.end()])
+        consumed = match.end()
+    assert list(iter_events(block)) == expected
 
 
 # --- pylon.core.usage -------------------------------------------------------------------------
