@@ -16,11 +16,11 @@ OWS = b" \t"
 # RFC 9110 5.6.2 tchar.
 TOKEN_CHARS = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"
 TOKEN = re.compile(rb"[" + TOKEN_CHARS + rb"]+")
-# Names joined by LF: one regex call checks them all (LF is not a tchar, so it cannot hide one).
-_TOKEN_LINES = re.compile(rb"[" + TOKEN_CHARS + rb"]+(?:\n[" + TOKEN_CHARS + rb"]+)*")
+_TCHARS = bytes(byte for byte in range(256) if TOKEN.fullmatch(bytes([byte])))
 # RFC 9110 5.5: a field value is VCHAR, obs-text, SP and HTAB. NUL, CR and LF would split or end
 # an HTTP/1.1 header line on the engine hop; the other controls are forbidden outright.
-_UNSAFE_VALUE_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_UNSAFE_VALUE_BYTES = bytes([*range(0x00, 0x09), *range(0x0A, 0x20), 0x7F])
+_SAFE_VALUE_BYTES = bytes(byte for byte in range(256) if byte not in _UNSAFE_VALUE_BYTES)
 
 
 def field_names(headers: Headers) -> list[bytes]:
@@ -36,14 +36,15 @@ def wire_unsafe(headers: Headers) -> str | None:
     """Why these fields cannot be written on an HTTP/1.1 wire as they are; None when they can.
 
     The last check before a head is admitted, on every transport: whatever HPACK, QPACK or llhttp
-    let through, the engine must parse exactly the fields pylon inspected. Two regex passes over
-    the joined names and values, so the cost does not grow with the number of fields.
+    let through, the engine must parse exactly the fields pylon inspected. Each check is one C
+    pass over the joined names or values (`translate` deleting every allowed byte must leave
+    nothing), so the cost does not grow with the number of fields; a regex took ~3x as long.
     """
     if not headers:
         return None
-    if not _TOKEN_LINES.fullmatch(b"\n".join([name for name, _ in headers])):
+    names = [name for name, _ in headers]
+    if b"" in names or b"".join(names).translate(None, _TCHARS):
         return "a field name is not an RFC 9110 token"
-    # HTAB is allowed inside a value, so joining on it cannot create a false alarm.
-    if _UNSAFE_VALUE_BYTE.search(b"\t".join([value for _, value in headers])):
+    if b"".join([value for _, value in headers]).translate(None, _SAFE_VALUE_BYTES):
         return "a field value contains a control character"
     return None

@@ -282,11 +282,11 @@ TRUNCATION = [
             "relay_raw",
             """
             sink.abort()
-            error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+            error = UpstreamError(str(broken), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
             """,
             """
             sink.end()
-            error = UpstreamError(str(exc), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
+            error = UpstreamError(str(broken), code=ErrorCode.UPSTREAM_PROTOCOL_ERROR)
             """,
         ),
         per_transport(_CUT),

@@ -115,7 +115,7 @@ CONNECT_MOVE = [
     Mutation(
         "connect-failure move",
         "a request that reached no worker is never moved to another",
-        Never(FORWARDING, "Proxy._forward", "not moved and not isinstance(exc, UpstreamBusy)"),
+        Never(FORWARDING, "Proxy._forward", "not moved and not isinstance(refused, UpstreamBusy)"),
         {
             "core": (_DEAD, _MOVES),
             **per_transport(f"{_PASSIVE_T}::test_the_move_on_every_transport"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pylon.core.contract import parse_request
@@ -115,6 +115,9 @@ def test_accepted_heads_reach_the_contract_or_a_typed_error(
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.binary(max_size=10), st.binary(max_size=20)), max_size=8))
+@example([(b"a\nb", b"v")])  # two tokens around an LF: one name that is none (once missed)
+@example([(b"x-a", b"v"), (b"", b"w")])
+@example([(b"x-a", b"v\x7f"), (b"x-b", b"\tw\x80")])
 def test_wire_unsafe_agrees_with_a_field_by_field_check(
     headers: list[tuple[bytes, bytes]],
 ) -> None:
