@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pylon.assemble import Core, quic_options
 from pylon.server.http1 import Http1Connection
-from pylon.server.http2 import Http2Connection, ProtocolSwitch, select_codec
+from pylon.server.http2 import Http2Connection, ProtocolSwitch
 from pylon.settings import Settings, split_host_port
 from pylon.startup import StartupError, cannot_listen
 
@@ -321,3 +321,21 @@ async def start_quic(
 def host_port(host: str, port: int) -> str:
     """`host:port`, an IPv6 host in brackets."""
     return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+
+
+def select_codec(choice: str) -> tuple[type[Http2Connection], str | None]:
+    """`--http2-codec`: the connection class, and (with `auto`) why ngh2 was not taken.
+
+    `h2` is h2; `ngh2` is ngh2 or a refusal to start (`StartupError`), never a silent h2;
+    `auto` is ngh2 where it imports and passes its start check, else h2 with the reason."""
+    if choice == "h2":
+        return Http2Connection, None
+    try:
+        from pylon.server.http2_ngh2 import Ngh2Connection, check_codec
+
+        check_codec()
+    except (ImportError, RuntimeError) as exc:
+        if choice == "ngh2":
+            raise StartupError(f"--http2-codec ngh2: cannot use ngh2 ({exc})") from None
+        return Http2Connection, f"ngh2 unavailable ({exc})"
+    return Ngh2Connection, None

@@ -51,7 +51,6 @@ from pylon.core.intake import AdmittedRequest
 from pylon.lifecycle import Lifecycle
 from pylon.proxy import ResponseSink
 from pylon.server.streams import CLIENT_GONE, SHUTDOWN, Ingress, Stream, StreamTable
-from pylon.startup import StartupError
 from pylon.timers import Deadline
 
 KiB = 1024
@@ -664,24 +663,6 @@ class Http2Connection(asyncio.Protocol):
         data = self._output()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
-
-
-def select_codec(choice: str) -> tuple[type[Http2Connection], str | None]:
-    """`--http2-codec`: the connection class, and (with `auto`) why ngh2 was not taken.
-
-    `h2` is h2; `ngh2` is ngh2 or a refusal to start (`StartupError`), never a silent h2;
-    `auto` is ngh2 where it imports and passes its start check, else h2 with the reason."""
-    if choice == "h2":
-        return Http2Connection, None
-    try:
-        from pylon.server.http2_ngh2 import Ngh2Connection, check_codec
-
-        check_codec()
-    except (ImportError, RuntimeError) as exc:
-        if choice == "ngh2":
-            raise StartupError(f"--http2-codec ngh2: cannot use ngh2 ({exc})") from None
-        return Http2Connection, f"ngh2 unavailable ({exc})"
-    return Ngh2Connection, None
 
 
 def _closed_sink(conn: Http2Connection, stream_id: int) -> H2Stream:

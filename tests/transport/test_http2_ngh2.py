@@ -18,7 +18,8 @@ from h2.errors import ErrorCodes
 
 pytest.importorskip("ngh2")
 
-from pylon.server.http2 import Http2Connection, select_codec
+from pylon.listeners import select_codec
+from pylon.server.http2 import Http2Connection
 from pylon.server.http2_ngh2 import Ngh2Connection
 from pylon.startup import StartupError
 from tests.stack import StackFactory

@@ -80,7 +80,7 @@ def test_forward_plan_field_order() -> None:
 def test_body_view_field_order() -> None:
     assert field_types(BodyView) == [
         ("stream", "bool"),
-        ("model", "object"),
+        ("model", "builtins.object"),  # `object`, spelt for a mypyc build (pylon.core.body)
         ("model_count", "int"),
         ("stripped", "tuple[str, ...]"),
         ("repeated", "tuple[str, ...]"),
