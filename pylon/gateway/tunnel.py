@@ -265,6 +265,10 @@ class TunnelLink(Protocol):
 
     def transmit(self) -> None: ...
 
+    def release_socket(self) -> None:
+        """Close the link's UDP socket, whatever aioquic's `connect()` did on its way out."""
+        ...
+
     async def wait_handshake(self) -> None:
         """Until the QUIC (TLS) handshake completed; `TunnelError` when the connection ended
         first (the reason: a TLS alert, an idle timeout). Not aioquic's `wait_connected`,
@@ -334,6 +338,17 @@ class TunnelLinkBase(QuicConnectionProtocol):
         self._ping: asyncio.TimerHandle | None = None
         self._end_reason = "closed"
         self._serving = False
+        self._datagrams: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._datagrams = transport
+        super().connection_made(transport)
+
+    def release_socket(self) -> None:
+        # aioquic's `connect()` closes its socket only after `wait_closed()`: a dial task
+        # cancelled there (a retired slot, the shutdown) would leak one socket per dial.
+        if self._datagrams is not None and not self._datagrams.is_closing():
+            self._datagrams.close()
 
     def start_streams(self) -> None:
         """Start the stream layer (the handshake was accepted)."""
@@ -652,29 +667,37 @@ class ReverseTunnels:
         candidates = await self._resolve(host, port)
         errors: list[str] = []
 
+        made: list[TunnelLink] = []
+
         def create(quic: QuicConnection, **kwargs: Any) -> TunnelLink:
-            return self._factory(quic, self, options, kwargs)
+            made.append(self._factory(quic, self, options, kwargs))
+            return made[-1]
 
         for address in candidates:
-            async with contextlib.AsyncExitStack() as stack:
-                try:
-                    async with asyncio.timeout(options.connect_timeout):
-                        protocol = await stack.enter_async_context(
-                            connect(
-                                address,
-                                port,
-                                configuration=configuration,
-                                create_protocol=create,
-                                wait_connected=False,
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    try:
+                        async with asyncio.timeout(options.connect_timeout):
+                            protocol = await stack.enter_async_context(
+                                connect(
+                                    address,
+                                    port,
+                                    configuration=configuration,
+                                    create_protocol=create,
+                                    wait_connected=False,
+                                )
                             )
-                        )
-                        link = cast(TunnelLink, protocol)
-                        link.transmit()  # the Initial (connect() sends nothing without waiting)
-                        await link.wait_handshake()
-                except (OSError, TunnelError, TimeoutError) as exc:
-                    errors.append(f"{address}: {_describe(exc)}")
-                    continue
-                return await self._handshake_and_serve(slot, link, handshake, address, port)
+                            link = cast(TunnelLink, protocol)
+                            link.transmit()  # the Initial (connect() sends nothing unasked)
+                            await link.wait_handshake()
+                    except (OSError, TunnelError, TimeoutError) as exc:
+                        errors.append(f"{address}: {_describe(exc)}")
+                        continue
+                    return await self._handshake_and_serve(slot, link, handshake, address, port)
+            finally:
+                for made_link in made:  # however the dial ended, cancelled too
+                    made_link.release_socket()
+                made.clear()
         raise TunnelError("; ".join(errors) or f"no address for {host}")
 
     async def _handshake_and_serve(
