@@ -100,9 +100,9 @@ _CORKED: _CorkedLines | None = None
 class AccessLines:
     """The access log's lines written straight as JSON bytes, without structlog's processor
     chain: the same keys, values and order as the chain writes (a test holds the two equal),
-    at about a quarter of its instructions. One line per request is on the hot path; the chain
-    (a bound logger, three processors and a renderer, a dict copy in each) costs ~75k
-    instructions (~7 us) a line, this ~18k.
+    at about a third of its instructions. One line per request is on the hot path; through the
+    chain (a bound logger, three processors and a renderer, a dict copy in each) a request's
+    line cost ~62k instructions (~6 us), this way ~22k (docs/benchmarks.md, issue 20).
 
     The timestamp is the chain's (ISO 8601, UTC, microseconds, `Z`: `datetime.isoformat`'s,
     which orjson writes the same way, in C).

@@ -268,6 +268,14 @@ class LogObserver(QuietMoments):
             fields["suppressed"] = held
         return False
 
+    def _access_line(self, event: str, level: str, fields: dict[str, Any]) -> None:
+        """An access line (`request_done`, `request_rejected`): straight as JSON where the
+        logs are JSON, else through structlog like any other line."""
+        if self._access is not None:
+            self._access.write(event, level, fields)
+        else:
+            getattr(self._log, level)(event, **fields)
+
     def rejected(self, record: RequestRecord, error: PylonError) -> None:
         if not self._log.is_enabled_for(logging.WARNING):
             return
@@ -284,10 +292,7 @@ class LogObserver(QuietMoments):
             "bytes_received": record.bytes_received,
             "bytes_sent": record.bytes_sent,
         }
-        if self._access is not None:
-            self._access.write("request_rejected", "warning", fields)
-        else:
-            self._log.warning("request_rejected", **fields)
+        self._access_line("request_rejected", "warning", fields)
 
     def queue_gate(self, record: RequestRecord, decision: QueueDecision) -> None:
         if not self._log.is_enabled_for(logging.DEBUG):
@@ -349,10 +354,7 @@ class LogObserver(QuietMoments):
             "bytes_received": record.bytes_received,
             "bytes_sent": record.bytes_sent,
         }
-        if self._access is not None:
-            self._access.write("request_done", "info", fields)
-        else:
-            self._log.info("request_done", **fields)
+        self._access_line("request_done", "info", fields)
 
     def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
         transport = record.transport if record is not None else None

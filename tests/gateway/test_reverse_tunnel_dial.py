@@ -395,3 +395,52 @@ def test_options_refuse_what_cannot_work(tmp_path: Path) -> None:
         TunnelOptions(inference_server_id=NODE, insecure=True, keepalive=5, idle_timeout=5)
     with pytest.raises(ValueError, match="id"):
         TunnelOptions(inference_server_id="", insecure=True)
+
+
+async def test_a_dial_cancelled_mid_handshake_closes_its_socket(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    """A slot retired (here: the shutdown) while its dial waits for a gateway that never
+    answers: the dial's UDP socket is closed with it, not left to the garbage collector (aioquic's
+    `connect()` closes it only once the connection's close has completed)."""
+    stack = await make_stack(quic_listen=None)
+    loop = asyncio.get_running_loop()
+    heard = asyncio.Event()
+
+    class Silent(asyncio.DatagramProtocol):
+        def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+            heard.set()  # the Initial arrived; never answered
+
+    silent, _ = await loop.create_datagram_endpoint(Silent, local_addr=("127.0.0.1", 0))
+    port = silent.get_extra_info("sockname")[1]
+    board = GatewayBoard(reverse=True)
+    options = TunnelOptions(
+        inference_server_id=NODE, insecure=True, connections=1, connect_timeout=30
+    )
+    tunnels = ReverseTunnels(options, board, stack.running.core.ingress, EventObserver())
+    made = []
+    factory = tunnels._factory
+
+    def recording(*args: object) -> object:
+        made.append(factory(*args))  # type: ignore[arg-type]
+        return made[-1]
+
+    tunnels._factory = recording  # type: ignore[assignment]
+    try:
+        board.set_target(GATEWAY, TunnelTarget(f"127.0.0.1:{port}", f"127.0.0.1:{port}"))
+        tunnels.start()
+        async with asyncio.timeout(10):
+            await heard.wait()
+        dials = [slot.task for slot in tunnels._all_slots() if slot.task is not None]
+        closing = asyncio.create_task(tunnels.close())
+        for _ in range(3):  # the close's cancel delivered: the dial is in connect()'s cleanup
+            await asyncio.sleep(0)
+        for dial in dials:
+            dial.cancel()  # and cancelled again there, as a shutdown's last sweep does
+        await closing
+    finally:
+        await tunnels.close()
+        silent.close()
+    assert made, "the dial made a link"
+    for link in made:
+        assert link._datagrams is not None and link._datagrams.is_closing()
