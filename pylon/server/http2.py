@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, cast
 
 from h2.config import H2Configuration
 from h2.connection import H2Connection
@@ -66,12 +65,15 @@ _HIGH_WATER = 64 * KiB
 _WINDOW_UPDATE_ALLOWANCE = 1000
 
 
-@dataclass(frozen=True, slots=True)
 class MalformedStream(Event):
-    """Pylon's own event: h2 found a message error (content-length) on this stream."""
+    """Pylon's own event: h2 found a message error (content-length) on this stream.
 
-    stream_id: int
-    reason: str
+    A plain class, not a dataclass: mypyc (the optional build) cannot rebuild a dataclass whose
+    base is an interpreted class."""
+
+    def __init__(self, stream_id: int, reason: str) -> None:
+        self.stream_id = stream_id
+        self.reason = reason
 
 
 class _H2Connection(H2Connection):
@@ -265,9 +267,9 @@ class Http2Connection(asyncio.Protocol):
         return self._write_paused
 
     # --- the codec: h2 here; `pylon.server.http2_ngh2.Ngh2Connection` overrides each hook ---
-    codec = "h2"
+    codec: ClassVar[str] = "h2"
     # What a send to the codec raises in a state we did not foresee (the stream fails alone).
-    _SEND_ERRORS: tuple[type[Exception], ...] = (ProtocolError,)
+    _SEND_ERRORS: ClassVar[tuple[type[Exception], ...]] = (ProtocolError,)
 
     def _init_codec(self) -> None:
         self._h2 = _H2Connection(

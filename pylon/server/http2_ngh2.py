@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from typing import ClassVar
 
 import ngh2
 from ngh2 import (
@@ -100,8 +101,8 @@ def _settings_frame(settings: Mapping[int, int]) -> bytes:
 
 
 class Ngh2Connection(Http2Connection):
-    codec = "ngh2"
-    _SEND_ERRORS = (NGH2Error,)
+    codec: ClassVar[str] = "ngh2"
+    _SEND_ERRORS: ClassVar[tuple[type[Exception], ...]] = (NGH2Error,)
 
     def _init_codec(self) -> None:
         limits = self._limits

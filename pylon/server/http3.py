@@ -34,7 +34,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, ClassVar, Protocol, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
@@ -445,8 +445,7 @@ class Http3Protocol(QuicConnectionProtocol):
 class H3Responder(QuicResponder[list[Header]]):
     """`ResponseSink` for one HTTP/3 response stream: a HEADERS frame, DATA frames."""
 
-    __slots__ = ()
-    ABORT_CODE = H3ErrorCode.H3_INTERNAL_ERROR
+    ABORT_CODE: ClassVar[int] = H3ErrorCode.H3_INTERNAL_ERROR
 
     def start(self, status: int, headers: Sequence[Header], content_length: int | None) -> None:
         head: list[Header] = [(b":status", str(status).encode("ascii"))]

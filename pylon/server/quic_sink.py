@@ -11,7 +11,9 @@ and how the held pieces become frames (`flush`), and the code an abort resets wi
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from mypy_extensions import mypyc_attr
 
 # A stream whose unacknowledged send buffer is above HIGH pauses the relay until it is below LOW.
 SEND_HIGH_WATER = 1024 * 1024
@@ -41,6 +43,7 @@ class ResponderOwner(Protocol):
     def _reset(self, sid: int, code: int) -> None: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # rawquic's responder is interpreted
 class QuicResponder(Generic[Head]):
     """`ResponseSink` for one response stream (see the module docstring)."""
 
@@ -56,7 +59,7 @@ class QuicResponder(Generic[Head]):
         "sid",
         "waiter",
     )
-    ABORT_CODE = 0  # the stream reset an abort sends (each layer's own)
+    ABORT_CODE: ClassVar[int] = 0  # the stream reset an abort sends (each layer's own)
 
     def __init__(self, conn: ResponderOwner, sid: int, is_head: bool = False) -> None:
         self._conn = conn
