@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from pylon.core.hooks import ExchangeHooks
 from pylon.core.log_rate import LogRate
-from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.record import RequestRecord
 from pylon.logs import access_lines, get_lifecycle_logger, get_logger
 
 if TYPE_CHECKING:

@@ -46,7 +46,7 @@ from opentelemetry.trace import (
 from opentelemetry.util.types import AttributeValue
 
 from pylon.core.contract import TraceContext
-from pylon.core.record import ExchangeHooks
+from pylon.core.hooks import ExchangeHooks
 from pylon.tracing import SPAN_NAME, ExchangeSpan, ExchangeTracer, exchange_error
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from pylon.core.errors import ErrorCode
-from pylon.core.record import ExchangeHooks
+from pylon.core.hooks import ExchangeHooks
 
 if TYPE_CHECKING:
     from pylon.core.contract import TraceContext, TunnelRequest

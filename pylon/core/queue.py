@@ -58,8 +58,9 @@ from enum import StrEnum
 
 from pylon.core.contract import TunnelRequest
 from pylon.core.errors import PylonError, QueueMismatchError
+from pylon.core.hooks import ExchangeHooks
 from pylon.core.priority import PriorityAdapter
-from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.record import RequestRecord
 from pylon.core.values import static_frozen
 
 BYTES_PER_TOKEN = 4  # body bytes per input token, when the gateway sent no x-input-tokens

@@ -1,5 +1,5 @@
 """What one request is observed as (`RequestRecord`) and the moments its exchange goes through
-(`ExchangeHooks`): the one hook set every per-request part subscribes to.
+(`pylon.core.hooks.ExchangeHooks`): the one hook set every per-request part subscribes to.
 
 A request's `pylon.proxy.exchange.Exchange` owns its record and is its only writer. It emits
 each moment once, in this order, to every subscriber (the queue entry, the booking, the span,
@@ -31,11 +31,6 @@ loop-clock readings into the record before each moment).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from pylon.core.errors import PylonError
 
 
 class RequestRecord:
@@ -105,30 +100,3 @@ class RequestRecord:
         if self.done_at is None:
             return None
         return round((self.done_at - self.head_at) * 1000, 3)
-
-
-class ExchangeHooks(Protocol):
-    """The moments of one exchange (see the module docstring), as a subscriber hears them.
-
-    Subclass it to inherit a no-op for every moment a subscriber does not care about.
-    """
-
-    __slots__ = ()
-
-    def dispatched(self, record: RequestRecord) -> None:
-        return None
-
-    def response_head(self, record: RequestRecord) -> None:
-        return None
-
-    def first_output(self, record: RequestRecord) -> None:
-        return None
-
-    def output(self, record: RequestRecord, count: int) -> None:
-        return None
-
-    def complete(self, record: RequestRecord) -> None:
-        return None
-
-    def rejected(self, record: RequestRecord, error: PylonError) -> None:
-        return None

@@ -6,7 +6,7 @@ Envoy keeps one `StreamInfo` per request and llm-d's request-control plugins hea
 per request; here the exchange is both. The stream table opens it with the stream and tells it
 what the intake learnt (`admitted`, `identified`, `reject`); the proxy tells it what happened on
 the way out (`planned`, `booked`, `dispatched`, ...). Every part that lives as long as the
-request subscribes to the one hook set of `pylon.core.record.ExchangeHooks` instead of being
+request subscribes to the one hook set of `pylon.core.hooks.ExchangeHooks` instead of being
 told each moment by hand: the queue entry (at the queue gate), the booking (once booked), the
 span (once started); the process's observers (logs, metrics) hear every moment last. Hooks get
 the exchange typed as its `RequestRecord`: they read it, only the exchange writes it.
@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.hooks import ExchangeHooks
+from pylon.core.record import RequestRecord
 from pylon.core.usage import FROM_ESTIMATE, FROM_GATEWAY, FROM_USAGE, usage_at_end
 from pylon.proxy.sink import ResponseSink, send_problem
 from pylon.timers import Deadline

@@ -1,7 +1,7 @@
 """Which engine worker gets a request, and the booking that lives exactly as long as the exchange.
 
 The proxy asks its `Router` for a `Booking` right before dispatch; the booking subscribes to
-the exchange's moments (`pylon.core.record.ExchangeHooks`): it hears the first output (and,
+the exchange's moments (`pylon.core.hooks.ExchangeHooks`): it hears the first output (and,
 where it counts output, how many output events followed) and is released by the exchange's
 terminal moment: success, engine error, timeout, client cancel and shutdown all free it.
 
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from pylon.core.hooks import ExchangeHooks
 from pylon.core.http import Header
 from pylon.core.plan import ForwardPlan
-from pylon.core.record import ExchangeHooks
 from pylon.core.upstream import Upstream
 
 

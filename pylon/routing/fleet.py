@@ -36,8 +36,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from pylon.core.hooks import ExchangeHooks
 from pylon.core.http import Header
-from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.record import RequestRecord
 from pylon.core.upstream import Upstream
 from pylon.routing.outlier import OutlierState
 from pylon.routing.spec import WorkerSpec, catalogue_digest, parse_worker_spec

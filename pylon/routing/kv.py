@@ -45,10 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from pylon.core.body import with_token_data
+from pylon.core.hooks import ExchangeHooks
 from pylon.core.http import Header
 from pylon.core.kv_events import SequenceCheck
 from pylon.core.plan import ForwardPlan
-from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.record import RequestRecord
 from pylon.routing import Booking, NoWorker, PromptTokenizer, Router
 from pylon.routing.fleet import AnswerReport, CatalogueChange, Fleet, Worker, count_decision
 from pylon.routing.kv_watch import KvEventWatch

@@ -50,9 +50,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from pylon.core.body import with_token_data
+from pylon.core.hooks import ExchangeHooks
 from pylon.core.http import Header
 from pylon.core.plan import ForwardPlan
-from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.record import RequestRecord
 from pylon.routing import Booking, NoWorker, PromptTokenizer, Router
 from pylon.routing import booking_wire as wire
 from pylon.routing.fleet import CatalogueChange, Fleet, Worker, count_decision, elsewhere

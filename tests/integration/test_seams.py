@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from pylon.core.errors import PylonError
+from pylon.core.hooks import ExchangeHooks
 from pylon.core.plan import ForwardPlan
-from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.record import RequestRecord
 from pylon.core.retry import RetryMark
 from pylon.core.upstream import Upstream
 from pylon.observe import LogObserver

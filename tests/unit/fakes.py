@@ -31,11 +31,12 @@ from typing import Any
 from pylon.core.contract import TunnelRequest, parse_request
 from pylon.core.errors import ErrorCode, PylonError, UpstreamError
 from pylon.core.head import RequestHead
+from pylon.core.hooks import ExchangeHooks
 from pylon.core.http import Header
 from pylon.core.intake import AdmittedRequest
 from pylon.core.plan import ForwardPlan
 from pylon.core.queue import QueueDecision, QueueEntry, QueueGate, QueueTable
-from pylon.core.record import ExchangeHooks, RequestRecord
+from pylon.core.record import RequestRecord
 from pylon.core.retry import RetryMark
 from pylon.core.upstream import Upstream
 from pylon.observe import Observer
