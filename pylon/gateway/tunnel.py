@@ -415,6 +415,30 @@ class TunnelLinkBase(QuicConnectionProtocol):
         self._ping = self._loop.call_later(self._keepalive, self._send_ping)
 
 
+class _Stillborn(QuicConnectionProtocol):
+    """Stands in for a link whose factory raised inside aioquic's `connect()`: asyncio does not
+    close the socket it was given when the protocol factory raises, so this takes the socket
+    (sending nothing) for the dial's cleanup to close, and the dial raises `error` after."""
+
+    def __init__(self, quic: QuicConnection, error: Exception) -> None:
+        super().__init__(quic)
+        self.error = error
+        self._datagrams: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._datagrams = transport  # not aioquic's: nothing is ever sent
+
+    def release_socket(self) -> None:
+        if self._datagrams is not None:
+            self._datagrams.close()
+
+    def close(self, *args: Any, **kwargs: Any) -> None:
+        self.release_socket()
+
+    async def wait_closed(self) -> None:
+        return
+
+
 class TunnelHttp3Protocol(TunnelLinkBase, Http3Protocol):
     """A reverse tunnel's connection with role-reversed HTTP/3: the QUIC client serves the
     requests the gateway opens (`Http3Protocol`), after the handshake on stream 0."""
@@ -638,14 +662,12 @@ class ReverseTunnels:
                         **({"standby": True} if standby else {}),
                     )
                 except TunnelError as failed:
-                    self.dial_failures += 1
-                    self._observer.process_event(
-                        "tunnel_dial_failed",
-                        gateway=slot.gateway,
-                        index=slot.index,
-                        reason=failed.reason,
-                        backoff_s=backoff,
-                    )
+                    self._dial_failed(slot, failed.reason, backoff)
+                except Exception as bug:
+                    # A fault in a link or in aioquic: without this the slot's task would end
+                    # with the exception unread, and the node would sit without a tunnel and
+                    # without a log line saying why. Logged, counted and retried like a dial.
+                    self._dial_failed(slot, f"internal error: {type(bug).__name__}: {bug}", backoff)
                 else:
                     if lived > options.backoff_reset_after:
                         backoff = options.backoff_initial
@@ -655,6 +677,16 @@ class ReverseTunnels:
                 backoff = min(backoff * 2, options.backoff_max)
         finally:
             self._retiring.discard(slot)
+
+    def _dial_failed(self, slot: _Slot, reason: str, backoff: float) -> None:
+        self.dial_failures += 1
+        self._observer.process_event(
+            "tunnel_dial_failed",
+            gateway=slot.gateway,
+            index=slot.index,
+            reason=reason,
+            backoff_s=backoff,
+        )
 
     async def _connect_and_serve(self, slot: _Slot) -> float:
         """Dial, handshake, serve until the connection ends; returns how long it lived."""
@@ -667,11 +699,16 @@ class ReverseTunnels:
         candidates = await self._resolve(host, port)
         errors: list[str] = []
 
-        made: list[TunnelLink] = []
+        made: list[TunnelLink | _Stillborn] = []
 
-        def create(quic: QuicConnection, **kwargs: Any) -> TunnelLink:
-            made.append(self._factory(quic, self, options, kwargs))
-            return made[-1]
+        def create(quic: QuicConnection, **kwargs: Any) -> QuicConnectionProtocol:
+            try:
+                link = self._factory(quic, self, options, kwargs)
+            except Exception as exc:
+                made.append(_Stillborn(quic, exc))
+                return made[-1]  # type: ignore[return-value]
+            made.append(link)
+            return cast(QuicConnectionProtocol, link)
 
         for address in candidates:
             try:
@@ -687,6 +724,8 @@ class ReverseTunnels:
                                     wait_connected=False,
                                 )
                             )
+                            if isinstance(protocol, _Stillborn):
+                                raise protocol.error
                             link = cast(TunnelLink, protocol)
                             link.transmit()  # the Initial (connect() sends nothing unasked)
                             await link.wait_handshake()

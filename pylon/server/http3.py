@@ -46,6 +46,7 @@ from aioquic.quic.events import (
     ProtocolNegotiated,
     QuicEvent,
 )
+from mypy_extensions import mypyc_attr
 
 from pylon.core.errors import ContractError, LimitError, PylonError
 from pylon.core.errors import ErrorCode as PylonCode
@@ -118,6 +119,7 @@ class Http3Owner(Protocol):
         ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the reverse tunnel's link is interpreted
 class Http3Protocol(QuicConnectionProtocol):
     """One QUIC connection: HTTP/3 request streams to the shared stream table.
 

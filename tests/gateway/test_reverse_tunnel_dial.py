@@ -444,3 +444,39 @@ async def test_a_dial_cancelled_mid_handshake_closes_its_socket(
     assert made, "the dial made a link"
     for link in made:
         assert link._datagrams is not None and link._datagrams.is_closing()
+
+
+async def test_a_fault_in_a_link_is_logged_and_the_dial_retried(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    """A link that raises what no dial expects (here a TypeError, as a compiled base class
+    refusing an interpreted subclass did) is one `tunnel_dial_failed` naming it, and the slot
+    dials again: its task must not end in silence, leaving the node without a tunnel."""
+    stack = await make_stack(quic_listen=None)
+    gateway = await StandInGateway(tmp_path).start()
+    board = GatewayBoard(reverse=True)
+    events = EventObserver()
+    options = TunnelOptions(
+        inference_server_id=NODE, ca=gateway.ca_path, connections=1, backoff_initial=0.05
+    )
+    tunnels = ReverseTunnels(options, board, stack.running.core.ingress, events)
+    factory = tunnels._factory
+    faults = [TypeError("a broken link")]
+
+    def faulty(*args: object) -> object:
+        if faults:
+            raise faults.pop()
+        return factory(*args)  # type: ignore[arg-type]
+
+    tunnels._factory = faulty  # type: ignore[assignment]
+    try:
+        board.set_target(GATEWAY, TunnelTarget(gateway.address, gateway.address))
+        tunnels.start()
+        failed = await events.wait_for("tunnel_dial_failed")
+        assert failed["reason"] == "internal error: TypeError: a broken link"
+        assert failed["backoff_s"] == 0.05 and tunnels.dial_failures == 1
+        await events.wait_for("tunnel_connected")
+        await served(gateway)
+    finally:
+        await tunnels.close()
+        gateway.close()
