@@ -11,12 +11,32 @@ from pathlib import Path
 
 import pytest
 
+import pylon.proxy.forwarding
 from tests.fleet import make_fleet
 from tests.stack import make_stack
 
 os.environ.setdefault("PYLON_ADMIN_LISTEN", "127.0.0.1:0")
 
 __all__ = ["make_fleet", "make_stack", "tokenizer_models"]
+
+# Whether pylon was imported from the mypyc build (`PYLON_MYPYC=1`, docs/mypyc-notes.md), whose
+# compiled classes take no patched method, no fake in a typed slot and no interpreted subclass.
+COMPILED = not (pylon.proxy.forwarding.__file__ or "").endswith(".py")
+
+
+def pytest_report_header() -> str:
+    return f"pylon build: {'mypyc (compiled)' if COMPILED else 'pure Python'}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under the compiled build, skip the tests marked `interpreted` (they patch or fake a class
+    it compiles: they run, and pin their contract, in the pure build)."""
+    if not COMPILED:
+        return
+    skip = pytest.mark.skip(reason="patches or fakes a class the mypyc build compiles")
+    for item in items:
+        if item.get_closest_marker("interpreted") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -103,6 +103,7 @@ def test_codec_choice() -> None:
     assert select_codec("auto") == (Ngh2Connection, None)
 
 
+@pytest.mark.interpreted
 def test_without_ngh2_auto_is_h2_and_an_explicit_ngh2_refuses_to_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

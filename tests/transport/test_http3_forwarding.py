@@ -143,6 +143,7 @@ async def test_client_reset_cancels_the_engine_request_promptly(
         assert again.status == 200
 
 
+@pytest.mark.interpreted
 async def test_connection_loss_cancels_the_engine_request(
     make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

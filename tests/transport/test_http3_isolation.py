@@ -132,6 +132,7 @@ async def test_concurrent_streams_are_capped_by_quic_max_streams(
         assert [r.status for r in replies] == [200] * 8  # queued by flow control, not refused
 
 
+@pytest.mark.interpreted
 async def test_idle_connection_is_closed(
     make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -109,6 +109,7 @@ def codec_classes() -> list[type[http2.Http2Connection]]:
     return [*classes, Ngh2Connection]
 
 
+@pytest.mark.interpreted
 async def test_http2_a_body_in_one_byte_data_frames_is_parsed_a_piece_per_turn(
     make_stack: StackFactory, h2_reads: list[int]
 ) -> None:
@@ -138,6 +139,7 @@ async def test_http2_a_body_in_one_byte_data_frames_is_parsed_a_piece_per_turn(
     assert lag.max_gap < MAX_GAP_S, (lag.max_gap, took)
 
 
+@pytest.mark.interpreted
 async def test_http2_a_ping_flood_in_one_write_trips_the_guard_within_a_piece(
     make_stack: StackFactory, h2_reads: list[int]
 ) -> None:

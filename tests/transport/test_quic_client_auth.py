@@ -97,6 +97,7 @@ async def test_a_request_riding_with_a_refused_handshake_never_reaches_the_engin
     assert await stack.records() == []
 
 
+@pytest.mark.interpreted
 async def test_a_refused_connection_is_forgotten_once_it_ends(
     make_stack: StackFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

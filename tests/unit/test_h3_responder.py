@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pylon.core.errors import ClientError, ErrorCode
 from pylon.proxy.sink import send_problem
 from pylon.server.http3 import H3Responder
@@ -47,6 +49,7 @@ def answer(is_head: bool) -> list[tuple[str, Any, bool]]:
     return layer.sent
 
 
+@pytest.mark.interpreted
 def test_a_problem_answer_has_its_content() -> None:
     sent = answer(is_head=False)
     assert [kind for kind, _, _ in sent] == ["headers", "data", "forget"]
@@ -55,6 +58,7 @@ def test_a_problem_answer_has_its_content() -> None:
     assert sent[1][2] is True  # the data ends the stream
 
 
+@pytest.mark.interpreted
 def test_the_answer_to_a_head_request_is_a_head_only() -> None:
     sent = answer(is_head=True)
     assert [kind for kind, _, _ in sent] == ["headers", "forget"]

@@ -14,6 +14,20 @@ from pylon.proxy.exchange import Exchange
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def record_fields() -> tuple[str, ...]:
+    """`RequestRecord.__slots__`, read from its source: the class compiled by mypyc has none."""
+    tree = ast.parse((ROOT / "pylon/core/record.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "RequestRecord":
+            for statement in node.body:
+                if isinstance(statement, ast.Assign) and any(
+                    isinstance(target, ast.Name) and target.id == "__slots__"
+                    for target in statement.targets
+                ):
+                    return tuple(ast.literal_eval(statement.value))
+    raise AssertionError("RequestRecord declares no __slots__")
+
+
 def test_a_new_exchange_is_a_fresh_record() -> None:
     loop = asyncio.new_event_loop()
     try:
@@ -21,14 +35,14 @@ def test_a_new_exchange_is_a_fresh_record() -> None:
     finally:
         loop.close()
     record = RequestRecord("h3", 7, 12.5)
-    for name in RequestRecord.__slots__:
+    for name in record_fields():
         assert getattr(exchange, name) == getattr(record, name), name
 
 
 def test_only_the_exchange_writes_a_record() -> None:
     """No module under pylon/ but the exchange (and the record's own init) assigns a record
     field on another object: the request's state is written in one place."""
-    fields = set(RequestRecord.__slots__)
+    fields = set(record_fields())
     allowed = {
         ROOT / "pylon/core/record.py",
         ROOT / "pylon/proxy/exchange.py",

@@ -44,6 +44,9 @@ from .fakes import (
     settle,
 )
 
+# Its proxy is a fake (`FakeProxy`), which the compiled stream table's typed slot refuses.
+pytestmark = pytest.mark.interpreted
+
 LIMITS = IngressLimits(
     max_header_bytes=4096,
     max_headers=20,
