@@ -175,11 +175,27 @@ def start_proxy(
         wait_port(proc, port, spec.startup_timeout_s)
         if "@" in proxy:  # the port answers once one process listens: wait for all N
             wait_ready_lines(rowdir / f"{proxy}.log", int(proxy.split("@")[1]), READY_WAIT_S)
+        if proxy.startswith("pylon"):
+            wait_serving(port, READY_WAIT_S)
     except RuntimeError as exc:
         ctx.group.stop(proc)
         log = (rowdir / f"{proxy}.log").read_text(errors="replace").strip()
         raise RuntimeError(f"{exc}; log tail: {log[-400:]}") from exc
     return port, proc
+
+
+def wait_serving(port: int, timeout_s: float) -> None:
+    """Until pylon answers a request: it listens before its upstream's models are discovered,
+    and answers 503 `not_ready` until then (its `ready` line is not logged at warning level)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            probe(port, False)
+            return
+        except RuntimeError as exc:
+            if "not_ready" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
 
 
 def wait_ready_lines(log: Path, count: int, timeout_s: float) -> None:
