@@ -705,8 +705,9 @@ class ReverseTunnels:
             try:
                 link = self._factory(quic, self, options, kwargs)
             except Exception as exc:
-                made.append(_Stillborn(quic, exc))
-                return made[-1]  # type: ignore[return-value]
+                stillborn = _Stillborn(quic, exc)
+                made.append(stillborn)
+                return stillborn
             made.append(link)
             return cast(QuicConnectionProtocol, link)
 
