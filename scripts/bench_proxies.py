@@ -192,6 +192,8 @@ def wait_serving(port: int, timeout_s: float) -> None:
         try:
             probe(port, False)
             return
+        except (OSError, ValueError) as exc:  # as a RuntimeError: the caller stops the proxy
+            raise RuntimeError(f"probe failed: {exc}") from exc
         except RuntimeError as exc:
             if "not_ready" not in str(exc) or time.monotonic() > deadline:
                 raise

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import pylon.proxy.forwarding
+from pylon.build import compiled_modules
 from tests.fleet import make_fleet
 from tests.stack import make_stack
 
@@ -21,7 +21,7 @@ __all__ = ["make_fleet", "make_stack", "tokenizer_models"]
 
 # Whether pylon was imported from the mypyc build (`PYLON_MYPYC=1`, docs/mypyc-notes.md), whose
 # compiled classes take no patched method, no fake in a typed slot and no interpreted subclass.
-COMPILED = not (pylon.proxy.forwarding.__file__ or "").endswith(".py")
+COMPILED = bool(compiled_modules())
 
 
 def pytest_report_header() -> str:

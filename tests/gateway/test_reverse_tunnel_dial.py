@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import pylon.gateway.tunnel as tunnel_module
 from pylon.gateway import wire
 from pylon.gateway.board import GatewayBoard, TunnelTarget
 from pylon.gateway.tunnel import ReverseTunnels, TunnelOptions, TunnelProtocol
@@ -447,11 +449,20 @@ async def test_a_dial_cancelled_mid_handshake_closes_its_socket(
 
 
 async def test_a_fault_in_a_link_is_logged_and_the_dial_retried(
-    make_stack: StackFactory, tmp_path: Path
+    make_stack: StackFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A link that raises what no dial expects (here a TypeError, as a compiled base class
     refusing an interpreted subclass did) is one `tunnel_dial_failed` naming it, and the slot
-    dials again: its task must not end in silence, leaving the node without a tunnel."""
+    dials again: its task must not end in silence, leaving the node without a tunnel. The
+    socket aioquic's `connect()` made for the dead link is closed (asyncio would leave it)."""
+    stand_ins: list[tunnel_module._Stillborn] = []
+
+    class Recorded(tunnel_module._Stillborn):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            stand_ins.append(self)
+
+    monkeypatch.setattr(tunnel_module, "_Stillborn", Recorded)
     stack = await make_stack(quic_listen=None)
     gateway = await StandInGateway(tmp_path).start()
     board = GatewayBoard(reverse=True)
@@ -475,6 +486,8 @@ async def test_a_fault_in_a_link_is_logged_and_the_dial_retried(
         failed = await events.wait_for("tunnel_dial_failed")
         assert failed["reason"] == "internal error: TypeError: a broken link"
         assert failed["backoff_s"] == 0.05 and tunnels.dial_failures == 1
+        [dead] = stand_ins
+        assert dead._datagrams is not None and dead._datagrams.is_closing()
         await events.wait_for("tunnel_connected")
         await served(gateway)
     finally:
