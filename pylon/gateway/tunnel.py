@@ -667,7 +667,8 @@ class ReverseTunnels:
                     # A fault in a link or in aioquic: without this the slot's task would end
                     # with the exception unread, and the node would sit without a tunnel and
                     # without a log line saying why. Logged, counted and retried like a dial.
-                    self._dial_failed(slot, f"internal error: {type(bug).__name__}: {bug}", backoff)
+                    reason = f"internal error: {type(bug).__name__}: {bug}"
+                    self._dial_failed(slot, reason, backoff, exc_info=bug)  # with its traceback
                 else:
                     if lived > options.backoff_reset_after:
                         backoff = options.backoff_initial
@@ -678,7 +679,7 @@ class ReverseTunnels:
         finally:
             self._retiring.discard(slot)
 
-    def _dial_failed(self, slot: _Slot, reason: str, backoff: float) -> None:
+    def _dial_failed(self, slot: _Slot, reason: str, backoff: float, **extra: Any) -> None:
         self.dial_failures += 1
         self._observer.process_event(
             "tunnel_dial_failed",
@@ -686,6 +687,7 @@ class ReverseTunnels:
             index=slot.index,
             reason=reason,
             backoff_s=backoff,
+            **extra,
         )
 
     async def _connect_and_serve(self, slot: _Slot) -> float:

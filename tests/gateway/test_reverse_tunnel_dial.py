@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -485,6 +486,10 @@ async def test_a_fault_in_a_link_is_logged_and_the_dial_retried(
         tunnels.start()
         failed = await events.wait_for("tunnel_dial_failed")
         assert failed["reason"] == "internal error: TypeError: a broken link"
+        # The line carries the traceback (structlog renders `exc_info`), down to the fault.
+        fault = failed["exc_info"]
+        assert isinstance(fault, TypeError) and fault.__traceback__ is not None
+        assert "faulty" in [frame.name for frame in traceback.extract_tb(fault.__traceback__)]
         assert failed["backoff_s"] == 0.05 and tunnels.dial_failures == 1
         [dead] = stand_ins
         assert dead._datagrams is not None and dead._datagrams.is_closing()
