@@ -449,8 +449,9 @@ async def test_a_dial_cancelled_mid_handshake_closes_its_socket(
         assert link._datagrams is not None and link._datagrams.is_closing()
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_fault_in_a_link_is_logged_and_the_dial_retried(
-    make_stack: StackFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_tunnel: TunnelFactory, protocol: TunnelProtocol, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A link that raises what no dial expects (here a TypeError, as a compiled base class
     refusing an interpreted subclass did) is one `tunnel_dial_failed` naming it, and the slot
@@ -464,15 +465,8 @@ async def test_a_fault_in_a_link_is_logged_and_the_dial_retried(
             stand_ins.append(self)
 
     monkeypatch.setattr(tunnel_module, "_Stillborn", Recorded)
-    stack = await make_stack(quic_listen=None)
-    gateway = await StandInGateway(tmp_path).start()
-    board = GatewayBoard(reverse=True)
-    events = EventObserver()
-    options = TunnelOptions(
-        inference_server_id=NODE, ca=gateway.ca_path, connections=1, backoff_initial=0.05
-    )
-    tunnels = ReverseTunnels(options, board, stack.running.core.ingress, events)
-    factory = tunnels._factory
+    tunnel = await make_tunnel(start=False, protocol=protocol)
+    factory = tunnel.tunnels._factory
     faults = [TypeError("a broken link")]
 
     def faulty(*args: object) -> object:
@@ -480,21 +474,16 @@ async def test_a_fault_in_a_link_is_logged_and_the_dial_retried(
             raise faults.pop()
         return factory(*args)  # type: ignore[arg-type]
 
-    tunnels._factory = faulty  # type: ignore[assignment]
-    try:
-        board.set_target(GATEWAY, TunnelTarget(gateway.address, gateway.address))
-        tunnels.start()
-        failed = await events.wait_for("tunnel_dial_failed")
-        assert failed["reason"] == "internal error: TypeError: a broken link"
-        # The line carries the traceback (structlog renders `exc_info`), down to the fault.
-        fault = failed["exc_info"]
-        assert isinstance(fault, TypeError) and fault.__traceback__ is not None
-        assert "faulty" in [frame.name for frame in traceback.extract_tb(fault.__traceback__)]
-        assert failed["backoff_s"] == 0.05 and tunnels.dial_failures == 1
-        [dead] = stand_ins
-        assert dead._datagrams is not None and dead._datagrams.is_closing()
-        await events.wait_for("tunnel_connected")
-        await served(gateway)
-    finally:
-        await tunnels.close()
-        gateway.close()
+    tunnel.tunnels._factory = faulty  # type: ignore[assignment]
+    tunnel.tunnels.start()
+    failed = await tunnel.events.wait_for("tunnel_dial_failed")
+    assert failed["reason"] == "internal error: TypeError: a broken link"
+    # The line carries the traceback (structlog renders `exc_info`), down to the fault.
+    fault = failed["exc_info"]
+    assert isinstance(fault, TypeError) and fault.__traceback__ is not None
+    assert "faulty" in [frame.name for frame in traceback.extract_tb(fault.__traceback__)]
+    assert failed["backoff_s"] == 0.05 and tunnel.tunnels.dial_failures == 1
+    [dead] = stand_ins
+    assert dead._datagrams is not None and dead._datagrams.is_closing()
+    await tunnel.up()
+    await served(tunnel.gateway)
