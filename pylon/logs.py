@@ -14,10 +14,11 @@ import atexit
 import datetime
 import logging
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 import structlog
+from mypy_extensions import mypyc_attr
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -40,7 +41,7 @@ class _CorkedLines:
 
     __slots__ = ("_buffer", "_scheduled", "_stream")
 
-    FLUSH_AT = 64 * 1024
+    FLUSH_AT: ClassVar[int] = 64 * 1024
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -77,6 +78,9 @@ class _CorkedLines:
             pass  # stderr gone (closed pipe at exit): nothing left to tell
 
 
+# A plain Python class in the compiled build too: its level names are one method under many
+# names, set on the class below (a compiled class body takes no alias).
+@mypyc_attr(native_class=False)
 class _CorkedLogger:
     """A structlog logger for rendered JSON lines (bytes), through `_CorkedLines`."""
 
@@ -90,8 +94,11 @@ class _CorkedLogger:
         lines._buffer += message
         lines.write(b"\n")
 
-    log = debug = info = warn = warning = msg
-    err = error = critical = exception = fatal = failure = msg
+
+# The names structlog calls a logger's method by (its level names and their aliases).
+_LEVEL_NAMES = ("log", "debug", "info", "warn", "warning", "err", "error", "critical")
+for _name in (*_LEVEL_NAMES, "exception", "fatal", "failure"):
+    setattr(_CorkedLogger, _name, _CorkedLogger.msg)
 
 
 _CORKED: _CorkedLines | None = None

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from mypy_extensions import mypyc_attr
+
 from pylon.core.hooks import ExchangeHooks
 from pylon.core.log_rate import LogRate
 from pylon.core.record import RequestRecord
@@ -55,11 +57,14 @@ class Observer(ExchangeHooks, Protocol):
         """A bug: pylon failed to handle a request. The stream is reset or closed."""
         ...
 
-    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+    # `event` and `protocol` are positional-only, named as keys a line has anyway (no field may
+    # reuse them): in the optional compiled build a positional-only name still collides with a
+    # field of the same name (a field `kind`, for one, once raised TypeError there).
+    def transport_event(self, event: str, protocol: str, /, **fields: Any) -> None:
         """A connection-level event: flood guard, malformed frame, timeout, GOAWAY, ..."""
         ...
 
-    def process_event(self, kind: str, /, **fields: Any) -> None:
+    def process_event(self, event: str, /, **fields: Any) -> None:
         """A process-level event: listening, draining, TLS reload, token rotation, ..."""
         ...
 
@@ -85,19 +90,32 @@ F = TypeVar("F", bound=Callable[..., None])
 
 
 def quiet(method: F) -> F:
-    """Marks an event method that does nothing, so `Observers` does not even call it."""
+    """Marks an event method that does nothing, so `Observers` does not even call it. (The
+    moments an observer inherits from `QuietMoments` are quiet without the mark.)"""
     method.quiet = True  # type: ignore[attr-defined]
     return method
+
+
+def is_quiet(observer: object, event: str) -> bool:
+    """Whether `observer` does nothing on `event`: the method is marked `quiet`, or it is the
+    no-op `QuietMoments` gives it. (Identity, not a mark, for the latter: in the optional
+    compiled build a compiled method takes no attribute.)"""
+    method = getattr(type(observer), event, None)
+    if method is not None and method is _QUIET_MOMENTS.get(event):
+        return True
+    return bool(getattr(getattr(observer, event), "quiet", False))
 
 
 def _ignore(*_args: Any, **_fields: Any) -> None:
     return None
 
 
-# What an event of one argument (the record) that nobody hears is bound to: a C function, so
-# such an event costs a few instructions, not a Python frame. (The exchange emits five of them
-# per request; `id` only reads its argument and its result is dropped.)
-_ignore_record: Callable[[RequestRecord], object] = id
+# What an event of one argument (the record) that nobody hears is bound to: a C function that
+# returns None, so such an event costs a few instructions, not a Python frame. (The exchange
+# emits five of them per request. An empty dict's `get` hashes the record by identity and finds
+# nothing; `id` would return an int, which the compiled exchange refuses from a hook typed None.)
+_NOTHING: dict[object, None] = {}
+_ignore_record: Callable[[RequestRecord], None] = _NOTHING.get
 _RECORD_EVENTS = frozenset({"admitted", "dispatched", "response_head", "first_output", "complete"})
 
 
@@ -212,33 +230,36 @@ REPEATED_EVENTS = frozenset(
 _SOURCE_FIELDS = ("worker", "endpoint", "model", "op")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class QuietMoments:
-    """The moments of an exchange an observer does not hear, each a no-op marked `quiet` (the
-    fan-out never calls them): an observer subclasses it and overrides what it hears."""
+    """The moments of an exchange an observer does not hear, each a no-op the fan-out never
+    calls (`is_quiet`): an observer subclasses it and overrides what it hears."""
 
     __slots__ = ()
 
-    @quiet
     def admitted(self, record: RequestRecord) -> None:
         return None
 
-    @quiet
     def dispatched(self, record: RequestRecord) -> None:
         return None
 
-    @quiet
     def response_head(self, record: RequestRecord) -> None:
         return None
 
-    @quiet
     def first_output(self, record: RequestRecord) -> None:
         return None
 
-    @quiet
     def output(self, record: RequestRecord, count: int) -> None:
         return None
 
 
+_QUIET_MOMENTS: dict[str, object] = {
+    event: getattr(QuietMoments, event)
+    for event in ("admitted", "dispatched", "response_head", "first_output", "output")
+}
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests record what it hears
 class LogObserver(QuietMoments):
     """The structlog implementation: one JSON line per event, the request id on every line
     (the moments before the end have none: the `request_done` line says it all). Repeated
@@ -371,41 +392,41 @@ class LogObserver(QuietMoments):
             **fields,
         )
 
-    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
-        if kind in _DEBUG_EVENTS:
-            self._log.debug(kind, protocol=protocol, **fields)
-        elif self._held_back((kind, protocol), fields):
+    def transport_event(self, event: str, protocol: str, /, **fields: Any) -> None:
+        if event in _DEBUG_EVENTS:
+            self._log.debug(event, protocol=protocol, **fields)
+        elif self._held_back((event, protocol), fields):
             return
-        elif kind in _WARNING_EVENTS:
-            self._log.warning(kind, protocol=protocol, **fields)
+        elif event in _WARNING_EVENTS:
+            self._log.warning(event, protocol=protocol, **fields)
         else:
-            self._log.info(kind, protocol=protocol, **fields)
+            self._log.info(event, protocol=protocol, **fields)
 
-    def process_event(self, kind: str, /, **fields: Any) -> None:
-        if kind in REPEATED_EVENTS and not (kind == "model_discovery_poll" and _ok(fields)):
+    def process_event(self, event: str, /, **fields: Any) -> None:
+        if event in REPEATED_EVENTS and not (event == "model_discovery_poll" and _ok(fields)):
             source = tuple(fields.get(name) for name in _SOURCE_FIELDS)
-            if self._held_back((kind, *source), fields):
+            if self._held_back((event, *source), fields):
                 return
-        if kind == "model_discovery_poll":  # every few seconds: only a failure is news
+        if event == "model_discovery_poll":  # every few seconds: only a failure is news
             if _ok(fields):
-                self._log.debug(kind, **fields)
+                self._log.debug(event, **fields)
             else:
-                self._log.warning(kind, **fields)
-        elif kind == "readiness_changed":  # losing readiness is news, regaining it less so
+                self._log.warning(event, **fields)
+        elif event == "readiness_changed":  # losing readiness is news, regaining it less so
             if fields.get("ready"):
-                self._log.info(kind, **fields)
+                self._log.info(event, **fields)
             else:
-                self._log.warning(kind, **fields)
-        elif kind in _WARNING_EVENTS:
-            self._log.warning(kind, **fields)
-        elif kind in _ERROR_EVENTS:
-            self._log.error(kind, **fields)
-        elif kind in _DEBUG_EVENTS:
-            self._log.debug(kind, **fields)
-        elif kind in LIFECYCLE_EVENTS:
-            self._lifecycle_log.info(kind, **fields)
+                self._log.warning(event, **fields)
+        elif event in _WARNING_EVENTS:
+            self._log.warning(event, **fields)
+        elif event in _ERROR_EVENTS:
+            self._log.error(event, **fields)
+        elif event in _DEBUG_EVENTS:
+            self._log.debug(event, **fields)
+        elif event in LIFECYCLE_EVENTS:
+            self._lifecycle_log.info(event, **fields)
         else:
-            self._log.info(kind, **fields)
+            self._log.info(event, **fields)
 
 
 def _ok(fields: dict[str, Any]) -> bool:
@@ -415,6 +436,9 @@ def _ok(fields: dict[str, Any]) -> bool:
 _log_observer: type[Observer] = LogObserver
 
 
+# A plain Python class in the compiled build too (its methods compiled): the instance attributes
+# that shadow its fan-out methods need one.
+@mypyc_attr(native_class=False)
 class Observers:
     """Several observers as one: every event goes to each, in the order given (the log lines
     first, then metrics, traces, ...). Each must be cheap and never raise, as for `Observer`.
@@ -428,9 +452,7 @@ class Observers:
         self.members = observers
         for event in OBSERVER_EVENTS:
             handlers = tuple(
-                handler
-                for observer in observers
-                if not getattr(handler := getattr(observer, event), "quiet", False)
+                getattr(observer, event) for observer in observers if not is_quiet(observer, event)
             )
             setattr(self, "_" + event, handlers)
             if handlers:
@@ -497,13 +519,13 @@ class Observers:
         for handler in self._crashed:
             handler(record, exc)
 
-    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+    def transport_event(self, event: str, protocol: str, /, **fields: Any) -> None:
         for handler in self._transport_event:
-            handler(kind, protocol, **fields)
+            handler(event, protocol, **fields)
 
-    def process_event(self, kind: str, /, **fields: Any) -> None:
+    def process_event(self, event: str, /, **fields: Any) -> None:
         for handler in self._process_event:
-            handler(kind, **fields)
+            handler(event, **fields)
 
 
 _fan_out: type[Observer] = Observers

@@ -371,7 +371,9 @@ class QueueEntry(ExchangeHooks):
             assert record.done_at is not None
             queue._stop_busy(record.done_at, 0)
 
-    rejected = complete  # pylon answered the request itself: the entry leaves the same way
+    def rejected(self, record: RequestRecord, error: PylonError) -> None:
+        """pylon answered the request itself: the entry leaves the same way."""
+        self.complete(record, error)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,10 @@ so generated text can never look like a usage object.
 from __future__ import annotations
 
 import re
-from typing import Annotated
 
 import msgspec
+
+from pylon.core.usage_counts import decode_counts
 
 USAGE_KEY = b'"usage"'
 _JSON_WHITESPACE = b" \t\r\n"
@@ -77,28 +78,11 @@ def usage_of(data: bytes, start: int = 0) -> Usage | None:
     return None
 
 
-Count = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class _Counts(msgspec.Struct):
-    """The members of a usage object pylon reads; any other member is skipped unbuilt."""
-
-    prompt_tokens: Count | None = None
-    completion_tokens: Count | None = None
-    input_tokens: Count | None = None
-    output_tokens: Count | None = None
-
-
-# msgspec, as the body skim (`pylon.core.body`): typed (a JSON true or a negative number is no
-# count) and already warm on the hot path.
-_decode_counts = msgspec.json.Decoder(_Counts).decode
-
-
 def _counts(raw: bytes) -> Usage | None:
     """The counts of one usage object; None when it is not one or has none (a member of the
     wrong type voids the object). Of each pair, the chat name wins (`prompt_tokens`)."""
     try:
-        counts = _decode_counts(raw)
+        counts = decode_counts(raw)
     except msgspec.DecodeError:
         return None
     given = counts.prompt_tokens if counts.prompt_tokens is not None else counts.input_tokens

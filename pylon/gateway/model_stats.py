@@ -192,11 +192,11 @@ class OutputMeter(QuietMoments):
         return None
 
     @quiet
-    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
+    def transport_event(self, event: str, protocol: str, /, **fields: Any) -> None:
         return None
 
     @quiet
-    def process_event(self, kind: str, /, **fields: Any) -> None:
+    def process_event(self, event: str, /, **fields: Any) -> None:
         return None
 
 

@@ -244,30 +244,30 @@ class MetricsObserver(QuietMoments):
     def crashed(self, record: RequestRecord | None, exc: BaseException | None) -> None:
         self._crashes += 1
 
-    def transport_event(self, kind: str, protocol: str, /, **fields: Any) -> None:
-        key = (protocol, kind)
+    def transport_event(self, event: str, protocol: str, /, **fields: Any) -> None:
+        key = (protocol, event)
         self._transport_events[key] = self._transport_events.get(key, 0) + 1
 
-    def process_event(self, kind: str, /, **fields: Any) -> None:
-        if kind in ("tls_identity_loaded", "tls_reloaded"):
-            if kind == "tls_reloaded":
+    def process_event(self, event: str, /, **fields: Any) -> None:
+        if event in ("tls_identity_loaded", "tls_reloaded"):
+            if event == "tls_reloaded":
                 self._tls_reloads["ok"] += 1
             not_after = fields.get("not_after")
             if isinstance(not_after, str):
                 with contextlib.suppress(ValueError):
                     self._tls_not_after = datetime.datetime.fromisoformat(not_after).timestamp()
-        elif kind == "tls_reload_rejected":
+        elif event == "tls_reload_rejected":
             self._tls_reloads["rejected"] += 1
-        elif kind == "model_discovery_poll":
+        elif event == "model_discovery_poll":
             key = (str(fields.get("outcome")), str(fields.get("reason") or ""))
             self._discovery_polls[key] = self._discovery_polls.get(key, 0) + 1
-        elif kind == "model_published":
+        elif event == "model_published":
             self._models_published += 1
             self._published.add(str(fields.get("model")))
-        elif kind == "model_retired":
+        elif event == "model_retired":
             self._models_published -= 1
             self._published.discard(str(fields.get("model")))
-        elif kind == "readiness_changed":
+        elif event == "readiness_changed":
             self._ready = 1 if fields.get("ready") else 0
 
     # --- the scrape ---

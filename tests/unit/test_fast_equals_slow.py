@@ -48,7 +48,9 @@ from pylon.core.head import declared_length, http1_head, pseudo_head
 from pylon.core.http import field_names
 from pylon.core.plan import ForwardPlan, Planner
 from pylon.core.priority import PriorityWrite
+from pylon.core.queue import QueueDecision, Result
 from pylon.core.record import RequestRecord
+from pylon.core.retry import RetryMark
 from pylon.core.sanitize import normalised_fields
 from pylon.core.sse import _BOUNDARY, _last_boundary_end, iter_events
 from pylon.core.upstream import Upstream
@@ -610,18 +612,23 @@ def test_the_connections_fields_as_read_are_normalised_fields(
 # --- pylon.observe.Observers: direct dispatch vs fan-out -----------------------------------------
 
 
-_SECOND_ARGUMENT = {"queue_gate", "upstream_status", "crashed"}  # (record, one more value)
-
-
 def _event_args(event: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # Values of the declared types: the compiled build checks them.
     record = RequestRecord("h2", 1, 0.0)
     error = ClientError("x", code=ErrorCode.MISSING_MODEL)
     if event == "transport_event":
         return ("h2_flood", "h2"), {"kind": "ping"}
     if event == "process_event":
         return ("listening",), {"port": 1}
-    extra = {"output": (3,), "upstream_failed": (error, True), "rejected": (error,)}
-    return (record, *extra.get(event, (object(),) if event in _SECOND_ARGUMENT else ())), {}
+    extra = {
+        "output": (3,),
+        "upstream_failed": (error, True),
+        "rejected": (error,),
+        "queue_gate": (QueueDecision(Result.ACCEPTED, "m", 0, 100, 10, 200),),
+        "upstream_status": (RetryMark(True, "engine_overloaded"),),
+        "crashed": (RuntimeError("bug"),),
+    }
+    return (record, *extra.get(event, ())), {}
 
 
 def _observer_class(handled: frozenset[str]) -> type:

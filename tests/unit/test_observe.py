@@ -6,7 +6,8 @@ from typing import Any
 
 from pylon.core.errors import ClientError, ErrorCode
 from pylon.core.record import RequestRecord
-from pylon.observe import LogObserver, Observers, quiet
+from pylon.metrics import MetricsObserver
+from pylon.observe import LogObserver, Observers, _ignore_record, quiet
 
 
 class Noting(LogObserver):
@@ -53,6 +54,23 @@ def test_one_handler_is_called_directly_and_quiet_ones_not_at_all() -> None:
     alone = Noting("alone", heard)
     both = Observers(LogObserver(), alone)
     assert both.admitted == alone.admitted  # LogObserver.admitted is quiet
-    assert both.first_output is id  # quiet everywhere: a C call to nothing (see _ignore_record)
+    assert both.first_output is _ignore_record  # quiet everywhere: a C call to nothing
+    heard_nothing = both.first_output(RequestRecord("h2", 1, 0.0))  # type: ignore[func-returns-value]
+    assert heard_nothing is None  # as the event's type says: the compiled exchange checks it
     assert both.output.__name__ == "_ignore"
     assert both.members[1] is alone
+
+
+def test_an_event_field_may_be_named_kind() -> None:
+    """The fields of a connection or process event are any keywords but the line's own keys
+    (`event`, `protocol`): the real observers take a field `kind` (the HTTP/2 flood guard sends
+    one) in both builds. The compiled build once named its positional-only parameter `kind` and
+    raised TypeError here (mypyc does not keep such a name out of `**fields`)."""
+    metrics = MetricsObserver("dynamo")
+    both = Observers(LogObserver(), metrics)
+    both.transport_event("h2_flood", "h2", kind="ping")
+    both.process_event("listening", kind="tcp", port=1)
+    for observer in (LogObserver(), metrics):
+        observer.transport_event("h2_flood", "h2", kind="settings")
+        observer.process_event("listening", kind="tcp", port=1)
+    assert metrics.counts().transport_events == {("h2", "h2_flood"): 2}
