@@ -4,8 +4,9 @@ The transports and the proxy never call a logger: they report lifecycle events h
 (structlog) writes the log lines; `pylon.metrics.MetricsObserver` counts them (traces can
 subscribe the same way); `Observers` hands every event to each (`pylon.app.build_core` builds
 it). Each request carries one `RequestRecord` with its timestamps (loop time, seconds) and its
-token counts, so every observer sees the same readings. An event method that does nothing is
-marked `@quiet`, and the fan-out never calls it.
+token counts, so every observer sees the same readings. An event method that does nothing (one
+marked `@quiet`, or a no-op inherited from `QuietMoments`: `is_quiet`) is never called by the
+fan-out.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def is_quiet(observer: object, event: str) -> bool:
     no-op `QuietMoments` gives it. (Identity, not a mark, for the latter: in the optional
     compiled build a compiled method takes no attribute.)"""
     method = getattr(type(observer), event, None)
-    if method is not None and method is _QUIET_MOMENTS.get(event):
+    own = getattr(observer, "__dict__", ())  # an instance's own handler overrides its class's
+    if method is not None and method is _QUIET_MOMENTS.get(event) and event not in own:
         return True
     return bool(getattr(getattr(observer, event), "quiet", False))
 
@@ -443,7 +445,7 @@ class Observers:
     """Several observers as one: every event goes to each, in the order given (the log lines
     first, then metrics, traces, ...). Each must be cheap and never raise, as for `Observer`.
 
-    Built for the hot path: an event none of them handles (methods marked `quiet`) costs one
+    Built for the hot path: an event none of them handles (quiet methods, `is_quiet`) costs one
     call to nothing (a C one for the record events), and an event only one of them handles goes
     straight to it (the instance attribute shadows the fan-out method below).
     """

@@ -2,8 +2,9 @@
 order and `RequestRecord` are described in `pylon.core.record`.
 
 Apart from the record only for the optional mypyc build (docs/mypyc-notes.md): a Protocol in a
-compiled module becomes a compiled trait, and the subscribers that subclass this one (bookings,
-the queue entry, the tracers, test fakes) are interpreted classes, which may not inherit from one.
+compiled module becomes a compiled trait, and most subscribers that subclass this one (bookings,
+the tracers, test fakes; the queue entry is compiled) are interpreted classes, which may not
+inherit from one.
 """
 
 from __future__ import annotations

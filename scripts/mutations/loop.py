@@ -86,7 +86,7 @@ LOG_RATE_LIMIT = [
     Mutation(
         "log rate limit",
         "connection-level lines not limited",
-        Never(OBSERVE, "LogObserver.transport_event", "self._held_back((kind, protocol), fields)"),
+        Never(OBSERVE, "LogObserver.transport_event", "self._held_back((event, protocol), fields)"),
         {"core": (f"{_LOG_RATE_T}::test_connection_events_are_rate_limited_per_protocol",)},
     ),
     Mutation(
