@@ -96,9 +96,21 @@ class _CorkedLogger:
 
 
 # The names structlog calls a logger's method by (its level names and their aliases).
-_LEVEL_NAMES = ("log", "debug", "info", "warn", "warning", "err", "error", "critical")
-for _name in (*_LEVEL_NAMES, "exception", "fatal", "failure"):
+for _name in [
+    "log",
+    "debug",
+    "info",
+    "warn",
+    "warning",
+    "err",
+    "error",
+    "critical",
+    "exception",
+    "fatal",
+    "failure",
+]:
     setattr(_CorkedLogger, _name, _CorkedLogger.msg)
+del _name
 
 
 _CORKED: _CorkedLines | None = None

@@ -256,8 +256,7 @@ class QuietMoments:
 
 
 _QUIET_MOMENTS: dict[str, object] = {
-    event: getattr(QuietMoments, event)
-    for event in ("admitted", "dispatched", "response_head", "first_output", "output")
+    event: getattr(QuietMoments, event) for event in OBSERVER_EVENTS if hasattr(QuietMoments, event)
 }
 
 
