@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
 RELOAD = signal.SIGHUP
@@ -53,6 +54,60 @@ def signal_name(sig: int) -> str:
         return f"SIGRTMIN+{sig - signal.SIGRTMIN}"
 
 
+def catch(
+    loop: asyncio.AbstractEventLoop, sig: int, callback: Callable[..., object], *args: object
+) -> None:
+    """`callback(*args)` runs on `loop` once each time `sig` is caught: a Python-level handler
+    that only schedules it (it may run between any two bytecodes, so it does nothing else).
+
+    Not `loop.add_signal_handler`: uvloop's (0.23) takes each signal from two sources, its
+    wakeup pipe and its own Python-level handler, and runs the callback twice when the handler
+    ran before the signal's byte reached the pipe (the C handler on another thread): measured
+    as one duplicated line in about 15 bursts of the 38 signals, and a duplicated SIGTERM is a
+    second one, which cuts the drain short. One source here: Python runs a signal's handler
+    once per catch; `woken` makes the loop run it soon."""
+
+    def caught(_sig: int, _frame: object) -> None:
+        with suppress(RuntimeError):  # the loop has closed: the process is exiting
+            loop.call_soon_threadsafe(callback, *args)
+
+    signal.signal(sig, caught)
+    signal.siginterrupt(sig, False)  # restart interrupted system calls, as asyncio's does
+
+
+def release(sig: int) -> None:
+    """`sig` back to its default action (Python's KeyboardInterrupt for SIGINT)."""
+    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+@contextmanager
+def woken(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """For the `with` block, `loop` wakes for every signal, whichever thread the kernel gave it
+    to: the C-level handler writes the signal's number to a socket the loop reads
+    (`signal.set_wakeup_fd`), and the loop then runs the Python-level handlers (`catch`) as it
+    runs Python code. asyncio sets a wakeup socket only in `add_signal_handler`; without one,
+    a signal caught on a helper thread (asyncio's child watcher's) would wait for the loop's
+    next timer. The bytes are only drained: the handlers, not the bytes, say what came."""
+    wake, woke = socket.socketpair()
+    for end in (wake, woke):
+        end.setblocking(False)
+    loop.add_reader(woke.fileno(), _drain, woke)
+    previous = signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        loop.remove_reader(woke.fileno())
+        wake.close()
+        woke.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    with suppress(BlockingIOError):  # drained
+        while sock.recv(4096):
+            pass
+
+
 class EarlySignals:
     """Python-level handlers for `HANDLED`, from `install` until `Signals.handled` replaces them
     with the loop's: each signal is only remembered (a handler that did more could run inside
@@ -74,9 +129,7 @@ class EarlySignals:
 
     def take(self) -> list[int]:
         """The signals received so far, each once, in the order they first came; forgotten
-        here. Once: nothing runs yet that a second stop signal could cut short, and a signal
-        that came after the loop started may also reach the loop's handler (Python wrote it to
-        the loop's wakeup fd too)."""
+        here. Once: nothing runs yet that a second stop signal could cut short."""
         pending, self._pending = self._pending, []
         return list(dict.fromkeys(pending))
 
@@ -126,22 +179,26 @@ class Signals:
         """The handlers are installed in the running loop for the `with` block; then the
         signals `early` held before are acted on, in order."""
         loop = asyncio.get_running_loop()
-        installed = [sig for sig in HANDLED if self._install(loop, sig)]
-        for sig in early.take() if early is not None else ():
-            self.received(sig)
-        try:
-            yield
-        finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
+        installed: list[int] = []
+        with woken(loop):
+            try:
+                for sig in HANDLED:
+                    if self._install(loop, sig):
+                        installed.append(sig)
+                for sig in early.take() if early is not None else ():
+                    self.received(sig)
+                yield
+            finally:  # (also those installed before one that could not be)
+                for sig in installed:
+                    release(sig)
 
     def _install(self, loop: asyncio.AbstractEventLoop, sig: int) -> bool:
         """Whether `sig`'s handler is installed. The stop, reload and report signals must be;
         a signal to ignore may be one the runtime keeps for itself (valgrind and sanitizers
         take real-time signals: sigaction answers EINVAL), which then cannot reach pylon."""
         try:
-            loop.add_signal_handler(sig, self.received, sig)
-        except (OSError, RuntimeError):
+            catch(loop, sig, self.received, sig)
+        except (OSError, RuntimeError, ValueError):
             if sig not in IGNORED:
                 raise
             return False
