@@ -12,6 +12,9 @@ _HUP = f"{SIGNALS_T}::test_sighup_reloads_mid_stream_and_no_other_signal_ends_py
 _SETS = f"{SIGNALS_T}::test_the_signal_sets_are_what_the_docs_say"
 _EARLY = f"{SIGNALS_T}::test_signals_while_pylon_starts_are_acted_on_once_it_runs"
 CLI = "pylon/cli.py"
+_CATCH_T = "tests/unit/test_signal_catch.py"
+_ONCE = f"{_CATCH_T}::test_each_signal_of_a_burst_is_acted_on_once[uvloop]"
+_WAKES = f"{_CATCH_T}::test_a_stop_signal_caught_on_a_helper_thread_wakes_an_idle_loop[asyncio]"
 
 MUTATIONS = [
     Mutation(
@@ -48,6 +51,23 @@ MUTATIONS = [
         "signals before the loop runs keep their defaults (end a starting pylon silently)",
         ReplaceStatements(CLI, "serve", "early.install()", "pass"),
         {"core": (_EARLY,)},
+    ),
+    Mutation(
+        "signals",
+        "signals taken through uvloop's add_signal_handler (two sources: one SIGTERM forces)",
+        ReplaceStatements(
+            SIGNALS,
+            "Signals._install",
+            "catch(loop, sig, self.received, sig)",
+            "loop.add_signal_handler(sig, self.received, sig)",
+        ),
+        {"core": (_ONCE,)},
+    ),
+    Mutation(
+        "signals",
+        "no wakeup socket (asyncio sleeps through a signal a helper thread took)",
+        ReplaceExpr(SIGNALS, "Signals.handled", "woken(loop)", "suppress()"),
+        {"core": (_WAKES,)},
     ),
     Mutation(
         "signals",
