@@ -58,7 +58,8 @@ def catch(
     loop: asyncio.AbstractEventLoop, sig: int, callback: Callable[..., object], *args: object
 ) -> None:
     """`callback(*args)` runs on `loop` once each time `sig` is caught: a Python-level handler
-    that only schedules it (it may run between any two bytecodes, so it does nothing else).
+    that only schedules it (it may run between any two bytecodes, so it does nothing else;
+    `call_soon_threadsafe` is what asyncio's own `Runner` calls from its SIGINT handler).
 
     Not `loop.add_signal_handler`: uvloop's (0.23) takes each signal from two sources, its
     wakeup pipe and its own Python-level handler, and runs the callback twice when the handler
